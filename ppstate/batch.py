@@ -1,0 +1,104 @@
+"""The single contract between the scheduler and the runtime: :class:`SchedulerOutput`.
+
+Every rank receives the same SchedulerOutput for a step, so every rank-replicated decision
+(need-sampled mask, broadcast or skip) is a pure function of it (invariant 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """A request admitted in this step: workers initialise its slot before the forward.
+
+    Attributes:
+        req_id: request id.
+        slot: slot (``req_idx``) it occupies.
+        prompt_token_ids: prompt tokens (``prefill_len`` of them).
+        max_seq_len: prompt length + max new tokens (tokens), already capped by max_model_len.
+        sampling: opaque runtime sampling parameters (temperature, top_p, seed, ...).
+    """
+    req_id: str
+    slot: int
+    prompt_token_ids: tuple[int, ...]
+    max_seq_len: int
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class FreedSlot:
+    """A request that left the engine; workers free ``slot`` (bumping its generation)."""
+    req_id: str
+    slot: int
+    reason: str  # finished state name, e.g. "finished_stopped", "finished_aborted"
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's batch. Rows are ordered as the runtime lays tokens out (flat, row after row).
+
+    Attributes:
+        step: step number (0, 1, 2, ...); every issued step, empty ones included.
+        req_ids: ``[num_rows]`` request id per row.
+        slots: ``[num_rows]`` int32 slot per row (``idx_mapping``).
+        num_scheduled_tokens: ``[num_rows]`` int32 query length per row (tokens).
+        start_positions: ``[num_rows]`` int32 ``num_computed_tokens`` of the row's request before
+            this step, i.e. the position of its first scheduled token.
+        is_final_chunk: ``[num_rows]`` bool; True for decode rows and final prefill chunks, i.e.
+            the rows whose sampled token someone needs (the need-sampled mask).
+        new_requests: requests admitted in this step (initialise their slots first).
+        freed: requests that finished or were aborted since the previous step (free first).
+    """
+    step: int
+    req_ids: tuple[str, ...]
+    slots: np.ndarray
+    num_scheduled_tokens: np.ndarray
+    start_positions: np.ndarray
+    is_final_chunk: np.ndarray
+    new_requests: tuple[NewRequest, ...] = ()
+    freed: tuple[FreedSlot, ...] = ()
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.req_ids)
+
+    @property
+    def total_tokens(self) -> int:
+        """Tokens in the batch (sum of query lengths)."""
+        return int(self.num_scheduled_tokens.sum())
+
+    @property
+    def is_empty(self) -> bool:
+        return self.num_rows == 0
+
+    @staticmethod
+    def empty(step: int, new_requests: tuple[NewRequest, ...] = (),
+              freed: tuple[FreedSlot, ...] = ()) -> "SchedulerOutput":
+        """A step with no rows (it still advances every rank's PPHandler FIFO)."""
+        z = np.zeros(0, dtype=np.int32)
+        return SchedulerOutput(step, (), z, z.copy(), z.copy(), np.zeros(0, dtype=bool),
+                               new_requests, freed)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What the last rank returns for one step.
+
+    Attributes:
+        step: the step.
+        sampled_token_ids: ``[num_rows, width]`` int64 sampled ids (``width`` = 1 + k with k
+            speculative tokens; 1 without). Rows that are non-final chunks hold garbage.
+        num_sampled: ``[num_rows]`` int32 valid ids per row (0 for non-final chunks).
+        num_rejected: ``[num_rows]`` int32 rejected speculative tokens per row (0 without).
+        logprobs: optional per-row payload (runtime-defined).
+    """
+    step: int
+    sampled_token_ids: np.ndarray
+    num_sampled: np.ndarray
+    num_rejected: np.ndarray
+    logprobs: list[Any] | None = None

@@ -1,0 +1,73 @@
+"""Request lifecycle machine built from ``specs/request.yaml``.
+
+One shared ``transitions.Machine(model=None, auto_transitions=False)`` per :class:`Lifecycle`;
+each live request is added as a model and removed when it reaches a final state. The machine is
+the only writer of ``model.state``. Triggers fire on lifecycle edges only, never per token.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from transitions import Machine, MachineError
+
+from ppstate.errors import IllegalTransition
+from ppstate.spec import SAME, MachineSpec, load_spec
+
+
+class LifecycleModel(Protocol):
+    """What a request model must provide: ``req_id`` and the guard methods named in the spec."""
+    req_id: str
+    state: str
+
+
+class Lifecycle:
+    """Owns the shared request machine and the set of requests added to it.
+
+    Args:
+        spec: the machine table; defaults to ``specs/request.yaml``.
+    """
+
+    def __init__(self, spec: MachineSpec | None = None) -> None:
+        self.spec = spec or load_spec("request")
+        self.final_states = frozenset(self.spec.final_states)
+        self._triggers = {t.trigger for t in self.spec.transitions}
+        self.machine = Machine(
+            model=None, states=self.spec.state_names, initial=self.spec.initial,
+            transitions=[self._as_transition(t) for t in self.spec.transitions],
+            auto_transitions=False, send_event=False, ignore_invalid_triggers=False)
+
+    @staticmethod
+    def _as_transition(t) -> dict:
+        return {"trigger": t.trigger, "source": list(t.source),
+                "dest": None if t.dest == SAME else t.dest, "conditions": list(t.guards)}
+
+    def add(self, request: LifecycleModel) -> None:
+        """Attach ``request`` to the machine in the initial state (``waiting``)."""
+        self.machine.add_model(request, initial=self.spec.initial)
+
+    def remove(self, request: LifecycleModel) -> None:
+        """Detach ``request`` (after it reached a final state)."""
+        self.machine.remove_model(request)
+
+    def fire(self, request: LifecycleModel, trigger: str) -> str:
+        """Fire ``trigger`` on ``request`` and return its new state.
+
+        Raises:
+            IllegalTransition: no edge for (trigger, current state), or a guard returned False;
+                names the request id, its state and the trigger.
+        """
+        if trigger not in self._triggers:
+            raise IllegalTransition(request.req_id, request.state, trigger, "unknown trigger")
+        before = request.state
+        try:
+            ok = request.trigger(trigger)
+        except MachineError:
+            raise IllegalTransition(request.req_id, before, trigger) from None
+        if not ok:
+            raise IllegalTransition(request.req_id, before, trigger, "guard returned False")
+        return request.state
+
+    def is_final(self, state: str) -> bool:
+        """True for finished_* states."""
+        return state in self.final_states

@@ -1,0 +1,90 @@
+"""CPU mirrors of device-side per-slot state, used for control flow without device syncs.
+
+Each rank keeps these numpy arrays in step with its device tensors: the immediate update adds the
+scheduled query length after the forward, the deferred correction subtracts rejected tokens on
+consume (0 without speculative decoding). :meth:`CpuMirror.validate` compares the live slots with
+the device values after a step (invariant 4) and raises :class:`MirrorDivergence` on the first
+difference. Source of the field set: vLLM Model Runner V2 ``input_batch.py`` (PR "Avoid pipeline
+parallel bubbles").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from ppstate.errors import MirrorDivergence
+
+MIRROR_FIELDS = ("num_computed_tokens", "prefill_len", "num_computed_prefill_tokens", "max_seq_len")
+
+
+class CpuMirror:
+    """The four mirror arrays, each ``[max_num_reqs]`` int64, indexed by slot.
+
+    Args:
+        max_num_reqs: number of slots.
+        rank: the PP rank these mirrors belong to (named in divergence errors).
+    """
+
+    def __init__(self, max_num_reqs: int, rank: int | None = None) -> None:
+        self.rank = rank
+        self.num_computed_tokens_np = np.zeros(max_num_reqs, dtype=np.int64)          # [max_num_reqs]
+        self.prefill_len_np = np.zeros(max_num_reqs, dtype=np.int64)                  # [max_num_reqs]
+        self.num_computed_prefill_tokens_np = np.zeros(max_num_reqs, dtype=np.int64)  # [max_num_reqs]
+        self.max_seq_len_np = np.zeros(max_num_reqs, dtype=np.int64)                  # [max_num_reqs]
+
+    def array(self, field: str) -> np.ndarray:
+        """The mirror array for ``field`` (one of :data:`MIRROR_FIELDS`)."""
+        return getattr(self, f"{field}_np")
+
+    def add_request(self, slot: int, prefill_len: int, max_seq_len: int) -> None:
+        """Initialise a newly allocated slot (tokens: prompt length, prompt + max_tokens)."""
+        self.num_computed_tokens_np[slot] = 0
+        self.num_computed_prefill_tokens_np[slot] = 0
+        self.prefill_len_np[slot] = prefill_len
+        self.max_seq_len_np[slot] = max_seq_len
+
+    def apply_scheduled(self, slots: np.ndarray, num_tokens: np.ndarray) -> None:
+        """Immediate update after a forward: ``num_computed_tokens += query length``.
+
+        Args:
+            slots: ``[num_rows]`` slot per row; ``-1`` rows are skipped.
+            num_tokens: ``[num_rows]`` scheduled query length per row (tokens).
+        """
+        keep = slots >= 0
+        s, n = slots[keep], num_tokens[keep]
+        self.num_computed_tokens_np[s] += n
+        pre = self.prefill_len_np[s] - self.num_computed_prefill_tokens_np[s]
+        self.num_computed_prefill_tokens_np[s] += np.minimum(n, np.maximum(pre, 0))
+
+    def apply_rejected(self, slots: np.ndarray, num_rejected: np.ndarray) -> None:
+        """Deferred correction on consume: ``num_computed_tokens -= rejected`` (``-1`` rows skipped)."""
+        keep = slots >= 0
+        self.num_computed_tokens_np[slots[keep]] -= num_rejected[keep]
+
+    def validate(self, device_arrays: Mapping[str, Sequence[int] | np.ndarray], live_slots: np.ndarray,
+                 step: int, owners: Sequence[str | None] | None = None) -> None:
+        """Compare every mirror field with the device copy on the live slots.
+
+        Args:
+            device_arrays: field name -> ``[max_num_reqs]`` device values (already copied to host);
+                fields absent from the mapping are not checked.
+            live_slots: ``[num_live]`` slot indices to compare.
+            step: the step just finished (named in the error).
+            owners: optional ``[max_num_reqs]`` req_id per slot, for the error message.
+
+        Raises:
+            MirrorDivergence: first (field, slot) whose values differ.
+        """
+        for field in MIRROR_FIELDS:
+            if field not in device_arrays:
+                continue
+            cpu = self.array(field)[live_slots]
+            dev = np.asarray(device_arrays[field])[live_slots]
+            bad = np.nonzero(cpu != dev)[0]
+            if bad.size:
+                slot = int(live_slots[bad[0]])
+                raise MirrorDivergence(
+                    step=step, slot=slot, req_id=owners[slot] if owners is not None else None,
+                    field=field, cpu=int(cpu[bad[0]]), device=int(dev[bad[0]]), rank=self.rank)

@@ -1,0 +1,1 @@
+"""Everything that runs: config, model + loader, kernels, workers, engine, HTTP server, benchmarks."""

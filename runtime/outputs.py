@@ -1,0 +1,39 @@
+"""Incremental outputs the engine yields per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of one sampled token plus the top alternatives (token id -> logprob)."""
+    token_id: int
+    logprob: float
+    top: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class RequestOutput:
+    """One increment of a request's stream.
+
+    Attributes:
+        req_id: request id.
+        new_token_ids: token ids produced since the previous increment.
+        new_text: detokenized text for them (never a broken UTF-8 sequence; stop strings cut).
+        finished: True on the last increment.
+        finish_reason: "stop", "length" or "abort" when finished, else None.
+        num_prompt_tokens: prompt length (tokens).
+        num_output_tokens: output tokens so far.
+        logprobs: one entry per new token when requested.
+        error: message when the request failed because the engine failed.
+    """
+    req_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
