@@ -1,0 +1,1 @@
+"""The model: GGUF / Hugging Face loading, tokenizer, chat template, detokenizer and pipeline stages."""
