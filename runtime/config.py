@@ -1,0 +1,67 @@
+"""Engine configuration (pydantic). CLI flags of ``runtime.serve`` / ``runtime.generate`` map 1:1."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class EngineConfig(BaseModel):
+    """Everything needed to start a pipeline.
+
+    Attributes:
+        model: ``default`` (embedded SmolLM2-135M-Instruct GGUF), a .gguf file or an HF folder.
+        pp_size: pipeline stages = worker processes.
+        pp_layer_partition: manual layers per stage, e.g. ``"19,11"``; None balances by cost.
+        pp_schedule: ``overlapped`` (bubble-free, pp_size + 1 batches in flight) or ``sync``
+            (one batch in flight; the baseline).
+        max_num_seqs: live requests at most (also the number of slots).
+        max_model_len: prompt + output tokens per request at most.
+        max_num_batched_tokens: tokens per step at most.
+        max_prefill_chunk: prefill tokens of one request per step at most.
+        validate_mirrors: ``every`` step, every N steps (``"4"``) or ``off``.
+        device: ``cpu``, ``cuda`` or ``auto`` (cuda when available).
+        dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto`` (fp32 on CPU, bf16 on CUDA).
+        torch_threads: torch intra-op threads per rank (CPU).
+        step_timeout_s: seconds any collective, receive or step may take before the engine fails.
+        trace_dir: write a JSON-lines event trace per process there (None: off).
+        served_model_name: name reported by /v1/models (default: derived from the model).
+    """
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = "default"
+    pp_size: int = Field(default=2, ge=1, le=64)
+    pp_layer_partition: str | None = None
+    pp_schedule: Literal["overlapped", "sync"] = "overlapped"
+    max_num_seqs: int = Field(default=32, ge=1, le=4096)
+    max_model_len: int = Field(default=2048, ge=16)
+    max_num_batched_tokens: int = Field(default=512, ge=1)
+    max_prefill_chunk: int = Field(default=128, ge=1)
+    validate_mirrors: str = "every"
+    device: Literal["cpu", "cuda", "auto"] = "auto"
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
+    torch_threads: int = Field(default=1, ge=1)
+    step_timeout_s: float = Field(default=120.0, gt=0)
+    trace_dir: str | None = None
+    served_model_name: str | None = None
+
+    @field_validator("validate_mirrors")
+    @classmethod
+    def _check_validate(cls, v: str) -> str:
+        if v in ("every", "off") or (v.isdigit() and int(v) >= 1):
+            return v
+        raise ValueError("must be 'every', 'off' or a positive integer N (validate every N steps)")
+
+    @model_validator(mode="after")
+    def _check_budgets(self) -> "EngineConfig":
+        if self.max_prefill_chunk > self.max_num_batched_tokens:
+            raise ValueError("max_prefill_chunk must be <= max_num_batched_tokens")
+        return self
+
+    @property
+    def validate_every(self) -> int:
+        """Steps between mirror validations (0 = off)."""
+        if self.validate_mirrors == "off":
+            return 0
+        return 1 if self.validate_mirrors == "every" else int(self.validate_mirrors)
