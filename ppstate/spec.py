@@ -2,8 +2,10 @@
 
 The YAML is parsed with line marks, then validated by pydantic models; any problem raises
 :class:`~ppstate.errors.SpecError` naming the file, the key path (``transitions[2].source``) and
-the line. Checked: unknown keys, unknown states in sources/destinations/initial, a transition with
-no source, duplicate state names, duplicate (trigger, source) pairs.
+the line. Checked: YAML syntax, a top level that is not a mapping, repeated keys in one mapping
+(plain YAML keeps the last silently), unknown and missing keys, unknown states in
+sources/destinations/initial, a transition with no (or an empty) source, duplicate state names,
+duplicate (trigger, source) pairs.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class TransitionSpec(BaseModel):
     @field_validator("source", mode="before")
     @classmethod
     def _one_or_many(cls, v: Any) -> Any:
-        return [v] if isinstance(v, str) else v
+        return [v] if isinstance(v, str) else ([] if v is None else v)
 
 
 class MachineSpec(BaseModel):
@@ -69,40 +71,86 @@ class MachineSpec(BaseModel):
                 for t in self.transitions for s in t.source]
 
 
+_LINE, _KEYLINES, _DUPES = "__line__", "__keylines__", "__dupes__"
+_MARKS = (_LINE, _KEYLINES, _DUPES)
+
+
+class _LineList(list):
+    """A YAML sequence that remembers the line of each item in ``lines``."""
+    lines: list[int]
+
+
 class _LineLoader(yaml.SafeLoader):
-    """SafeLoader that records the line of every mapping under the key ``__line__``."""
+    """SafeLoader that records lines: mappings get ``__line__`` (their start), ``__keylines__``
+    (key -> line) and ``__dupes__`` (repeated keys, which plain YAML silently collapses)."""
 
 
 def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode) -> dict:
+    keylines: dict[Any, int] = {}
+    dupes: list[tuple[Any, int, int]] = []
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        line = key_node.start_mark.line + 1
+        try:
+            if key in keylines:
+                dupes.append((key, line, keylines[key]))
+                continue
+            keylines[key] = line
+        except TypeError:  # unhashable key: construct_mapping below reports it
+            pass
     mapping = loader.construct_mapping(node, deep=True)
-    mapping["__line__"] = node.start_mark.line + 1
+    mapping.update({_LINE: node.start_mark.line + 1, _KEYLINES: keylines, _DUPES: dupes})
     return mapping
 
 
+def _construct_sequence(loader: _LineLoader, node: yaml.SequenceNode) -> list:
+    seq = _LineList(loader.construct_sequence(node, deep=True))
+    seq.lines = [item.start_mark.line + 1 for item in node.value]
+    return seq
+
+
 _LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+_LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_SEQUENCE_TAG, _construct_sequence)
 
 
 def _strip_lines(obj: Any) -> Any:
     if isinstance(obj, dict):
-        return {k: _strip_lines(v) for k, v in obj.items() if k != "__line__"}
+        return {k: _strip_lines(v) for k, v in obj.items() if k not in _MARKS}
     if isinstance(obj, list):
         return [_strip_lines(v) for v in obj]
     return obj
 
 
 def _line_of(raw: Any, loc: tuple) -> int | None:
+    """Line of the innermost key / item of ``loc`` that exists in ``raw`` (1-based)."""
     line, node = None, raw
     for part in loc:
         if isinstance(node, dict):
-            line = node.get("__line__", line)
+            line = node.get(_KEYLINES, {}).get(part, node.get(_LINE, line))
             node = node.get(part)
-        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            line = getattr(node, "lines", [line] * len(node))[part]
             node = node[part]
         else:
             break
-    if isinstance(node, dict):
-        line = node.get("__line__", line)
     return line
+
+
+def _find_duplicate_key(node: Any, loc: tuple = ()) -> tuple[tuple, str, int] | None:
+    """First repeated mapping key in document order, as (key path, message, line)."""
+    if isinstance(node, dict):
+        for key, line, first in node.get(_DUPES, []):
+            return loc + (key,), f"duplicate key {key!r} (first at line {first})", line
+        items = [(k, v) for k, v in node.items() if k not in _MARKS]
+    elif isinstance(node, list):
+        items = list(enumerate(node))
+    else:
+        return None
+    for k, v in items:
+        found = _find_duplicate_key(v, loc + (k,))
+        if found:
+            return found
+    return None
 
 
 def _path(loc: tuple) -> str:
@@ -112,10 +160,29 @@ def _path(loc: tuple) -> str:
     return out or "<top>"
 
 
-def _fail(file: str, raw: Any, loc: tuple, msg: str) -> SpecError:
-    line = _line_of(raw, loc)
+def _fail(file: str, raw: Any, loc: tuple, msg: str, line: int | None = None) -> SpecError:
+    line = line or _line_of(raw, loc)
     at = f", line {line}" if line else ""
     return SpecError(f"{file}: {_path(loc)}{at}: {msg}")
+
+
+def _pydantic_message(err: dict) -> str:
+    """A message naming the problem in spec terms rather than pydantic's."""
+    key = err["loc"][-1] if err["loc"] else "<top>"
+    if err["type"] == "extra_forbidden":
+        return f"unknown key {key!r}"
+    if err["type"] == "missing":
+        return f"missing required key {key!r}"
+    if err["type"] == "too_short":
+        return f"{key!r} must not be empty"
+    return err["msg"]
+
+
+def _source_loc(raw: Any, i: int, j: int) -> tuple:
+    """Key path of source ``j`` of transition ``i`` (the item itself when source is a list)."""
+    src = raw["transitions"][i]["source"]
+    loc = ("transitions", i, "source")
+    return loc + (j,) if isinstance(src, list) else loc
 
 
 def _check_semantics(file: str, raw: Any, spec: MachineSpec) -> None:
@@ -131,7 +198,7 @@ def _check_semantics(file: str, raw: Any, spec: MachineSpec) -> None:
     for i, t in enumerate(spec.transitions):
         for s in t.source:
             if s not in seen:
-                raise _fail(file, raw, ("transitions", i, "source"),
+                raise _fail(file, raw, _source_loc(raw, i, t.source.index(s)),
                             f"unknown source state {s!r} for trigger {t.trigger!r}; known: {names}")
             if (t.trigger, s) in pairs:
                 raise _fail(file, raw, ("transitions", i, "trigger"),
@@ -151,15 +218,25 @@ def parse_spec(text: str, file: str = "<string>") -> MachineSpec:
     """
     try:
         raw = yaml.load(text, Loader=_LineLoader)  # noqa: S506 - SafeLoader subclass
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        at = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown line"
+        problem = exc.problem or exc.context
+        raise SpecError(f"{file}: <yaml>, {at}: not valid YAML: {problem}") from exc
     except yaml.YAMLError as exc:
         raise SpecError(f"{file}: not valid YAML: {exc}") from exc
     if not isinstance(raw, dict):
-        raise SpecError(f"{file}: top level must be a mapping with name/initial/states/transitions")
+        got = "a list" if isinstance(raw, list) else repr(raw)
+        raise SpecError(f"{file}: <top>, line 1: top level must be a mapping with "
+                        f"name/initial/states/transitions, got {got}")
+    dup = _find_duplicate_key(raw)
+    if dup:
+        raise _fail(file, raw, *dup)
     try:
         spec = MachineSpec.model_validate(_strip_lines(raw))
     except ValidationError as exc:
         err = exc.errors()[0]
-        raise _fail(file, raw, tuple(err["loc"]), err["msg"]) from None
+        raise _fail(file, raw, tuple(err["loc"]), _pydantic_message(err)) from None
     _check_semantics(file, raw, spec)
     return spec
 
