@@ -1,0 +1,150 @@
+"""Request lifecycle: every legal edge of specs/request.yaml, every illegal pair, guards, and the
+rule that the machine is the only writer of a request's ``state``."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from ppstate.errors import IllegalTransition
+from ppstate.lifecycle import Lifecycle
+from ppstate.spec import load_spec
+
+SPEC = load_spec("request")
+EDGES = SPEC.edges()
+LEGAL = {(trigger, source) for trigger, source, _ in EDGES}
+TRIGGERS = sorted({t.trigger for t in SPEC.transitions})
+ILLEGAL = [(t, s) for s in SPEC.state_names for t in TRIGGERS if (t, s) not in LEGAL]
+ROOT = Path(__file__).resolve().parent.parent
+
+# Shortest trigger path from ``waiting`` to each state (guards all passing).
+PATH_TO = {"waiting": [], "prefilling": ["admit"], "decoding": ["admit", "complete_prefill"],
+           "finished_stopped": ["admit", "complete_prefill", "stop"],
+           "finished_length": ["admit", "complete_prefill", "hit_length"],
+           "finished_aborted": ["abort"]}
+
+
+class Req:
+    """Minimal request model: ``req_id`` plus the guard methods request.yaml names."""
+
+    def __init__(self, req_id: str, slot_ok: bool = True, prefill_done: bool = True) -> None:
+        self.req_id, self.slot_ok, self.prefill_done = req_id, slot_ok, prefill_done
+
+    def has_slot(self) -> bool:
+        return self.slot_ok
+
+    def prefill_fully_scheduled(self) -> bool:
+        return self.prefill_done
+
+
+def _at(lc: Lifecycle, state: str, req_id: str = "r1") -> Req:
+    req = Req(req_id)
+    lc.add(req)
+    for trigger in PATH_TO[state]:
+        lc.fire(req, trigger)
+    assert req.state == state
+    return req
+
+
+def test_path_table_covers_every_state():
+    assert sorted(PATH_TO) == sorted(SPEC.state_names)
+
+
+def test_new_request_starts_waiting():
+    lc = Lifecycle()
+    req = Req("r0")
+    lc.add(req)
+    assert req.state == "waiting"
+
+
+@pytest.mark.parametrize("trigger, source, dest", EDGES, ids=[f"{t}:{s}" for t, s, _ in EDGES])
+def test_legal_edge_reaches_stated_destination(trigger, source, dest):
+    lc = Lifecycle()
+    req = _at(lc, source)
+    assert lc.fire(req, trigger) == dest
+    assert req.state == dest
+
+
+@pytest.mark.parametrize("trigger, state", ILLEGAL, ids=[f"{t}:{s}" for t, s in ILLEGAL])
+def test_illegal_pair_raises_naming_request_state_trigger(trigger, state):
+    lc = Lifecycle()
+    req = _at(lc, state, req_id="req-7")
+    with pytest.raises(IllegalTransition) as info:
+        lc.fire(req, trigger)
+    err = info.value
+    assert (err.req_id, err.state, err.trigger) == ("req-7", state, trigger)
+    assert str(err) == (f"request 'req-7' in state {state!r} cannot take trigger {trigger!r}: "
+                        "no such edge")
+    assert req.state == state
+
+
+def test_illegal_pairs_count():
+    # 6 states x 5 triggers = 30 pairs, 7 legal edges.
+    assert (len(ILLEGAL), len(LEGAL)) == (23, 7)
+
+
+def test_unknown_trigger_raises():
+    lc = Lifecycle()
+    req = _at(lc, "decoding")
+    with pytest.raises(IllegalTransition, match="cannot take trigger 'explode': unknown trigger"):
+        lc.fire(req, "explode")
+    assert req.state == "decoding"
+
+
+def test_admit_guard_false_raises_and_keeps_state():
+    lc = Lifecycle()
+    req = Req("r2", slot_ok=False)
+    lc.add(req)
+    with pytest.raises(IllegalTransition) as info:
+        lc.fire(req, "admit")
+    assert str(info.value) == ("request 'r2' in state 'waiting' cannot take trigger 'admit': "
+                               "guard returned False")
+    assert req.state == "waiting"
+
+
+def test_complete_prefill_guard_false_raises_then_passes():
+    lc = Lifecycle()
+    req = Req("r3", prefill_done=False)
+    lc.add(req)
+    lc.fire(req, "admit")
+    with pytest.raises(IllegalTransition, match="'prefilling' cannot take trigger "
+                                                "'complete_prefill': guard returned False"):
+        lc.fire(req, "complete_prefill")
+    assert req.state == "prefilling"
+    req.prefill_done = True
+    assert lc.fire(req, "complete_prefill") == "decoding"
+
+
+def test_many_requests_share_one_machine():
+    lc = Lifecycle()
+    a, b = _at(lc, "decoding", "a"), _at(lc, "waiting", "b")
+    lc.fire(a, "stop")
+    assert (a.state, b.state) == ("finished_stopped", "waiting")
+    assert lc.is_final(a.state) and not lc.is_final(b.state)
+    lc.remove(a)
+    assert a not in lc.machine.models and b in lc.machine.models
+
+
+def _state_writes(root: Path) -> list[str]:
+    pattern = re.compile(r"\.state\s*=(?!=)")
+    hits = []
+    for folder in ("ppstate", "runtime"):
+        for path in sorted((root / folder).rglob("*.py")):
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if pattern.search(line.split("#", 1)[0]):
+                    hits.append(f"{path.relative_to(root)}:{n}: {line.strip()}")
+    return hits
+
+
+def test_grep_finds_a_planted_state_write(tmp_path):
+    (tmp_path / "ppstate").mkdir()
+    (tmp_path / "runtime").mkdir()
+    (tmp_path / "ppstate" / "x.py").write_text("if req.state == 'a':\n    req.state = 'b'\n")
+    (tmp_path / "runtime" / "y.py").write_text("r.state  +=1\nok = r.state==1\n")
+    assert _state_writes(tmp_path) == ["ppstate/x.py:2: req.state = 'b'"]
+
+
+def test_only_the_machine_writes_request_state():
+    assert _state_writes(ROOT) == [], "assign request state only through Lifecycle.fire"
