@@ -1,0 +1,153 @@
+"""The serving tokenizer: encode/decode plus the model's chat template, from a GGUF file or an HF folder.
+
+    tok = load_tokenizer("SmolLM2-135M-Instruct.Q4_1.gguf")     # or a folder with tokenizer.json
+    ids = tok.encode_chat([{"role": "user", "content": "Hi"}])  # list[int], template + tokens
+    tok.decode(ids, skip_special_tokens=True)
+
+Built on the `tokenizers` library (Rust); ids equal `transformers.AutoTokenizer` for the same model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+import tokenizers
+
+from runtime.model.chat import ChatTemplate
+from runtime.model.gguf_vocab import build_gguf_tokenizer, read_gguf_metadata
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, and its chat template.
+
+    Args:
+        backend: the `tokenizers.Tokenizer` doing the work.
+        bos_token_id / eos_token_id: ids of BOS / EOS (None if the model has none).
+        chat_template: Jinja source of the model's chat template, or None.
+        extra_eos_token_ids: further ids that end generation (e.g. generation_config's eos list).
+        source: where it came from, for error messages.
+    """
+
+    def __init__(self, backend: tokenizers.Tokenizer, *, bos_token_id: int | None, eos_token_id: int | None,
+                 chat_template: str | None = None, extra_eos_token_ids: Iterable[int] = (),
+                 source: str = "tokenizer") -> None:
+        self.backend = backend
+        self.source = source
+        self._bos, self._eos = bos_token_id, eos_token_id
+        self.eos_token_ids = frozenset(([] if eos_token_id is None else [eos_token_id]) + list(extra_eos_token_ids))
+        specials = {name: (None if i is None else backend.id_to_token(i))
+                    for name, i in (("bos_token", bos_token_id), ("eos_token", eos_token_id))}
+        self._template = None if chat_template is None else ChatTemplate(chat_template, specials)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._eos
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added/special tokens included (49152 for SmolLM2)."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def chat_template(self) -> str | None:
+        return None if self._template is None else self._template.source
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary entry (byte-level spelling, e.g. 'Ġthe') of an id; None if out of range."""
+        return self.backend.id_to_token(token_id)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`. Special tokens written in the text (e.g. '<|im_start|>') map to their
+        ids; `add_special_tokens` adds BOS/EOS where the model's post-processor says so."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        """Text of `ids`; an incomplete UTF-8 sequence decodes to U+FFFD."""
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        """The prompt text the model's chat template makes of `messages`.
+
+        Raises: ValueError if the model has no chat template or rendering fails.
+        """
+        if self._template is None:
+            raise ValueError(f"{self.source}: the model has no chat template")
+        return self._template.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **kwargs: Any) -> list[int]:
+        """Token ids of the rendered chat prompt (no BOS/EOS added: the template writes its own)."""
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        return self.encode(text, add_special_tokens=False)
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer of a model given as a `.gguf` file or a Hugging Face folder (tokenizer.json).
+
+    Raises: FileNotFoundError if neither exists; ValueError for an unsupported tokenizer type or
+    missing metadata, naming what is wrong.
+    """
+    path = Path(path)
+    if path.is_dir():
+        return _from_hf_folder(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no tokenizer at {path} (expected a .gguf file or an HF folder)")
+    meta = read_gguf_metadata(path)
+    backend = build_gguf_tokenizer(meta, source=str(path))
+    ids = {k: meta.get(f"tokenizer.ggml.{k}") for k in ("bos_token_id", "eos_token_id")}
+    return Tokenizer(backend, bos_token_id=_opt_int(ids["bos_token_id"]), eos_token_id=_opt_int(ids["eos_token_id"]),
+                     chat_template=meta.get("tokenizer.chat_template"), source=str(path))
+
+
+def _opt_int(x: Any) -> int | None:
+    return None if x is None else int(x)
+
+
+def _token_str(x: Any) -> str | None:
+    """tokenizer_config.json writes special tokens as a string or {"content": ...}."""
+    return x.get("content") if isinstance(x, dict) else x
+
+
+def _read_json(p: Path) -> dict[str, Any]:
+    return json.loads(p.read_text(encoding="utf-8")) if p.exists() else {}
+
+
+def _from_hf_folder(folder: Path) -> Tokenizer:
+    tj = folder / "tokenizer.json"
+    if not tj.exists():
+        raise ValueError(f"{folder}: no tokenizer.json (only fast-tokenizer folders are supported)")
+    backend = tokenizers.Tokenizer.from_file(str(tj))
+    cfg = _read_json(folder / "tokenizer_config.json")
+    template = cfg.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default", next(iter(named.values()), None))
+    if (folder / "chat_template.jinja").exists():
+        template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+
+    def tid(name: str) -> int | None:
+        tok = _token_str(cfg.get(name))
+        return None if tok is None else backend.token_to_id(tok)
+
+    bos, eos = tid("bos_token"), tid("eos_token")
+    extra: list[int] = []
+    for extra_cfg in (_read_json(folder / "generation_config.json"), _read_json(folder / "config.json")):
+        e = extra_cfg.get("eos_token_id")
+        e = [] if e is None else ([e] if isinstance(e, int) else list(e))
+        if eos is None and e:
+            eos = int(e[0])
+        extra += [int(i) for i in e]
+        if bos is None and isinstance(extra_cfg.get("bos_token_id"), int):
+            bos = extra_cfg["bos_token_id"]
+    return Tokenizer(backend, bos_token_id=bos, eos_token_id=eos, chat_template=template,
+                     extra_eos_token_ids=extra, source=str(folder))
