@@ -1,0 +1,132 @@
+"""One pipeline stage: a contiguous range of decoder layers, its KV cache, and (first stage) the
+embedding / (last stage) final norm + LM head. :func:`load_stage` reads only that stage's tensors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from runtime.model.batch_meta import BatchMeta
+from runtime.model.config import ModelConfig
+from runtime.model.errors import PartitionError
+from runtime.model.layers import DecoderLayer, rms_norm
+from runtime.model.registry import resolve_model_path
+from runtime.model.rope import rope_inv_freq, rope_tables
+from runtime.model.weights import (EMBED, FINAL_NORM, LAYER_SUFFIXES, LM_HEAD, layer_name,
+                                   load_tensors, open_checkpoint, stage_tensor_names)
+
+__all__ = ["BatchMeta", "StageModel", "load_stage", "load_model_config"]
+
+
+class StageModel(nn.Module):
+    """Layers ``[layer_start, layer_end)`` of a Llama model plus their slot-contiguous KV cache.
+
+    Attributes:
+        k_cache, v_cache: ``[num_local_layers, max_num_reqs, num_kv_heads, max_model_len, head_dim]``
+            in the model dtype, allocated once (zeros).
+        embed: ``[V, H]`` (first stage); norm ``[H]`` and lm_head ``[V, H]`` (last stage).
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_range: tuple[int, int], weights: dict[str, torch.Tensor],
+                 *, max_num_reqs: int, max_model_len: int, dtype: torch.dtype,
+                 device: str | torch.device, freq_factors: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.cfg, (self.layer_start, self.layer_end) = cfg, layer_range
+        self.is_first, self.is_last = self.layer_start == 0, self.layer_end == cfg.num_layers
+        self.max_num_reqs, self.max_model_len = max_num_reqs, max_model_len
+        p = lambda t: nn.Parameter(t, requires_grad=False)  # noqa: E731
+        self.embed = p(weights[EMBED]) if self.is_first else None
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, {s: weights[layer_name(i, s)] for s in LAYER_SUFFIXES})
+            for i in range(self.layer_start, self.layer_end))
+        self.norm = p(weights[FINAL_NORM]) if self.is_last else None
+        self.lm_head = None
+        if self.is_last:  # tied: reuse the first stage's parameter, or the embedding read for it
+            tied_here = LM_HEAD not in weights and self.embed is not None
+            self.lm_head = self.embed if tied_here else p(weights.get(LM_HEAD, weights.get(EMBED)))
+        cos, sin = rope_tables(rope_inv_freq(cfg, freq_factors), max_model_len)
+        self.register_buffer("rope_cos", cos.to(device=device, dtype=dtype), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device=device, dtype=dtype), persistent=False)
+        shape = (len(self.layers), max_num_reqs, cfg.num_kv_heads, max_model_len, cfg.head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, meta: BatchMeta, input_ids: torch.Tensor | None = None,
+                hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+        """Run this stage's layers on one step's flat batch.
+
+        Args:
+            meta: the step's :class:`BatchMeta` (T tokens, R rows).
+            input_ids: ``[T]`` long token ids (first stage only).
+            hidden, residual: ``[T, H]`` from the previous stage (later stages only).
+        Returns:
+            non-last stage: ``(hidden, residual)`` each ``[T, H]`` in the model dtype;
+            last stage: fp32 logits ``[R, V]`` at each row's last token.
+        Raises:
+            ValueError: wrong inputs for the stage kind, or a position beyond ``max_model_len``
+                or a slot beyond ``max_num_reqs``.
+        """
+        self._check(meta, input_ids, hidden)
+        if self.is_first:
+            hidden, residual = self.embed[input_ids], None
+        cos = self.rope_cos.index_select(0, meta.positions)
+        sin = self.rope_sin.index_select(0, meta.positions)
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(hidden, residual, meta, cos, sin, self.k_cache[i], self.v_cache[i])
+        if not self.is_last:
+            return hidden, residual
+        last = hidden.index_select(0, meta.last_token)
+        if residual is not None:
+            last = last + residual.index_select(0, meta.last_token)
+        return torch.nn.functional.linear(rms_norm(last, self.norm, self.cfg.rms_norm_eps),
+                                          self.lm_head).float()
+
+    def _check(self, meta: BatchMeta, input_ids: torch.Tensor | None, hidden: torch.Tensor | None) -> None:
+        """Validate the inputs of :meth:`forward` (cheap: Python ints already in ``meta``)."""
+        if self.is_first and (input_ids is None or input_ids.shape[0] != meta.num_tokens):
+            raise ValueError(f"stage {self.layer_start}-{self.layer_end} needs input_ids [{meta.num_tokens}]")
+        if not self.is_first and (hidden is None or hidden.shape[0] != meta.num_tokens):
+            raise ValueError(f"stage {self.layer_start}-{self.layer_end} needs hidden [{meta.num_tokens}, H]")
+        if meta.max_context > self.max_model_len:
+            raise ValueError(f"context {meta.max_context} exceeds max_model_len {self.max_model_len}")
+        if meta.slots.max() >= self.max_num_reqs or meta.slots.min() < 0:
+            raise ValueError(f"slot out of range [0, {self.max_num_reqs}): {meta.slots.tolist()}")
+
+
+def load_model_config(model: str | Path) -> ModelConfig:
+    """The :class:`ModelConfig` of ``model`` (``default``, a .gguf file or an HF folder); reads metadata
+    only. Raises the errors of ``resolve_model_path`` and of the checkpoint readers."""
+    return open_checkpoint(resolve_model_path(model)).config
+
+
+def load_stage(model: str | Path, layer_range: tuple[int, int], *, max_num_reqs: int,
+               max_model_len: int, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu", progress: bool = True) -> StageModel:
+    """Load the stage owning layers ``[start, end)``: only its tensors are read and dequantized.
+
+    Args:
+        model: ``default``, a .gguf file or an HF folder.
+        layer_range: ``(start, end)`` with ``0 <= start < end <= num_layers``; the stage is first
+            when ``start == 0`` and last when ``end == num_layers``.
+        max_num_reqs, max_model_len: KV cache slots and tokens per slot.
+        progress: show a tqdm bar while reading tensors.
+    Raises:
+        PartitionError: invalid layer range. ModelNotFoundError / UnsupportedModelError /
+        WeightShapeError / ModelError from resolving and reading the checkpoint.
+    """
+    ckpt = open_checkpoint(resolve_model_path(model))
+    cfg = ckpt.config
+    start, end = layer_range
+    if not 0 <= start < end <= cfg.num_layers:
+        raise PartitionError(f"layer range {layer_range} is invalid for {cfg.num_layers} layers")
+    weights = load_tensors(ckpt, stage_tensor_names(cfg, layer_range), dtype=dtype, device=device,
+                           progress=progress)
+    factors = ckpt.rope_freq_factors()
+    return StageModel(cfg, (start, end), weights, max_num_reqs=max_num_reqs,
+                      max_model_len=max_model_len, dtype=dtype, device=device,
+                      freq_factors=factors).eval()
