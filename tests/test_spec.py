@@ -1,4 +1,5 @@
-"""Spec loading: the three real tables load; malformed tables are rejected with file, key path and line."""
+"""Spec loading: the three real tables load; malformed tables are rejected with the file, the key
+path and the line."""
 
 from __future__ import annotations
 
@@ -38,14 +39,14 @@ def test_base_table_is_valid():
 
 @pytest.mark.parametrize("text, expected", [
     pytest.param(BASE.replace("source: a", "source: [a, zz]"),
-                 "bad.yaml: transitions[0].source[1], line 9: unknown source state 'zz' for trigger "
-                 "'go'; known: ['a', 'b']", id="unknown-source-in-list"),
+                 "bad.yaml: transitions[0].source[1], line 9: unknown source state 'zz' for "
+                 "trigger 'go'; known: ['a', 'b']", id="unknown-source-in-list"),
     pytest.param(BASE.replace("source: a", "source: zz"),
                  "bad.yaml: transitions[0].source, line 9: unknown source state 'zz' for trigger "
                  "'go'; known: ['a', 'b']", id="unknown-source-scalar"),
     pytest.param(BASE.replace("dest: b", "dest: zz"),
-                 "bad.yaml: transitions[0].dest, line 10: unknown destination state 'zz' for trigger "
-                 "'go'", id="unknown-dest"),
+                 "bad.yaml: transitions[0].dest, line 10: unknown destination state 'zz' for "
+                 "trigger 'go'", id="unknown-dest"),
     pytest.param(BASE.replace("initial: a", "initial: zz"),
                  "bad.yaml: initial, line 2: unknown state 'zz'; known: ['a', 'b']",
                  id="unknown-initial"),
