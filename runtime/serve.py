@@ -1,7 +1,153 @@
-"""`python -m runtime.serve`: placeholder until the OpenAI-compatible server lands (issue #6)."""
+"""``python -m runtime.serve``: the OpenAI-compatible server over a pipeline of worker processes.
 
+    python -m runtime.serve                      # embedded SmolLM2-135M-Instruct, PP=2, 127.0.0.1:8000
+    python -m runtime.serve --model /path/to/hf-folder --pp 4 --port 9000 --api-key sk-local
+
+The port is bound before the model loads (a busy port fails at once), the workers show loading
+progress, and ``ready: http://HOST:PORT`` is printed once requests are served. Ctrl-C / SIGTERM stop
+the server and then the engine. If the engine dies, the server exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import socket
 import sys
+import time
+from collections.abc import Iterator
+
+import uvicorn
+
+from runtime.cli_common import add_engine_flags, engine_config
+from runtime.config import EngineConfig
+from runtime.server.middleware import DEFAULT_MAX_BODY_BYTES
+
+ENGINE_WATCH_INTERVAL_S = 1.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI: server flags plus the shared engine flags (see ``runtime.cli_common``)."""
+    p = argparse.ArgumentParser(prog="python -m runtime.serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    s.add_argument("--api-key", default=os.environ.get("PPSTATE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PPSTATE_API_KEY)")
+    s.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help=f"largest accepted request body in bytes (default {DEFAULT_MAX_BODY_BYTES})")
+    s.add_argument("--log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn log level (default warning; info logs every request)")
+    add_engine_flags(p)
+    return p
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Listen on host:port now, so a busy port fails before the model loads."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(False)
+    return sock
+
+
+def url_of(sock: socket.socket, host: str) -> str:
+    """``http://HOST:PORT`` of a bound socket (IPv6 hosts in brackets)."""
+    port = sock.getsockname()[1]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server with signal handling left to ``serve`` (so the engine shuts down cleanly)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.socket) -> int:
+    """Start the engine, serve until a signal or engine death, stop both. Returns the exit code."""
+    from runtime.engine import AsyncEngine
+    from runtime.server import create_app
+
+    t0 = time.perf_counter()
+    print(f"loading model '{config.model}' over {config.pp_size} pipeline stage(s) "
+          f"({config.pp_schedule} schedule) ...", flush=True)
+    engine = await AsyncEngine.start(config)
+    exit_code = 0
+    try:
+        app = create_app(engine, config, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+        server = _Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
+                                        access_log=args.log_level in ("info", "debug")))
+        loop = asyncio.get_running_loop()
+
+        def on_signal() -> None:
+            server.force_exit = server.should_exit
+            server.should_exit = True
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal)
+
+        async def watch() -> None:
+            nonlocal exit_code
+            while not server.started and not server.should_exit:
+                await asyncio.sleep(0.05)
+            if server.started:
+                print(f"ready: {url_of(sock, args.host)}  (model '{engine.model_name}', "
+                      f"pp={config.pp_size}, up in {time.perf_counter() - t0:.1f} s)", flush=True)
+            while not server.should_exit:
+                if not engine.is_alive:
+                    print(f"error: the engine died: {getattr(engine, 'error', None)}", file=sys.stderr,
+                          flush=True)
+                    exit_code = 1
+                    server.should_exit = True
+                await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            watcher.cancel()
+    finally:
+        await engine.shutdown()
+    return exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        p.error(f"--port: must be in 0..65535, got {args.port}")
+    if args.max_body_bytes < 1024:
+        p.error(f"--max-body-bytes: must be >= 1024, got {args.max_body_bytes}")
+    config = engine_config(p, args)
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as exc:
+        print(f"error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    from runtime.engine import EngineDeadError
+    try:
+        return asyncio.run(serve(config, args, sock))
+    except EngineDeadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C while the model was loading
+        return 130
+    finally:
+        sock.close()
+
 
 if __name__ == "__main__":
-    print("runtime.serve: the HTTP server is not built yet (issue #6).", file=sys.stderr)
-    sys.exit(0)
+    sys.exit(main())

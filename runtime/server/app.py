@@ -1,0 +1,119 @@
+"""The OpenAI-compatible FastAPI app around a started AsyncEngine.
+
+Endpoints: GET /v1/models, GET /v1/models/{model}, POST /v1/completions, POST /v1/chat/completions,
+GET /health, GET /metrics. ``create_app`` takes an engine that is already running (the CLI in
+``runtime.serve`` starts it), so tests can build apps around any engine; all state (metrics registry
+included) belongs to the app, and several apps can live in one process.
+
+Bodies are parsed as JSON whatever the Content-Type (curl's ``-d`` sends a form type) and validated
+with the pydantic schemas; every failure is an OpenAI-style error (see ``errors``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from runtime.config import EngineConfig
+from runtime.server.errors import APIError, install_error_handlers
+from runtime.server.handlers import OpenAIHandlers
+from runtime.server.metrics import ServerMetrics
+from runtime.server.middleware import DEFAULT_MAX_BODY_BYTES, GuardMiddleware
+from runtime.server.responses import ModelCard, ModelList
+from runtime.server.schemas import ChatCompletionRequest, CompletionRequest
+
+MAX_JSON_DEPTH_ERROR = "the JSON body is nested too deeply"
+
+
+async def read_json(request: Request) -> Any:
+    """The request body as JSON; APIError(400, param None) when it is not valid JSON."""
+    raw = await request.body()
+    if not raw.strip():
+        raise APIError("The request body is empty; send a JSON object.", code="invalid_body")
+    try:
+        payload = json.loads(raw)
+    except RecursionError:
+        raise APIError(f"We could not parse the JSON body of your request: {MAX_JSON_DEPTH_ERROR}.",
+                       code="invalid_json") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(f"We could not parse the JSON body of your request: {exc}.",
+                       code="invalid_json") from None
+    if not isinstance(payload, dict):
+        raise APIError("The request body must be a JSON object.", code="invalid_body")
+    return payload
+
+
+def create_app(engine: Any, config: EngineConfig, api_key: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """Build the server app for a started engine.
+
+    Args:
+        engine: a started ``runtime.engine.AsyncEngine`` (or anything with its interface).
+        config: the engine's configuration (``max_model_len`` bounds prompts, in tokens).
+        api_key: if set, ``/v1/...`` requests need ``Authorization: Bearer <api_key>``.
+        max_body_bytes: largest accepted request body (bytes).
+    """
+    app = FastAPI(title="ppstate", summary="OpenAI-compatible server of a pipeline-parallel engine",
+                  version="0.1.0")
+    metrics = ServerMetrics(engine)
+    handlers = OpenAIHandlers(engine, config, metrics)
+    created = int(time.time())
+    app.state.engine = engine
+    app.state.metrics = metrics
+    app.state.handlers = handlers
+    install_error_handlers(app)
+    app.add_middleware(GuardMiddleware, metrics=metrics, api_key=api_key, max_body_bytes=max_body_bytes)
+
+    def require_engine() -> None:
+        if not engine.is_alive:
+            raise APIError("The engine is not running.", status=503, type="service_unavailable",
+                           code="engine_dead")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 while every rank of the engine is alive, else 503."""
+        require_engine()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        """Prometheus text exposition of the server and engine metrics."""
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    def card() -> ModelCard:
+        return ModelCard(id=handlers.model_name, created=created, root=config.model,
+                         max_model_len=config.max_model_len)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def list_models() -> ModelList:
+        """The served model (it also answers to the name ``default``)."""
+        return ModelList(data=[card()])
+
+    @app.get("/v1/models/{model:path}", response_model=ModelCard)
+    async def get_model(model: str) -> ModelCard:
+        """One model by its served name or ``default``."""
+        if model not in ("default", handlers.model_name):
+            raise APIError(f"The model '{model}' does not exist.", status=404, type="invalid_request_error",
+                           param="model", code="model_not_found")
+        return card()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        """OpenAI text completion, streamed (SSE) or not."""
+        body = CompletionRequest.model_validate(await read_json(request))
+        require_engine()
+        return await handlers.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        """OpenAI chat completion, streamed (SSE) or not."""
+        body = ChatCompletionRequest.model_validate(await read_json(request))
+        require_engine()
+        return await handlers.chat(body, request)
+
+    return app

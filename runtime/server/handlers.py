@@ -1,0 +1,189 @@
+"""The two generation endpoints: request -> token ids + SamplingParams -> response or SSE stream.
+
+Length rules (tokens): a prompt must be shorter than ``max_model_len``; an explicit ``max_tokens``
+must fit in what is left (``prompt + max_tokens <= max_model_len``), else HTTP 400 naming the field.
+Without ``max_tokens`` a completion gets 16 tokens and a chat reply the rest of the context window.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from runtime.config import EngineConfig
+from runtime.sampling_params import SamplingParams
+from runtime.server import responses as R
+from runtime.server.errors import APIError
+from runtime.server.generation import Generation, GenerationStreamResponse, sse
+from runtime.server.metrics import ServerMetrics
+from runtime.server.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
+
+DEFAULT_COMPLETION_TOKENS = 16
+
+
+class OpenAIHandlers:
+    """Serves /v1/completions and /v1/chat/completions for one engine."""
+
+    def __init__(self, engine: Any, config: EngineConfig, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.config = config
+        self.metrics = metrics
+        self.model_name: str = engine.model_name
+        self.vocab_size: int | None = getattr(engine.tokenizer, "vocab_size", None)
+
+    # ---- request -> engine inputs -------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        """Accept ``default``, the served name, or no model at all."""
+        if name is not None and name not in ("default", self.model_name):
+            raise APIError(f"The model '{name}' does not exist. This server serves "
+                           f"'{self.model_name}' (also available as 'default').",
+                           param="model", code="model_not_found")
+
+    def output_limit(self, requested: int | None, default: int | None, prompt_len: int,
+                     prompt_field: str, limit_field: str) -> int:
+        """Output tokens to allow; raises 400 when the prompt or the request does not fit."""
+        max_len = self.config.max_model_len
+        if prompt_len >= max_len:
+            raise APIError(f"This model's maximum context length is {max_len} tokens; the prompt has "
+                           f"{prompt_len} tokens, leaving no room for output.",
+                           param=prompt_field, code="context_length_exceeded")
+        room = max_len - prompt_len
+        if requested is None:
+            return room if default is None else min(default, room)
+        if requested > room:
+            raise APIError(f"This model's maximum context length is {max_len} tokens. However, you "
+                           f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
+                           f"{requested} for the completion).",
+                           param=limit_field, code="context_length_exceeded")
+        return requested
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        """Token ids must be inside the vocabulary."""
+        if self.vocab_size is not None and any(t >= self.vocab_size for t in ids):
+            raise APIError(f"token ids must be < {self.vocab_size} (the vocabulary size)", param=param,
+                           code="invalid_value")
+
+    def sampling_params(self, req: GenerationRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """SamplingParams from the OpenAI fields (null means the OpenAI default)."""
+        stop_ids = req.stop_token_ids or []
+        self.check_token_ids(stop_ids, "stop_token_ids")
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=-1 if req.top_k is None else req.top_k,
+            seed=req.seed, stop=req.stop_list, stop_token_ids=stop_ids,
+            ignore_eos=bool(req.ignore_eos), logprobs=logprobs)
+
+    def token_text(self, as_ids: bool):
+        """Token id -> the string shown in logprobs (``token_id:N`` with return_tokens_as_token_ids)."""
+        if as_ids:
+            return lambda i: f"token_id:{i}"
+        decode = self.engine.tokenizer.decode
+        return lambda i: decode([i])
+
+    # ---- endpoints ------------------------------------------------------------------------------
+    async def completions(self, req: CompletionRequest, request: Request) -> Response:
+        arrival = time.perf_counter()
+        self.check_model(req.model)
+        prompt = req.single_prompt
+        if isinstance(prompt, str):
+            ids = await anyio.to_thread.run_sync(self.engine.tokenizer.encode, prompt)
+        else:
+            ids = list(prompt)
+            self.check_token_ids(ids, "prompt")
+        limit = self.output_limit(req.max_tokens, DEFAULT_COMPLETION_TOKENS, len(ids), "prompt", "max_tokens")
+        params = self.sampling_params(req, limit, req.logprobs)
+        gen = Generation(self.engine, self.metrics, f"cmpl-{uuid.uuid4().hex}", ids, params, "prompt", arrival)
+        gen.start()
+        token_text = self.token_text(bool(req.return_tokens_as_token_ids))
+        if req.stream:
+            return GenerationStreamResponse(self._completion_sse(gen, req, token_text), gen)
+        res = await gen.collect_unless_disconnected(request.receive)
+        if res is None:
+            return Response(status_code=499)
+        lp = R.completion_logprobs(res.logprobs, token_text, self.token_text(False), 0) if req.logprobs is not None else None
+        body = R.CompletionResponse(
+            id=gen.req_id, created=gen.created, model=self.model_name,
+            choices=[R.CompletionChoice(text=res.text, logprobs=lp, finish_reason=res.finish_reason)],
+            usage=R.Usage.of(res.num_prompt_tokens, res.num_output_tokens))
+        return JSONResponse(body.model_dump(mode="json"))
+
+    async def _completion_sse(self, gen: Generation, req: CompletionRequest, token_text) -> AsyncIterator[str]:
+        offset, usage = 0, R.Usage.of(len(gen.prompt_ids), 0)
+        try:
+            async for out in gen.outputs():
+                lp = None
+                if req.logprobs is not None and out.logprobs:
+                    lp = R.completion_logprobs(out.logprobs, token_text, self.token_text(False), offset)
+                usage = R.Usage.of(out.num_prompt_tokens or len(gen.prompt_ids), out.num_output_tokens)
+                if out.new_text or lp is not None or out.finished:
+                    choice = R.CompletionChoice(text=out.new_text, logprobs=lp,
+                                                finish_reason=out.finish_reason if out.finished else None)
+                    chunk = R.CompletionResponse(id=gen.req_id, created=gen.created, model=self.model_name,
+                                                 choices=[choice])
+                    yield sse(chunk.model_dump_json())
+                offset += len(out.new_text)
+            if req.include_usage:
+                chunk = R.CompletionResponse(id=gen.req_id, created=gen.created, model=self.model_name,
+                                             choices=[], usage=usage)
+                yield sse(chunk.model_dump_json())
+        except APIError as exc:
+            yield sse(json.dumps(exc.body()))
+        yield sse("[DONE]")
+
+    async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
+        arrival = time.perf_counter()
+        self.check_model(req.model)
+        messages = [m.as_template_dict() for m in req.messages]
+        ids = await anyio.to_thread.run_sync(self.engine.tokenizer.encode_chat, messages)
+        limit_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        limit = self.output_limit(req.output_limit, None, len(ids), "messages", limit_field)
+        top_n = (req.top_logprobs or 0) if req.logprobs else None
+        params = self.sampling_params(req, limit, top_n)
+        gen = Generation(self.engine, self.metrics, f"chatcmpl-{uuid.uuid4().hex}", ids, params,
+                         "messages", arrival)
+        gen.start()
+        token_text = self.token_text(bool(req.return_tokens_as_token_ids))
+        if req.stream:
+            return GenerationStreamResponse(self._chat_sse(gen, req, token_text, top_n), gen)
+        res = await gen.collect_unless_disconnected(request.receive)
+        if res is None:
+            return Response(status_code=499)
+        lp = R.chat_logprobs(res.logprobs, token_text, top_n) if top_n is not None else None
+        body = R.ChatCompletionResponse(
+            id=gen.req_id, created=gen.created, model=self.model_name,
+            choices=[R.ChatChoice(message=R.AssistantMessage(content=res.text), logprobs=lp,
+                                  finish_reason=res.finish_reason)],
+            usage=R.Usage.of(res.num_prompt_tokens, res.num_output_tokens))
+        return JSONResponse(body.model_dump(mode="json"))
+
+    async def _chat_sse(self, gen: Generation, req: ChatCompletionRequest, token_text,
+                        top_n: int | None) -> AsyncIterator[str]:
+        def chunk(delta: R.Delta, lp=None, finish=None, usage=None, choices=True) -> str:
+            ch = [R.ChatChunkChoice(delta=delta, logprobs=lp, finish_reason=finish)] if choices else []
+            return sse(R.ChatCompletionChunk(id=gen.req_id, created=gen.created, model=self.model_name,
+                                             choices=ch, usage=usage).model_dump_json())
+
+        usage = R.Usage.of(len(gen.prompt_ids), 0)
+        try:
+            yield chunk(R.Delta(role="assistant", content=""))
+            async for out in gen.outputs():
+                usage = R.Usage.of(out.num_prompt_tokens or len(gen.prompt_ids), out.num_output_tokens)
+                lp = R.chat_logprobs(out.logprobs, token_text, top_n) if top_n is not None and out.logprobs else None
+                if out.new_text or lp is not None:
+                    yield chunk(R.Delta(content=out.new_text), lp)
+                if out.finished:
+                    yield chunk(R.Delta(), finish=out.finish_reason)
+            if req.include_usage:
+                yield chunk(R.Delta(), usage=usage, choices=False)
+        except APIError as exc:
+            yield sse(json.dumps(exc.body()))
+        yield sse("[DONE]")

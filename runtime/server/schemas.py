@@ -1,0 +1,210 @@
+"""Request bodies of the OpenAI-compatible endpoints (pydantic, strict types).
+
+Strict mode rejects what OpenAI rejects: ``"5"`` for an integer, ``1`` for a boolean, ``5.0`` for
+``max_tokens``. Unknown fields are rejected (OpenAI: "Unrecognized request argument supplied").
+OpenAI parameters this server does not implement are accepted only at their neutral value
+(``presence_penalty: 0``, ``echo: false``, ``best_of: 1``, ...), so a request is never silently
+served differently from what it asked for. ``null`` means "the default" for every optional field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+MAX_STOP_STRINGS = 4
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds a final chunk with token counts."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool | None = None
+
+
+class GenerationRequest(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=64)
+    n: int | None = None
+    ignore_eos: bool | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    return_tokens_as_token_ids: bool | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _check_stop(cls, v: Any) -> Any:
+        if v is None:
+            return v
+        stops = [v] if isinstance(v, str) else v
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise ValueError("must be a string or a list of strings")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed")
+        if any(s == "" for s in stops):
+            raise ValueError("stop sequences must be non-empty")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _check_n(cls, v: int | None) -> int | None:
+        if v is not None and v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _check_penalty(cls, v: float | None) -> float | None:
+        if v not in (None, 0, 0.0):
+            raise ValueError("penalties are not supported; use 0")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v:
+            raise ValueError("logit_bias is not supported")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _check_stop_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(i < 0 for i in v):
+            raise ValueError("token ids must be >= 0")
+        return v
+
+    @field_validator("stream_options")
+    @classmethod
+    def _check_stream_options(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return v
+
+    @property
+    def stop_list(self) -> list[str]:
+        """``stop`` as a list (tokens are not included in the output)."""
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed response ends with a usage chunk."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(GenerationRequest):
+    """POST /v1/completions. ``prompt``: a string, a list of token ids, or a batch of exactly one."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            if not v:
+                raise ValueError("the prompt must not be empty")
+            return v
+        if not isinstance(v, list) or not v:
+            raise ValueError("must be a non-empty string or a non-empty list of token ids")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+            if any(t < 0 for t in v):
+                raise ValueError("token ids must be >= 0")
+            return v
+        if len(v) != 1:
+            raise ValueError(f"batches of {len(v)} prompts are not supported; send one prompt")
+        return cls._check_prompt(v[0])
+
+    @field_validator("echo")
+    @classmethod
+    def _check_echo(cls, v: bool | None) -> bool | None:
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _check_suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("suffix is not supported")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _check_best_of(cls, v: int | None) -> int | None:
+        if v is not None and v != 1:
+            raise ValueError("only best_of=1 is supported")
+        return v
+
+    @property
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt (string or token ids), unwrapped from a batch of one."""
+        p = self.prompt
+        while isinstance(p, list) and p and not isinstance(p[0], int):
+            p = p[0]
+        return p
+
+
+class TextPart(BaseModel):
+    """One ``{"type": "text", "text": ...}`` element of a message's content list."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One chat message. ``developer`` is treated as ``system``."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _check_content(cls, v: Any) -> Any:
+        if isinstance(v, str) or (isinstance(v, list) and all(isinstance(p, dict) for p in v)):
+            return v
+        raise ValueError("must be a string or a list of text parts")
+
+    def as_template_dict(self) -> dict[str, str]:
+        """``{"role", "content"}`` as the chat template expects (text parts joined)."""
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """POST /v1/chat/completions. Without max_tokens a reply may fill the context window."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _check_top_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return v
+
+    @property
+    def output_limit(self) -> int | None:
+        """The requested output length (max_completion_tokens wins over max_tokens), or None."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
