@@ -1,0 +1,32 @@
+"""Shared pytest fixtures.
+
+Model fixtures (tests/test_model_*.py): the default GGUF's config and all its tensors are read once
+per session; stages of any layer range are then built from that dict without re-reading the file.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def model_weights():
+    """``(ModelConfig, {canonical name: fp32 tensor})`` of the whole default model."""
+    from runtime.model.registry import resolve_model_path
+    from runtime.model.weights import load_tensors, open_checkpoint, stage_tensor_names
+    ckpt = open_checkpoint(resolve_model_path("default"))
+    names = stage_tensor_names(ckpt.config, (0, ckpt.config.num_layers))
+    return ckpt.config, load_tensors(ckpt, names, dtype=torch.float32, device="cpu", progress=False)
+
+
+@pytest.fixture(scope="session")
+def make_stages(model_weights):
+    """``make_stages(ranges, max_num_reqs=8, max_model_len=256) -> [StageModel]`` (fresh KV caches)."""
+    from runtime.model.stage import StageModel
+    cfg, weights = model_weights
+
+    def make(ranges, max_num_reqs: int = 8, max_model_len: int = 256):
+        return [StageModel(cfg, r, weights, max_num_reqs=max_num_reqs, max_model_len=max_model_len,
+                           dtype=torch.float32, device="cpu").eval() for r in ranges]
+    return make
