@@ -82,7 +82,7 @@ def _check(name: str, t: torch.Tensor, ndim: int, device: torch.device, rows: in
         raise ValueError(f"{name} is on {t.device}, expected {device} (idx_mapping's device)")
     if rows is not None and t.shape[0] != rows:
         raise ValueError(f"{name} has {t.shape[0]} rows, expected {rows}")
-    if t.stride(-1) != 1:
+    if t.stride(-1) != 1 and t.shape[-1] > 1:  # a size-1 dimension has no meaningful stride
         raise ValueError(f"{name} must be contiguous in its last dimension, strides {t.stride()}")
 
 

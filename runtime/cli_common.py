@@ -1,0 +1,55 @@
+"""Engine flags shared by ``runtime.serve``, ``runtime.generate`` and ``runtime.bench``."""
+
+from __future__ import annotations
+
+import argparse
+
+from pydantic import ValidationError
+
+from runtime.config import EngineConfig
+
+#: flag -> EngineConfig field
+ENGINE_FLAGS = {
+    "--model": "model", "--pp": "pp_size", "--pp-layer-partition": "pp_layer_partition",
+    "--pp-schedule": "pp_schedule", "--max-num-seqs": "max_num_seqs",
+    "--max-model-len": "max_model_len", "--max-num-batched-tokens": "max_num_batched_tokens",
+    "--max-prefill-chunk": "max_prefill_chunk", "--validate-mirrors": "validate_mirrors",
+    "--device": "device", "--dtype": "dtype", "--torch-threads": "torch_threads",
+    "--step-timeout": "step_timeout_s", "--trace-dir": "trace_dir",
+    "--served-model-name": "served_model_name",
+}
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """Add the engine flags (defaults come from :class:`EngineConfig`)."""
+    d = EngineConfig()
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=d.model, help="'default' (embedded SmolLM2-135M-Instruct "
+                   "GGUF), a .gguf file or a Hugging Face folder")
+    g.add_argument("--pp", type=int, default=d.pp_size, help="pipeline stages (worker processes)")
+    g.add_argument("--pp-layer-partition", default=None, help="layers per stage, e.g. 19,11")
+    g.add_argument("--pp-schedule", choices=["overlapped", "sync"], default=d.pp_schedule)
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    g.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    g.add_argument("--max-prefill-chunk", type=int, default=d.max_prefill_chunk)
+    g.add_argument("--validate-mirrors", default=d.validate_mirrors, help="every | N | off")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default=d.device)
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=d.dtype)
+    g.add_argument("--torch-threads", type=int, default=d.torch_threads)
+    g.add_argument("--step-timeout", type=float, default=d.step_timeout_s)
+    g.add_argument("--trace-dir", default=None, help="write per-process JSONL event traces here")
+    g.add_argument("--served-model-name", default=None)
+
+
+def engine_config(p: argparse.ArgumentParser, args: argparse.Namespace) -> EngineConfig:
+    """Build the EngineConfig; a bad value exits via ``p.error`` naming the flag."""
+    values = {field: getattr(args, flag[2:].replace("-", "_")) for flag, field in ENGINE_FLAGS.items()}
+    try:
+        return EngineConfig(**values)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = err["loc"][0] if err["loc"] else None
+        flag = next((f for f, fld in ENGINE_FLAGS.items() if fld == field), None)
+        p.error(f"{flag or 'engine config'}: {err['msg']}")
+        raise  # unreachable: p.error exits

@@ -1,0 +1,257 @@
+"""AsyncEngine: the asyncio front of a pipeline of worker processes (one per PP rank).
+
+The engine owns the ppstate :class:`~ppstate.scheduler.Scheduler`. Its loop issues steps while the
+scheduler allows (pp_size + 1 in flight in overlapped mode, 1 in sync mode), sends each
+:class:`SchedulerOutput` to every rank, and turns the last rank's :class:`StepResult` into
+per-request stream increments. A worker error, a dead worker or a step past ``step_timeout_s``
+fails every in-flight request with that error and stops all processes (never a hang).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from ppstate.scheduler import RequestSpec, Scheduler, SchedulerConfig
+from runtime.config import EngineConfig
+from runtime.launcher import WorkerPool
+from runtime.model.detokenizer import IncrementalDetokenizer
+from runtime.model.tokenizer import Tokenizer, load_tokenizer
+from runtime.outputs import RequestOutput, TokenLogprob
+from runtime.request_stream import RequestStream
+from runtime.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped (worker failure, timeout or shutdown); no request can be served."""
+
+
+class RequestRejected(ValueError):
+    """Bad request input; ``field`` names the offending field (the server answers HTTP 400)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(message)
+
+
+class AsyncEngine:
+    """Serve requests over a pipeline of ``config.pp_size`` worker processes.
+
+    Create with ``await AsyncEngine.start(config)``; stop with ``await engine.shutdown()``.
+    """
+
+    def __init__(self, config: EngineConfig, pool: WorkerPool, tokenizer: Tokenizer) -> None:
+        self.config, self.pool, self.tokenizer = config, pool, tokenizer
+        self.model_name = config.served_model_name or pool.model_name
+        self.sched = Scheduler(SchedulerConfig(
+            pp_size=config.pp_size, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_prefill_chunk=config.max_prefill_chunk, max_model_len=config.max_model_len,
+            mode=config.pp_schedule))
+        self._streams: dict[str, RequestStream] = {}
+        self._step_rows: dict[int, tuple[str, ...]] = {}
+        self._wake = asyncio.Event()
+        self._error: str | None = None
+        self._closed = False
+        self._tasks: list[asyncio.Task] = []
+        self._steps_total = 0
+        self._tokens_total = 0
+        self._busy = [0.0] * config.pp_size
+        self._active_s = 0.0
+        self._active_since: float | None = None
+        self._last_progress = time.monotonic()
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    @classmethod
+    async def start(cls, config: EngineConfig) -> "AsyncEngine":
+        """Spawn the workers, wait until every rank loaded its layers, start the step loop.
+
+        Raises:
+            EngineDeadError: a worker failed while starting (message carries its error).
+        """
+        pool = WorkerPool(config)
+        tokenizer = load_tokenizer(pool.model_path)
+        try:
+            await pool.start()
+        except Exception as exc:
+            await pool.shutdown()
+            raise EngineDeadError(f"engine failed to start: {exc}") from exc
+        engine = cls(config, pool, tokenizer)
+        engine._tasks = [asyncio.create_task(engine._step_loop()),
+                         asyncio.create_task(engine._result_loop())]
+        return engine
+
+    async def shutdown(self) -> None:
+        """Abort every live request, stop the loops and the worker processes."""
+        if not self._closed:
+            self._closed = True
+            self._fail_all("engine shut down", reason="abort")
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.pool.shutdown()
+
+    @property
+    def is_alive(self) -> bool:
+        return not self._closed and self._error is None
+
+    @property
+    def error(self) -> str | None:
+        """Why the engine died (None while alive)."""
+        return self._error
+
+    # ---- requests ----------------------------------------------------------------------------
+    def add_request(self, req_id: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Queue a request and return its stream of increments.
+
+        Raises:
+            EngineDeadError: the engine is not running.
+            RequestRejected: empty prompt, token id outside the vocabulary, prompt not shorter
+                than ``max_model_len``, duplicate id.
+        """
+        if not self.is_alive:
+            raise EngineDeadError(self._error or "engine is shut down")
+        req_id = req_id or uuid.uuid4().hex
+        self._check_prompt(req_id, prompt_token_ids)
+        eos = self.tokenizer.eos_token_id
+        spec = RequestSpec(
+            req_id=req_id, prompt_token_ids=tuple(int(t) for t in prompt_token_ids),
+            max_tokens=params.max_tokens,
+            eos_token_ids=frozenset() if eos is None else frozenset({eos}),
+            stop_token_ids=frozenset(params.stop_token_ids), ignore_eos=params.ignore_eos,
+            sampling=params.model_dump())
+        self.sched.add_request(spec)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, stop=params.stop)
+        stream = RequestStream(req_id, params, len(prompt_token_ids), detok)
+        self._streams[req_id] = stream
+        self._wake.set()
+        return stream.iterate(self.abort)
+
+    def _check_prompt(self, req_id: str, ids: list[int]) -> None:
+        if req_id in self._streams:
+            raise RequestRejected("request_id", f"request id {req_id!r} is already in use")
+        if not ids:
+            raise RequestRejected("prompt", "the prompt is empty")
+        if len(ids) >= self.config.max_model_len:
+            raise RequestRejected(
+                "prompt", f"the prompt has {len(ids)} tokens; this server's max_model_len is "
+                f"{self.config.max_model_len} (prompt + at least one new token must fit)")
+        vocab = self.tokenizer.vocab_size
+        bad = next((t for t in ids if not 0 <= int(t) < vocab), None)
+        if bad is not None:
+            raise RequestRejected("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})")
+
+    async def abort(self, req_id: str) -> None:
+        """Abort ``req_id`` (idempotent). Its stream ends with finish_reason ``abort`` and its slot
+        is freed in the next step."""
+        stream = self._streams.pop(req_id, None)
+        if self.sched.abort(req_id):
+            self._wake.set()
+        if stream is not None:
+            stream.finish("abort")
+
+    # ---- loops -------------------------------------------------------------------------------
+    async def _step_loop(self) -> None:
+        try:
+            while self.is_alive:
+                while self.is_alive and (out := self.sched.schedule()) is not None:
+                    self._step_rows[out.step] = out.req_ids
+                    if self._active_since is None:
+                        self._active_since = time.monotonic()
+                    self.pool.send_step(out)
+                self._mark_idle()
+                self._wake.clear()
+                await self._wake.wait()
+        except Exception as exc:  # noqa: BLE001 - any failure must fail the requests, not hang
+            self._die(f"engine step loop failed: {exc!r}")
+
+    async def _result_loop(self) -> None:
+        try:
+            while self.is_alive:
+                msg = await self.pool.recv(timeout_s=1.0)
+                if msg is None:
+                    self._check_health()
+                    continue
+                self._handle(msg)
+        except Exception as exc:  # noqa: BLE001
+            self._die(f"engine result loop failed: {exc!r}")
+
+    def _handle(self, msg) -> None:
+        kind = msg.kind
+        if kind == "error":
+            self._die(f"rank {msg.rank} failed at step {msg.step}: {msg.error_type}: {msg.message}")
+        elif kind == "result":
+            self._busy[msg.rank] += msg.busy_s
+            if msg.rank == self.config.pp_size - 1:
+                self._on_result(self.pool.to_step_result(msg))
+
+    def _on_result(self, result) -> None:
+        self._last_progress = time.monotonic()
+        self._steps_total += 1
+        rows = self._step_rows.pop(result.step, ())
+        row_of = {r: i for i, r in enumerate(rows)} if result.logprobs is not None else None
+        for upd in self.sched.on_step_result(result):
+            stream = self._streams.get(upd.req_id)
+            if stream is None:
+                continue
+            self._tokens_total += len(upd.token_ids)
+            lps = _logprobs_for(result, row_of, upd.req_id, upd.token_ids)
+            reason = stream.push_tokens(upd.token_ids, upd.finish_reason, lps)
+            if reason is not None:
+                if upd.finish_reason is None:  # stop string found by the detokenizer
+                    self.sched.stop(upd.req_id)
+                self._streams.pop(upd.req_id, None)
+        self._wake.set()
+
+    def _check_health(self) -> None:
+        dead = self.pool.dead_ranks()
+        if dead:
+            self._die(f"worker process of rank(s) {dead} died")
+        elif self.sched.in_flight and time.monotonic() - self._last_progress > self.config.step_timeout_s:
+            self._die(f"no step finished within step_timeout_s={self.config.step_timeout_s}")
+        elif not self.sched.in_flight:
+            self._last_progress = time.monotonic()
+
+    def _die(self, error: str) -> None:
+        if self._error is None and not self._closed:
+            self._error = error
+            self._fail_all(error)
+            self._wake.set()
+            asyncio.get_running_loop().create_task(self.pool.shutdown())
+
+    def _fail_all(self, error: str, reason: str = "abort") -> None:
+        for stream in list(self._streams.values()):
+            stream.finish(reason, error=None if reason == "abort" and self._error is None else error)
+        self._streams.clear()
+
+    def _mark_idle(self) -> None:
+        if not self.sched.in_flight and self._active_since is not None:
+            self._active_s += time.monotonic() - self._active_since
+            self._active_since = None
+
+    # ---- stats -------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Counters for /metrics: requests, steps, tokens, per-rank busy seconds, bubble fraction.
+
+        ``bubble_fraction`` = 1 - sum(rank busy seconds) / (pp_size * seconds with work in flight).
+        """
+        active = self._active_s + (time.monotonic() - self._active_since
+                                   if self._active_since is not None else 0.0)
+        pp = self.config.pp_size
+        bubble = max(0.0, 1.0 - sum(self._busy) / (pp * active)) if active > 0 else 0.0
+        return {"num_running": self.sched.num_running, "num_waiting": self.sched.num_waiting,
+                "steps_total": self._steps_total, "generated_tokens_total": self._tokens_total,
+                "rank_busy_seconds": list(self._busy), "bubble_fraction": bubble, "pp_size": pp}
+
+
+def _logprobs_for(result, row_of, req_id: str, token_ids: list[int]) -> list[TokenLogprob] | None:
+    if row_of is None or req_id not in row_of or not token_ids:
+        return None
+    entry = result.logprobs[row_of[req_id]]
+    if entry is None:
+        return None
+    lp, top = entry
+    return [TokenLogprob(token_ids[0], float(lp), {int(k): float(v) for k, v in top.items()})]

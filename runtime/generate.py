@@ -1,0 +1,100 @@
+"""Offline generation: ``python -m runtime.generate --prompt TEXT [--chat] --max-tokens N ...``.
+
+Runs the prompts concurrently through the same :class:`~runtime.engine.AsyncEngine` the server
+uses (``--pp N`` worker processes). With ``--json`` each prompt prints one JSON object:
+``{"prompt_token_ids": [...], "token_ids": [...], "text": "...", "finish_reason": "..."}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+
+from runtime.cli_common import add_engine_flags, engine_config
+from runtime.engine import AsyncEngine, EngineDeadError, RequestRejected
+from runtime.sampling_params import SamplingParams
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m runtime.generate", description=__doc__)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (a user message with --chat)")
+    src.add_argument("--prompt-file", help="JSON list of prompts (strings, or message lists "
+                     "with --chat)")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    add_engine_flags(p)
+    return p
+
+
+def load_prompts(p: argparse.ArgumentParser, args: argparse.Namespace) -> list:
+    """Prompts from --prompt or --prompt-file (errors name the flag)."""
+    if args.prompt is not None:
+        return [[{"role": "user", "content": args.prompt}] if args.chat else args.prompt]
+    try:
+        with open(args.prompt_file, encoding="utf-8") as fh:
+            prompts = json.load(fh)
+    except (OSError, json.JSONDecodeError) as exc:
+        p.error(f"--prompt-file: {exc}")
+    if not isinstance(prompts, list) or not prompts:
+        p.error("--prompt-file: must hold a non-empty JSON list")
+    if args.chat:
+        prompts = [[{"role": "user", "content": x}] if isinstance(x, str) else x for x in prompts]
+    elif not all(isinstance(x, str) for x in prompts):
+        p.error("--prompt-file: without --chat every prompt must be a string")
+    return prompts
+
+
+async def _one(engine: AsyncEngine, i: int, prompt, params: SamplingParams) -> dict:
+    tok = engine.tokenizer
+    ids = tok.encode_chat(prompt) if isinstance(prompt, list) else tok.encode(prompt)
+    token_ids, text, reason = [], "", None
+    async for out in engine.add_request(f"gen-{i}", ids, params):
+        token_ids += out.new_token_ids
+        text += out.new_text
+        reason = out.finish_reason or reason
+        if out.error:
+            raise EngineDeadError(out.error)
+    return {"prompt_token_ids": ids, "token_ids": token_ids, "text": text, "finish_reason": reason}
+
+
+async def run(args, prompts: list, params: SamplingParams, config) -> list[dict]:
+    """Start an engine, run every prompt concurrently, shut the engine down."""
+    engine = await AsyncEngine.start(config)
+    try:
+        return await asyncio.gather(*(_one(engine, i, pr, params) for i, pr in enumerate(prompts)))
+    finally:
+        await engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    prompts = load_prompts(p, args)
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                                ignore_eos=args.ignore_eos)
+    except ValueError as exc:
+        p.error(str(exc).replace("\n", " "))
+    config = engine_config(p, args)
+    try:
+        results = asyncio.run(run(args, prompts, params, config))
+    except (EngineDeadError, RequestRejected) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    for r in results:
+        print(json.dumps(r, ensure_ascii=False) if args.json else r["text"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""Device-side per-slot state of one rank, plus its CPU mirrors.
+
+All tensors are indexed by slot (``req_idx``) and allocated once. The post-update kernels
+(:mod:`runtime.kernels.post_update`) are the only writers after admission: the immediate phase
+(+query length after the forward, every rank) and the sampled phase (last rank right after
+sampling, other ranks on the deferred consume ``pp_size`` steps later).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from ppstate.batch import NewRequest, SchedulerOutput
+from ppstate.mirror import MIRROR_FIELDS, CpuMirror
+from runtime.kernels.post_update import post_update_computed, post_update_sampled
+
+
+class DeviceState:
+    """Slot-indexed tensors on ``device`` and the matching :class:`CpuMirror`.
+
+    Args:
+        max_num_reqs: slots.
+        max_model_len: tokens per slot in ``all_token_ids``.
+        width: sampled ids per row in the broadcast (1 + speculative tokens; 1 now).
+        device: compute device.
+        rank: PP rank (named in mirror divergences).
+    """
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, width: int, device: torch.device,
+                 rank: int) -> None:
+        self.device, self.width, self.max_model_len = device, width, max_model_len
+        i64 = dict(dtype=torch.int64, device=device)
+        self.num_computed_tokens = torch.zeros(max_num_reqs, **i64)            # [max_num_reqs]
+        self.num_computed_prefill_tokens = torch.zeros(max_num_reqs, **i64)    # [max_num_reqs]
+        self.prefill_len = torch.zeros(max_num_reqs, **i64)                    # [max_num_reqs]
+        self.max_seq_len = torch.zeros(max_num_reqs, **i64)                    # [max_num_reqs]
+        self.total_len = torch.zeros(max_num_reqs, **i64)                      # [max_num_reqs]
+        self.last_sampled_tokens = torch.zeros(max_num_reqs, width, **i64)     # [max_num_reqs, width]
+        self.all_token_ids = torch.zeros(max_num_reqs, max_model_len, **i64)   # [max_num_reqs, max_model_len]
+        self.mirror = CpuMirror(max_num_reqs, rank=rank)
+        self.owner: list[str | None] = [None] * max_num_reqs                    # [max_num_reqs]
+        self.sampling: list[dict | None] = [None] * max_num_reqs                # [max_num_reqs]
+
+    def add_requests(self, new: Sequence[NewRequest]) -> None:
+        """Initialise the slots of newly admitted requests (prompt ids, lengths, counters)."""
+        for req in new:
+            s, n = req.slot, len(req.prompt_token_ids)
+            self.all_token_ids[s, :n] = torch.tensor(req.prompt_token_ids, dtype=torch.int64)
+            self.total_len[s] = n
+            self.prefill_len[s] = n
+            self.max_seq_len[s] = req.max_seq_len
+            self.num_computed_tokens[s] = 0
+            self.num_computed_prefill_tokens[s] = 0
+            self.owner[s] = req.req_id
+            self.sampling[s] = req.sampling
+            self.mirror.add_request(s, n, req.max_seq_len)
+
+    def free(self, slot: int) -> None:
+        """Forget the slot's owner (its tensors are re-initialised on the next admission)."""
+        self.owner[slot] = None
+        self.sampling[slot] = None
+
+    def input_ids(self, out: SchedulerOutput, token_slots: torch.Tensor,
+                  positions: torch.Tensor) -> torch.Tensor:
+        """Gather the step's input token ids from device state: ``[num_tokens]`` int64.
+
+        Prefill rows read prompt ids, decode rows read the last sampled token, both from
+        ``all_token_ids[slot, position]`` (written by the post-update kernels, never by the engine).
+        """
+        return self.all_token_ids[token_slots, positions]
+
+    def apply_scheduled(self, slots: torch.Tensor, query_lens: torch.Tensor,
+                        slots_np: np.ndarray, query_lens_np: np.ndarray) -> None:
+        """Immediate phase after the forward: device kernel + mirror (+query length)."""
+        post_update_computed(slots, query_lens, self.num_computed_tokens,
+                             self.num_computed_prefill_tokens, self.prefill_len)
+        self.mirror.apply_scheduled(slots_np, query_lens_np)
+
+    def apply_sampled(self, idx_mapping: torch.Tensor, sampled: torch.Tensor,
+                      num_sampled: torch.Tensor, num_rejected: torch.Tensor,
+                      idx_mapping_np: np.ndarray, num_rejected_np: np.ndarray) -> None:
+        """Sampled phase: write ids, advance ``total_len``, subtract rejected; ``-1`` rows skipped."""
+        post_update_sampled(idx_mapping, sampled.contiguous(), num_sampled.contiguous(),
+                            num_rejected.contiguous(),
+                            self.last_sampled_tokens, self.all_token_ids, self.total_len,
+                            self.num_computed_tokens)
+        self.mirror.apply_rejected(idx_mapping_np, num_rejected_np)
+
+    def live_slots(self) -> np.ndarray:
+        """``[num_live]`` slots that hold a request."""
+        return np.fromiter((i for i, o in enumerate(self.owner) if o is not None), dtype=np.int64)
+
+    def validate(self, step: int) -> None:
+        """Compare mirrors with device tensors on live slots (invariant 4).
+
+        Raises:
+            MirrorDivergence: naming rank, step, slot, request, field and both values.
+        """
+        live = self.live_slots()
+        if live.size == 0:
+            return
+        dev = {f: getattr(self, f).cpu().numpy() for f in MIRROR_FIELDS}
+        self.mirror.validate(dev, live, step, owners=self.owner)
+
+    def corrupt(self, slot: int, field: str, delta: int) -> None:
+        """Test hook: add ``delta`` to one device value (mirror untouched) to plant a divergence."""
+        getattr(self, field)[slot] += delta

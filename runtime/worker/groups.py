@@ -1,0 +1,141 @@
+"""torch.distributed setup for one PP rank: the PP group for hidden-state p2p and a sibling
+broadcast group (same ranks, second ``new_group``) for the last rank's sampled-token broadcast, so
+the two kinds of traffic never serialise behind each other (vLLM ``make_sibling_device_group``).
+
+On CPU both groups use gloo. On CUDA with one process per GPU they use NCCL; several ranks on one
+GPU (NCCL refuses "Duplicate GPU") use gloo with explicit host staging of every tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class PPGroups:
+    """The rank's view of the pipeline.
+
+    Attributes:
+        rank: this PP rank (0..pp_size-1), equal to the global rank here.
+        pp_size: number of stages.
+        backend: ``gloo`` or ``nccl``.
+        device: where the stage computes.
+        timeout: limit on every wait (collective, p2p receive).
+        stage_on_host: copy tensors to host memory around gloo calls (CUDA + gloo).
+    """
+    rank: int
+    pp_size: int
+    backend: str
+    device: torch.device
+    timeout: timedelta
+    stage_on_host: bool = False
+    pp_group: object | None = None
+    bcast_group: object | None = None
+    _pending_sends: list = field(default_factory=list)
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.pp_size - 1
+
+    @property
+    def last_rank(self) -> int:
+        return self.pp_size - 1
+
+    def comm_device(self) -> torch.device:
+        """Device of the tensors handed to torch.distributed."""
+        return torch.device("cpu") if self.stage_on_host else self.device
+
+    def send_next(self, tensor: torch.Tensor) -> None:
+        """Non-blocking send of ``tensor`` to rank + 1 on the PP group.
+
+        The tensor is kept alive until its send completes; at most ``keep`` sends stay pending.
+        """
+        t = tensor.to("cpu") if self.stage_on_host else tensor.contiguous()
+        work = dist.isend(t, dst=self.rank + 1, group=self.pp_group)
+        self._pending_sends.append((work, t))
+        while len(self._pending_sends) > 4:
+            self._wait(self._pending_sends.pop(0)[0])
+
+    def recv_prev(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Blocking receive of a ``shape`` tensor from rank - 1 (bounded by ``timeout``)."""
+        buf = torch.empty(shape, dtype=dtype, device=self.comm_device())
+        self._wait(dist.irecv(buf, src=self.rank - 1, group=self.pp_group))
+        return buf.to(self.device) if self.stage_on_host else buf
+
+    def post_broadcast(self, buf: torch.Tensor):
+        """Start the sampled-token broadcast from the last rank on the sibling group.
+
+        Returns:
+            (work, host_or_device_buffer): on non-last ranks the buffer fills when work completes.
+        """
+        t = buf.to("cpu") if self.stage_on_host else buf
+        work = dist.broadcast(t, src=self.last_rank, group=self.bcast_group, async_op=True)
+        return work, t
+
+    def blocking_broadcast(self, buf: torch.Tensor) -> torch.Tensor:
+        """Sync mode: broadcast on the PP group and wait (the baseline the benchmarks compare)."""
+        t = buf.to("cpu") if self.stage_on_host else buf
+        self._wait(dist.broadcast(t, src=self.last_rank, group=self.pp_group, async_op=True))
+        return t.to(self.device) if self.stage_on_host else t
+
+    def wait(self, work) -> None:
+        """Wait for ``work`` at most ``timeout``; raises RuntimeError (timeout) from torch."""
+        self._wait(work)
+
+    def _wait(self, work) -> None:
+        if self.backend == "gloo":
+            work.wait(self.timeout)
+        else:
+            work.wait()
+
+    def drain(self) -> None:
+        """Wait for all pending sends (before shutdown)."""
+        while self._pending_sends:
+            self._wait(self._pending_sends.pop(0)[0])
+
+
+def init_groups(rank: int, pp_size: int, init_method: str, device: torch.device,
+                timeout_s: float) -> PPGroups:
+    """Initialise torch.distributed for one rank and create the PP and sibling groups.
+
+    Args:
+        rank: this process's rank.
+        pp_size: world size (= pipeline stages).
+        init_method: rendezvous URL, e.g. ``tcp://127.0.0.1:29511`` or ``env://`` under torchrun.
+        device: compute device of this rank.
+        timeout_s: seconds before any collective / receive fails.
+
+    Raises:
+        RuntimeError: rendezvous failed or timed out.
+    """
+    multi_gpu = device.type == "cuda" and torch.cuda.device_count() >= pp_size
+    backend = "nccl" if multi_gpu else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    groups = PPGroups(rank=rank, pp_size=pp_size, backend=backend, device=device, timeout=timeout,
+                      stage_on_host=(device.type == "cuda" and backend == "gloo"))
+    if pp_size == 1:
+        return groups
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=pp_size,
+                            timeout=timeout)
+    ranks = list(range(pp_size))
+    groups.pp_group = dist.new_group(ranks, backend=backend, timeout=timeout)
+    groups.bcast_group = dist.new_group(ranks, backend=backend, timeout=timeout)
+    return groups
+
+
+def destroy_groups(groups: PPGroups) -> None:
+    """Drain pending sends and tear the process group down (best effort)."""
+    if groups.pp_size == 1 or not dist.is_initialized():
+        return
+    try:
+        groups.drain()
+    finally:
+        dist.destroy_process_group()

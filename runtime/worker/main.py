@@ -1,0 +1,127 @@
+"""Entry point of one worker process (one PP rank).
+
+Loads only this rank's layers, sets up torch.distributed (PP group + sibling broadcast group),
+then serves step messages from the engine until told to stop. Any exception is reported to the
+engine as an error message (rank, step, type, message, traceback) before the process exits.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+
+import torch
+import zmq
+
+from ppstate.events import NULL_SINK, JsonlSink
+from runtime import transport as tp
+from runtime.config import EngineConfig
+from runtime.model.stage import load_stage
+from runtime.worker.device_state import DeviceState
+from runtime.worker.groups import destroy_groups, init_groups
+from runtime.worker.runner import StageRunner
+
+
+def pick_device(cfg: EngineConfig, rank: int) -> torch.device:
+    """``cuda:<rank % n>`` when CUDA is asked for (or auto and available), else CPU."""
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", rank % max(torch.cuda.device_count(), 1))
+    return torch.device("cpu")
+
+
+def pick_dtype(cfg: EngineConfig, device: torch.device) -> torch.dtype:
+    """fp32 on CPU, bf16 on CUDA for ``auto``; otherwise as configured."""
+    if cfg.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, cfg.dtype)
+
+
+class _Worker:
+    def __init__(self, args, push: zmq.Socket) -> None:
+        self.args, self.push = args, push
+        self.cfg = EngineConfig(**args.config)
+        self.rank = args.rank
+        self.step = -1
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        torch.set_num_threads(cfg.torch_threads)
+        device = pick_device(cfg, self.rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        self.groups = init_groups(self.rank, cfg.pp_size, self.args.init_method, device,
+                                  cfg.step_timeout_s)
+        stage = load_stage(self.args.model_path, self.args.layer_range, dtype=pick_dtype(cfg, device),
+                           device=device, max_num_reqs=cfg.max_num_seqs,
+                           max_model_len=cfg.max_model_len, progress=(self.rank == 0))
+        state = DeviceState(cfg.max_num_seqs, cfg.max_model_len, 1, device, self.rank)
+        sink = NULL_SINK
+        if cfg.trace_dir:
+            sink = JsonlSink(os.path.join(cfg.trace_dir, f"rank{self.rank}.jsonl"))
+        self.runner = StageRunner(self.groups, stage, state, cfg.pp_schedule == "overlapped",
+                                  cfg.validate_every, sink)
+        self.sink = sink
+
+    def serve(self, pull: zmq.Socket) -> None:
+        parent = os.getppid()
+        poller = zmq.Poller()
+        poller.register(pull, zmq.POLLIN)
+        while True:
+            if not poller.poll(1000):
+                if os.getppid() != parent:
+                    return  # the engine is gone
+                continue
+            msg = tp.decode(pull.recv())
+            if msg.kind == "shutdown":
+                return
+            if msg.kind == "corrupt_state":
+                self.runner.state.corrupt(msg.slot, msg.field, msg.delta)
+                continue
+            if msg.kind == "step":
+                self._step(msg)
+
+    def _step(self, msg) -> None:
+        out = tp.to_scheduler_output(msg)
+        self.step = out.step
+        t0 = time.perf_counter()
+        result = self.runner.step(out)
+        busy = self.runner.timing.busy_s
+        if result is not None:
+            self.push.send(tp.encode(tp.from_step_result(result, rank=self.rank, busy_s=busy)))
+        else:
+            self.push.send(tp.encode(tp.ResultMsg.timing_only(out.step, self.rank, busy,
+                                                              time.perf_counter() - t0)))
+
+    def report(self, exc: BaseException) -> None:
+        self.push.send(tp.encode(tp.ErrorMsg(
+            rank=self.rank, step=self.step, error_type=type(exc).__name__, message=str(exc),
+            traceback="".join(traceback.format_exception(exc)))))
+
+
+def run_worker(args) -> None:
+    """Process body: connect to the engine, set up the rank, serve steps, report failures."""
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 2000)
+    push.connect(args.result_addr)
+    pull = ctx.socket(zmq.PULL)
+    pull.connect(args.step_addr)
+    w = _Worker(args, push)
+    try:
+        w.setup()
+        push.send(tp.encode(tp.ReadyMsg(rank=args.rank, info={"layers": list(args.layer_range)})))
+        w.serve(pull)
+    except BaseException as exc:  # noqa: BLE001 - report everything to the engine
+        w.report(exc)
+    finally:
+        if getattr(w, "sink", None) is not None:
+            w.sink.close()
+        if getattr(w, "groups", None) is not None:
+            try:
+                destroy_groups(w.groups)
+            except Exception:  # noqa: BLE001 - peers may be gone already
+                pass
+        pull.close(0)
+        push.close()
+        ctx.term()

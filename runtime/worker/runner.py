@@ -1,0 +1,240 @@
+"""The per-step work of one PP rank (DESIGN.md section 5).
+
+Order inside a step: consume the deferred entry (non-last ranks, overlapped mode) -> free / admit
+slots -> prepare inputs from device state -> receive hidden states from rank - 1 -> forward ->
+send to rank + 1 -> last rank: sample, post-update, broadcast on the sibling group; other ranks:
+post the deferred receive -> immediate post-update (+query length) -> validate CPU mirrors.
+
+Every collective decision is a pure function of the replicated :class:`SchedulerOutput`
+(``ppstate.pp_handler.need_sampled_mask``), so all ranks agree whether a broadcast happens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ppstate.batch import SchedulerOutput, StepResult
+from ppstate.events import NULL_SINK, EventSink
+from ppstate.pp_handler import PPHandler, need_sampled_mask
+from runtime.model.stage import BatchMeta, StageModel
+from runtime.sampler import SamplingBatch, sample
+from runtime.sampling_params import SamplingParams
+from runtime.worker.device_state import DeviceState
+from runtime.worker.groups import PPGroups
+
+
+class _PendingRecv:
+    """Completion handle of a posted deferred receive: ``wait()`` bounded by the group timeout."""
+
+    def __init__(self, groups: PPGroups, work, buf: torch.Tensor) -> None:
+        self.groups, self.work, self.buf = groups, work, buf  # buf: [num_rows, width + 2] int64
+
+    def wait(self) -> None:
+        self.groups.wait(self.work)
+
+
+@dataclass
+class StepTiming:
+    """Seconds this rank spent computing (busy) and waiting on peers in one step."""
+    busy_s: float = 0.0
+    wait_s: float = 0.0
+
+
+class StageRunner:
+    """Runs steps for one rank.
+
+    Args:
+        groups: process groups of this rank.
+        stage: the rank's layers (``StageModel``).
+        state: slot-indexed device state + mirrors.
+        overlapped: bubble-free mode (deferred consume) or sync mode (blocking broadcast).
+        validate_every: validate mirrors every N steps (0 = never).
+        sink: event sink (PPHandler enqueue/consume/free, broadcast posted/skipped).
+    """
+
+    def __init__(self, groups: PPGroups, stage: StageModel, state: DeviceState, overlapped: bool,
+                 validate_every: int, sink: EventSink = NULL_SINK) -> None:
+        self.g, self.stage, self.state = groups, stage, state
+        self.overlapped, self.validate_every, self.sink = overlapped, validate_every, sink
+        self.device = state.device
+        self.width = state.width
+        self.hidden_size = stage.cfg.hidden_size
+        self.act_dtype = next(stage.parameters()).dtype
+        self.handler: PPHandler | None = None
+        if overlapped and groups.pp_size > 1 and not groups.is_last:
+            self.handler = PPHandler(groups.pp_size, len(state.owner), sink=sink, rank=groups.rank)
+        self._params: dict[int, SamplingParams] = {}
+        self.timing = StepTiming()
+
+    # ---- slot bookkeeping -------------------------------------------------------------------
+    def _apply_freed_new(self, out: SchedulerOutput) -> None:
+        for f in out.freed:
+            self.state.free(f.slot)
+            self._params.pop(f.slot, None)
+            if self.handler is not None:
+                self.handler.on_slot_freed(f.slot)
+        self.state.add_requests(out.new_requests)
+        if self.g.is_last:
+            for r in out.new_requests:
+                self._params[r.slot] = SamplingParams(**r.sampling)
+
+    # ---- deferred consume (non-last ranks) ---------------------------------------------------
+    def _consume(self) -> None:
+        if self.handler is None:
+            return
+        t0 = time.perf_counter()
+        entry = self.handler.consume()  # waits on the pending receive, if any
+        self.timing.wait_s += time.perf_counter() - t0
+        if entry is not None:
+            self._apply_buffer(entry.handle.buf, entry.idx_mapping)
+
+    def _apply_buffer(self, buf: torch.Tensor, idx_mapping_np: np.ndarray) -> None:
+        buf = buf.to(self.device)
+        w = self.width
+        idx = torch.as_tensor(idx_mapping_np, dtype=torch.int64, device=self.device)
+        rejected_np = buf[:, w + 1].cpu().numpy()
+        self.state.apply_sampled(idx, buf[:, :w], buf[:, w], buf[:, w + 1],
+                                 idx_mapping_np.astype(np.int64), rejected_np)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def step(self, out: SchedulerOutput) -> StepResult | None:
+        """Run one step. Returns the StepResult on the last rank, None elsewhere.
+
+        Raises:
+            MirrorDivergence: mirrors differ from device state after the step.
+            RuntimeError: a peer did not answer within the group timeout.
+        """
+        self.timing = StepTiming()
+        self._consume()
+        self._apply_freed_new(out)
+        mask = need_sampled_mask(out)
+        result = None
+        if out.is_empty:
+            if self.handler is not None:
+                self.handler.enqueue(out.step, out, None, None)
+            result = self._empty_result(out) if self.g.is_last else None
+        else:
+            result = self._run_rows(out, mask)
+        if self.validate_every and out.step % self.validate_every == 0:
+            self.state.validate(out.step)
+        return result
+
+    def _run_rows(self, out: SchedulerOutput, mask: np.ndarray | None) -> StepResult | None:
+        dev = self.device
+        slots = torch.as_tensor(out.slots, dtype=torch.int64, device=dev)
+        starts = torch.as_tensor(out.start_positions, dtype=torch.int64, device=dev)
+        qlens = torch.as_tensor(out.num_scheduled_tokens, dtype=torch.int64, device=dev)
+        meta = BatchMeta.build(slots, starts, qlens, dev)
+        hidden = self._forward(out, meta)
+        self.state.apply_scheduled(slots, qlens, out.slots.astype(np.int64),
+                                   out.num_scheduled_tokens.astype(np.int64))
+        if self.g.is_last:
+            return self._sample_and_publish(out, mask, hidden)
+        self._post_receive(out, mask)
+        return None
+
+    def _forward(self, out: SchedulerOutput, meta: BatchMeta) -> torch.Tensor:
+        t_total = out.total_tokens
+        with torch.inference_mode():
+            if self.g.is_first:
+                ids = self.state.all_token_ids[meta.token_slots, meta.positions]
+                t0 = time.perf_counter()
+                res = self.stage(meta, input_ids=ids)
+            else:
+                t0 = time.perf_counter()
+                packed = self.g.recv_prev((2, t_total, self.hidden_size), self.act_dtype)
+                t1 = time.perf_counter()
+                self.timing.wait_s += t1 - t0
+                t0 = t1
+                res = self.stage(meta, hidden=packed[0], residual=packed[1])
+            if not self.g.is_last:
+                self.g.send_next(torch.stack(res))
+        self.timing.busy_s += time.perf_counter() - t0
+        return res
+
+    def _post_receive(self, out: SchedulerOutput, mask: np.ndarray | None) -> None:
+        if mask is None:
+            if self.handler is not None:
+                self.handler.enqueue(out.step, out, None, None)
+            if self.sink.enabled:
+                self.sink.emit("broadcast.skipped", step=out.step, rank=self.g.rank)
+            return
+        buf = torch.empty((out.num_rows, self.width + 2), dtype=torch.int64,
+                          device=self.g.comm_device())
+        if self.handler is not None:
+            pending = _PendingRecv(self.g, *self.g.post_broadcast(buf))
+            self.handler.enqueue(out.step, out, mask, pending)
+        else:  # sync mode: blocking broadcast on the PP group, immediate consume
+            t0 = time.perf_counter()
+            got = self.g.blocking_broadcast(buf)
+            self.timing.wait_s += time.perf_counter() - t0
+            idx = np.where(mask, out.slots, -1).astype(np.int64)
+            self._apply_buffer(got, idx)
+
+    def _sample_and_publish(self, out: SchedulerOutput, mask: np.ndarray | None,
+                            logits: torch.Tensor) -> StepResult:
+        t0 = time.perf_counter()
+        r, w = out.num_rows, self.width
+        payload = torch.zeros((r, w + 2), dtype=torch.int64, device=self.device)
+        logprobs = None
+        if mask is not None:
+            rows = np.nonzero(mask)[0]
+            params = [self._params[int(out.slots[i])] for i in rows]
+            prompt = self.state.mirror.prefill_len_np[out.slots[rows]]
+            out_idx = (out.start_positions[rows] + out.num_scheduled_tokens[rows] - prompt).tolist()
+            batch = SamplingBatch.build(params, out_idx, self.device)
+            rows_t = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
+            so = sample(logits.index_select(0, rows_t).float(), batch)
+            payload[rows_t, 0] = so.token_ids
+            payload[rows_t, w] = 1
+            logprobs = _logprob_rows(so, rows, r, params)
+        idx_np = np.where(mask if mask is not None else False, out.slots, -1).astype(np.int64)
+        idx = torch.as_tensor(idx_np, device=self.device)
+        self.state.apply_sampled(idx, payload[:, :w], payload[:, w], payload[:, w + 1],
+                                 idx_np, np.zeros(r, dtype=np.int64))
+        if self.g.pp_size > 1:
+            self._publish(out, mask, payload)
+        self.timing.busy_s += time.perf_counter() - t0
+        host = payload.cpu().numpy()
+        return StepResult(out.step, host[:, :w].copy(), host[:, w].astype(np.int32),
+                          host[:, w + 1].astype(np.int32), logprobs)
+
+    def _publish(self, out: SchedulerOutput, mask: np.ndarray | None, payload: torch.Tensor) -> None:
+        if mask is None:
+            if self.sink.enabled:
+                self.sink.emit("broadcast.skipped", step=out.step, rank=self.g.rank)
+            return
+        if self.overlapped:
+            work, buf = self.g.post_broadcast(payload)
+            self.g._pending_sends.append((work, buf))  # keep alive; drained lazily like sends
+        else:
+            self.g.blocking_broadcast(payload)
+        if self.sink.enabled:
+            self.sink.emit("broadcast.posted", step=out.step, rank=self.g.rank,
+                           rows=int(mask.sum()))
+
+    def _empty_result(self, out: SchedulerOutput) -> StepResult:
+        z = np.zeros(0, dtype=np.int32)
+        return StepResult(out.step, np.zeros((0, self.width), dtype=np.int64), z, z.copy())
+
+
+def _logprob_rows(so, rows: np.ndarray, num_rows: int, params: list[SamplingParams]):
+    """Per-row logprob payload ``[num_rows]`` (None for rows without a request for logprobs)."""
+    if so.logprobs is None or not any(p.logprobs is not None for p in params):
+        return None
+    lp = so.logprobs.float().cpu().tolist()
+    top = None
+    if so.top_logprobs is not None:
+        top = (so.top_logprobs[0].cpu().tolist(), so.top_logprobs[1].float().cpu().tolist())
+    outs: list = [None] * num_rows
+    for j, i in enumerate(rows):
+        k = params[j].logprobs
+        if k is None:
+            continue
+        alts = {} if top is None else dict(zip(top[0][j][:k], top[1][j][:k]))
+        outs[int(i)] = (lp[j], alts)
+    return outs
