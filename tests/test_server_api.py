@@ -65,14 +65,16 @@ class FakeEngine:
         full = (REPLY * 8)[:params.max_tokens]
         hits = [(full.index(s), s) for s in params.stop if s in full]
         last, keep = (len(full), len(full)) if not hits else (min(hits)[0] + len(min(hits)[1]), min(hits)[0])
-        stop_ev = self.live[req_id]
+        stop_ev, done = self.live[req_id], False
         try:
             for n in range(1, last + 1):
                 await asyncio.sleep(self.step_s)
                 if stop_ev.is_set():
+                    done = True
                     yield RequestOutput(req_id, [], "", True, "abort", n_prompt, n - 1)
                     return
                 if self.fail_after is not None and n > self.fail_after:
+                    done = True
                     yield RequestOutput(req_id, [], "", True, "abort", n_prompt, n - 1, error="rank 1 died")
                     return
                 tok = ord(full[n - 1])
@@ -84,10 +86,12 @@ class FakeEngine:
                 reason = ("stop" if hits else "length") if done else None
                 yield RequestOutput(req_id, [tok], chr(tok) if n <= keep else "", done, reason, n_prompt, n, lps)
         finally:
+            if not done:  # like the real engine: a stream closed early aborts its request
+                await self.abort(req_id)
             self.live.pop(req_id, None)
 
     async def abort(self, req_id: str) -> None:
-        if req_id in self.live:
+        if req_id in self.live and not self.live[req_id].is_set():
             self.aborted.append(req_id)
             self.live[req_id].set()
 

@@ -51,23 +51,26 @@ class OpenAIHandlers:
         """Output tokens to allow; raises 400 when the prompt or the request does not fit."""
         max_len = self.config.max_model_len
         if prompt_len >= max_len:
-            raise APIError(f"This model's maximum context length is {max_len} tokens; the prompt has "
-                           f"{prompt_len} tokens, leaving no room for output.",
+            raise APIError(f"'{prompt_field}' is too long: this model's maximum context length is "
+                           f"{max_len} tokens and the prompt has {prompt_len} tokens, leaving no room "
+                           "for output.",
                            param=prompt_field, code="context_length_exceeded")
         room = max_len - prompt_len
         if requested is None:
             return room if default is None else min(default, room)
         if requested > room:
-            raise APIError(f"This model's maximum context length is {max_len} tokens. However, you "
-                           f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
-                           f"{requested} for the completion).",
+            raise APIError(f"'{limit_field}' is too large: this model's maximum context length is "
+                           f"{max_len} tokens, you requested {prompt_len + requested} tokens "
+                           f"({prompt_len} in the prompt, {requested} for the completion); "
+                           f"use {limit_field} <= {room}.",
                            param=limit_field, code="context_length_exceeded")
         return requested
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         """Token ids must be inside the vocabulary."""
         if self.vocab_size is not None and any(t >= self.vocab_size for t in ids):
-            raise APIError(f"token ids must be < {self.vocab_size} (the vocabulary size)", param=param,
+            raise APIError(f"Invalid value for '{param}': token ids must be < {self.vocab_size} "
+                           "(the vocabulary size)", param=param,
                            code="invalid_value")
 
     def sampling_params(self, req: GenerationRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
