@@ -192,8 +192,8 @@ def sample_cut(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, u
     candidate_mass = before[:, -1] + probs[:, -1].double()
     probs = probs.masked_fill(has_p.unsqueeze(1) & (before >= top_p.double().unsqueeze(1)), 0.0)
     short = None
-    if k < vocab and not scaled.is_cuda:  # on CUDA, callers pass K = V for top-p-only rows
-        short = (~has_k & has_p & (candidate_mass < top_p.double())).nonzero().squeeze(1)
+    if k < vocab and not scaled.is_cuda:  # on CUDA, callers pass K = V for rows without top-k
+        short = (~has_k & (candidate_mass < top_p.double())).nonzero().squeeze(1)
         short = short if short.numel() else None
     out = ids.gather(1, inverse_cdf(probs, u).unsqueeze(1)).squeeze(1)
     if short is not None:  # CPU only: nucleus wider than the candidates
