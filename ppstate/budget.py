@@ -1,0 +1,131 @@
+"""Scheduler configuration, per-slot progress arrays and the per-step budget.
+
+Budgets follow vLLM's scheduler: ``max_num_seqs`` live requests (= slots), ``max_num_batched_tokens``
+per step, ``max_prefill_chunk`` tokens per prefill chunk (``long_prefill_token_threshold``) and
+``max_model_len``. Balanced admission (vLLM RFC #50853): in overlapped mode a batch holds at most
+``ceil(max_num_seqs / pp_size)`` rows, so a burst is spread over the ``pp_size`` in-flight batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from ppstate.errors import SchedulerError
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Static scheduler parameters.
+
+    Attributes:
+        pp_size: pipeline stages (>= 1).
+        max_num_seqs: live requests at most; also the number of slots (>= 1).
+        max_num_batched_tokens: tokens per step at most (>= 1).
+        max_prefill_chunk: tokens per prefill chunk at most (>= 1).
+        max_model_len: prompt + generated tokens at most (>= 2).
+        mode: "overlapped" (pp_size + 1 batches in flight) or "sync" (one batch, the baseline).
+
+    Raises:
+        SchedulerError: a field out of range; the message names the field.
+    """
+    pp_size: int = 2
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 256
+    max_prefill_chunk: int = 64
+    max_model_len: int = 2048
+    mode: Literal["overlapped", "sync"] = "overlapped"
+
+    def __post_init__(self) -> None:
+        for name, low in (("pp_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1),
+                          ("max_prefill_chunk", 1), ("max_model_len", 2)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise SchedulerError(f"SchedulerConfig.{name} must be an int >= {low}, got {value!r}")
+        if self.mode not in ("overlapped", "sync"):
+            raise SchedulerError(f"SchedulerConfig.mode must be 'overlapped' or 'sync', "
+                                 f"got {self.mode!r}")
+
+    @property
+    def in_flight_limit(self) -> int:
+        """Steps issued and not yet answered: pp_size + 1 overlapped, 1 sync."""
+        return self.pp_size + 1 if self.mode == "overlapped" else 1
+
+    @property
+    def cadence(self) -> int:
+        """Steps between two sampling rows of one request: pp_size overlapped, 1 sync."""
+        return self.pp_size if self.mode == "overlapped" else 1
+
+    @property
+    def max_rows_per_step(self) -> int:
+        """Balanced-admission row cap: ceil(max_num_seqs / pp_size) overlapped, max_num_seqs sync."""
+        if self.mode == "sync":
+            return self.max_num_seqs
+        return -(-self.max_num_seqs // self.pp_size)
+
+
+    @property
+    def step_token_budget(self) -> int:
+        """Tokens one step may schedule (the PP throttle).
+
+        Sync: ``max_num_batched_tokens``. Overlapped: ``pp_size`` batches are in the pipeline at
+        once, so a step gets ``ceil(max_num_batched_tokens / pp_size)`` (at least the row cap, at
+        most ``max_num_batched_tokens``): the tokens in flight stay within the budget and no single
+        heavy batch stalls the ``pp_size - 1`` light ones behind it (the deferred receive makes
+        rank 0 wait for the last rank ``pp_size`` steps back). vLLM's PP PR throttles the same way.
+        """
+        if self.mode == "sync":
+            return self.max_num_batched_tokens
+        share = -(-self.max_num_batched_tokens // self.pp_size)
+        return min(self.max_num_batched_tokens, max(share, self.max_rows_per_step))
+
+
+class RequestArrays:
+    """Per-token progress of live requests, indexed by slot (all ``[max_num_reqs]`` int64).
+
+    Fields: ``num_computed_tokens`` (tokens scheduled so far = position of the next row's first
+    token), ``prefill_len`` (prompt tokens), ``max_tokens`` (effective new-token limit),
+    ``num_sampling_rows`` (scheduled rows that sample: final chunk + decodes), ``num_output_tokens``
+    (tokens received), ``next_eligible_step`` (first step the request may run again).
+    """
+
+    FIELDS = ("num_computed_tokens", "prefill_len", "max_tokens", "num_sampling_rows",
+              "num_output_tokens", "next_eligible_step")
+
+    def __init__(self, max_num_reqs: int) -> None:
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)  # [max_num_reqs]
+        self.prefill_len = np.zeros(max_num_reqs, dtype=np.int64)          # [max_num_reqs]
+        self.max_tokens = np.zeros(max_num_reqs, dtype=np.int64)           # [max_num_reqs]
+        self.num_sampling_rows = np.zeros(max_num_reqs, dtype=np.int64)    # [max_num_reqs]
+        self.num_output_tokens = np.zeros(max_num_reqs, dtype=np.int64)    # [max_num_reqs]
+        self.next_eligible_step = np.zeros(max_num_reqs, dtype=np.int64)   # [max_num_reqs]
+
+    def reset(self, slot: int, prefill_len: int, max_tokens: int, step: int) -> None:
+        """Initialise ``slot`` for a request admitted at ``step``."""
+        for name in self.FIELDS:
+            getattr(self, name)[slot] = 0
+        self.prefill_len[slot] = prefill_len
+        self.max_tokens[slot] = max_tokens
+        self.next_eligible_step[slot] = step
+
+
+class StepBudget:
+    """What is left of one step's budget while rows are added.
+
+    Args:
+        tokens: ``max_num_batched_tokens``.
+        rows: row cap of the step (``SchedulerConfig.max_rows_per_step``).
+    """
+
+    def __init__(self, tokens: int, rows: int) -> None:
+        self.tokens, self.rows = tokens, rows
+
+    def can_add(self) -> bool:
+        return self.tokens > 0 and self.rows > 0
+
+    def take(self, num_tokens: int) -> None:
+        """Account one row of ``num_tokens`` tokens."""
+        self.tokens -= num_tokens
+        self.rows -= 1

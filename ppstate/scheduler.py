@@ -1,0 +1,274 @@
+"""Continuous-batching scheduler for a pipeline of ``pp_size`` stages.
+
+Per step (:meth:`Scheduler.schedule`): eligible decode rows first (a request that sampled at step t
+is eligible again at t + cadence, optimistically, before t's result has arrived), then continuing
+prefill chunks (one request's chunks go in consecutive steps), then FCFS admission of waiting
+requests into free slots, all within ``max_num_batched_tokens``, ``max_prefill_chunk`` and the
+balanced-admission row cap. Its only output is a :class:`~ppstate.batch.SchedulerOutput`.
+Results come back in step order through :meth:`Scheduler.on_step_result`.
+
+Lifecycle edges go through :class:`~ppstate.lifecycle.Lifecycle`; per-token counters live in
+:class:`~ppstate.budget.RequestArrays`. Sources: vLLM V1 ``core/sched/scheduler.py`` +
+``async_scheduler.py`` (PP throttle) and Model Runner V2 "Avoid pipeline parallel bubbles".
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from ppstate.batch import FreedSlot, NewRequest, SchedulerOutput, StepResult
+from ppstate.budget import RequestArrays, SchedulerConfig, StepBudget
+from ppstate.errors import SchedulerError
+from ppstate.events import NULL_SINK, EventSink
+from ppstate.lifecycle import Lifecycle
+from ppstate.request import FINISH_REASONS, Request, RequestSpec, TokenUpdate
+from ppstate.scheduler_rows import RowBuilder
+from ppstate.slots import SlotTable
+
+__all__ = ["Scheduler", "SchedulerConfig", "RequestSpec", "TokenUpdate"]
+
+
+class Scheduler:
+    """Continuous batching over ``config.max_num_seqs`` slots.
+
+    Args:
+        config: budgets, pp_size and mode.
+        sink: event sink (``lifecycle`` and ``schedule`` events).
+    """
+
+    def __init__(self, config: SchedulerConfig, sink: EventSink = NULL_SINK) -> None:
+        self.config, self.sink = config, sink
+        self.slots = SlotTable(config.max_num_seqs)
+        self.arrays = RequestArrays(config.max_num_seqs)
+        self.lifecycle = Lifecycle()
+        self._waiting: deque[Request] = deque()
+        self._running: dict[str, Request] = {}          # admission order
+        self._finished: dict[str, str] = {}             # req_id -> final state
+        self._freed: list[FreedSlot] = []               # delivered with the next output
+        self._in_flight: deque[SchedulerOutput] = deque()
+        self._next_step = 0
+        self._order = 0
+
+    # ---------------------------------------------------------------- queries
+    @property
+    def in_flight(self) -> int:
+        """Steps issued whose StepResult has not arrived."""
+        return len(self._in_flight)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def next_step(self) -> int:
+        """Number the next issued step will get."""
+        return self._next_step
+
+    def has_unfinished(self) -> bool:
+        """True while some request is waiting or holds a slot."""
+        return bool(self._waiting or self._running)
+
+    def state_of(self, req_id: str) -> str:
+        """Lifecycle state of ``req_id``. Raises SchedulerError for an unknown id."""
+        req = self._running.get(req_id) or next((r for r in self._waiting if r.req_id == req_id),
+                                                None)
+        if req is not None:
+            return req.state
+        if req_id in self._finished:
+            return self._finished[req_id]
+        raise SchedulerError(f"unknown request {req_id!r}")
+
+    # ---------------------------------------------------------------- client side
+    def add_request(self, spec: RequestSpec) -> None:
+        """Queue ``spec`` (FCFS).
+
+        Raises:
+            SchedulerError: duplicate id, empty prompt, prompt_len >= max_model_len, max_tokens < 1.
+        """
+        rid, plen = spec.req_id, spec.prompt_len
+        if rid in self._finished or rid in self._running or \
+                any(r.req_id == rid for r in self._waiting):
+            raise SchedulerError(f"duplicate request id {rid!r}")
+        if plen == 0:
+            raise SchedulerError(f"request {rid!r}: empty prompt")
+        if plen >= self.config.max_model_len:
+            raise SchedulerError(f"request {rid!r}: prompt of {plen} tokens does not fit "
+                                 f"max_model_len={self.config.max_model_len}")
+        if spec.max_tokens < 1:
+            raise SchedulerError(f"request {rid!r}: max_tokens must be >= 1, got {spec.max_tokens}")
+        max_tokens = min(spec.max_tokens, self.config.max_model_len - plen)
+        req = Request(spec, max_tokens, self.arrays, self._order)
+        self._order += 1
+        self.lifecycle.add(req)
+        self._waiting.append(req)
+
+    def abort(self, req_id: str) -> bool:
+        """Abort ``req_id`` now; its slot is freed (FreedSlot in the next output).
+
+        Returns:
+            False when the id is unknown or the request already finished.
+        """
+        req = self._running.get(req_id)
+        if req is None:
+            req = next((r for r in self._waiting if r.req_id == req_id), None)
+            if req is None:
+                return False
+            self._waiting.remove(req)
+        self._finish(req, "abort")
+        return True
+
+    def stop(self, req_id: str) -> bool:
+        """External stop (e.g. a stop string found by the engine): decoding -> finished_stopped.
+
+        Returns:
+            False unless ``req_id`` is decoding.
+        """
+        req = self._running.get(req_id)
+        if req is None or req.state != "decoding":
+            return False
+        self._finish(req, "stop")
+        return True
+
+    # ---------------------------------------------------------------- scheduling
+    def schedule(self) -> SchedulerOutput | None:
+        """Issue the next step.
+
+        Returns:
+            None when ``in_flight_limit`` steps are in flight, or nothing needs delivering and no
+            live request can get a row before more results arrive; otherwise the step's output, possibly without rows (nothing eligible this
+            step under the cadence), so that step numbers and every rank's FIFO keep advancing.
+        """
+        if self.in_flight >= self.config.in_flight_limit:
+            return None
+        if not (self._waiting or self._freed) and self._all_awaiting_results():
+            return None
+        step = self._next_step
+        rows = RowBuilder(self, step, StepBudget(self.config.step_token_budget,
+                                                 self.row_cap()))
+        rows.add_decodes()
+        rows.add_continuing_prefills()
+        rows.admit_waiting()
+        out = rows.build(tuple(self._freed))
+        self._freed = []
+        self._next_step += 1
+        self._in_flight.append(out)
+        if self.sink.enabled:
+            self.sink.emit("schedule", step=step, req_ids=list(out.req_ids),
+                           slots=out.slots.tolist(), num_tokens=out.num_scheduled_tokens.tolist(),
+                           final=out.is_final_chunk.tolist(),
+                           new=[n.req_id for n in out.new_requests],
+                           freed=[f.req_id for f in out.freed])
+        return out
+
+    def _all_awaiting_results(self) -> bool:
+        """True when no live request can get a row before more results arrive (or none is live):
+        every one has all its max_tokens sampling rows in flight."""
+        a = self.arrays
+        return all(r.state == "decoding" and a.num_sampling_rows[r.slot] >= a.max_tokens[r.slot]
+                   for r in self._running.values())
+
+    def row_cap(self) -> int:
+        """Rows allowed in the next step: the balanced share of the live load.
+
+        Overlapped: ``ceil(min(max_num_seqs, running + waiting) / pp_size)``, at most
+        ``config.max_rows_per_step``. A burst is spread over the ``pp_size`` in-flight batches, and
+        when requests finish the lanes (step mod pp_size) re-balance: decode rows above the share
+        wait one step and join the next, lighter batch (they keep priority as the oldest eligible).
+        Sync: ``max_num_seqs``.
+        """
+        cfg = self.config
+        if cfg.mode == "sync":
+            return cfg.max_num_seqs
+        live = min(cfg.max_num_seqs, len(self._running) + len(self._waiting))
+        return max(1, -(-live // cfg.pp_size))
+
+    def fire(self, req: Request, trigger: str) -> None:
+        """Fire a lifecycle edge on ``req`` and record it in the event sink."""
+        state = self.lifecycle.fire(req, trigger)
+        if self.sink.enabled:
+            self.sink.emit("lifecycle", step=self._next_step, req_id=req.req_id,
+                           trigger=trigger, state=state)
+
+    # ---------------------------------------------------------------- results
+    def on_step_result(self, result: StepResult) -> list[TokenUpdate]:
+        """Apply the last rank's output of the oldest in-flight step.
+
+        Rows of requests no longer live (finished at an earlier step, aborted) and rows that are
+        non-final prefill chunks are ignored. A request stops at the first EOS (unless ignore_eos)
+        or stop token id, or when it has max_tokens tokens; its slot is freed then.
+
+        Returns:
+            One TokenUpdate per live sampling row with ``num_sampled > 0``, in row order.
+
+        Raises:
+            SchedulerError: ``result.step`` is not the oldest in-flight step, or its row count
+                differs from that step's.
+        """
+        if not self._in_flight or self._in_flight[0].step != result.step:
+            expected = self._in_flight[0].step if self._in_flight else None
+            raise SchedulerError(f"step result {result.step} out of order (expected {expected})")
+        out = self._in_flight[0]
+        if len(result.num_sampled) != out.num_rows:
+            raise SchedulerError(f"step {result.step}: result has {len(result.num_sampled)} rows, "
+                                 f"the step had {out.num_rows}")
+        self._in_flight.popleft()
+        updates = []
+        for i, req_id in enumerate(out.req_ids):
+            req = self._running.get(req_id)
+            n = int(result.num_sampled[i])
+            if req is None or n <= 0 or not out.is_final_chunk[i]:
+                continue
+            updates.append(self._append_tokens(req, result.sampled_token_ids[i, :n]))
+        return updates
+
+    def _append_tokens(self, req: Request, tokens: np.ndarray) -> TokenUpdate:
+        slot, taken, reason = req.slot, [], None
+        for tok in tokens.tolist():
+            taken.append(int(tok))
+            self.arrays.num_output_tokens[slot] += 1
+            reason = req.spec.stop_reason(int(tok))
+            if reason is None and self.arrays.num_output_tokens[slot] >= req.max_tokens:
+                reason = "length"
+            if reason is not None:
+                break
+        if reason is not None:
+            self._finish(req, "stop" if reason == "stop" else "hit_length")
+        return TokenUpdate(req.req_id, taken, reason)
+
+    def _finish(self, req: Request, trigger: str) -> None:
+        self.fire(req, trigger)
+        if req.slot >= 0:
+            self.slots.free(req.req_id)
+            self._freed.append(FreedSlot(req.req_id, req.slot, req.state))
+            del self._running[req.req_id]
+        self._finished[req.req_id] = req.state
+        self.lifecycle.remove(req)
+
+    # ---------------------------------------------------------------- used by RowBuilder
+    def running_requests(self) -> list[Request]:
+        """Live requests holding a slot, in admission order."""
+        return list(self._running.values())
+
+    def pop_waiting(self) -> Request | None:
+        """Oldest waiting request (FCFS), or None."""
+        return self._waiting.popleft() if self._waiting else None
+
+    def place(self, req: Request, step: int) -> NewRequest:
+        """Allocate a slot for ``req``, fire ``admit`` and initialise its progress arrays."""
+        req.slot = self.slots.allocate(req.req_id)
+        self.fire(req, "admit")
+        self.arrays.reset(req.slot, req.prompt_len, req.max_tokens, step)
+        self._running[req.req_id] = req
+        return NewRequest(req.req_id, req.slot, tuple(req.spec.prompt_token_ids),
+                          req.prompt_len + req.max_tokens, dict(req.spec.sampling))
+
+
+def finish_reason_of(state: str) -> str | None:
+    """Client-visible finish reason of a lifecycle state ("stop" | "length" | "abort" | None)."""
+    return FINISH_REASONS.get(state)

@@ -1,0 +1,104 @@
+"""Builds the rows of one step for :class:`ppstate.scheduler.Scheduler`.
+
+Order of priority inside a step: eligible decode rows (oldest eligibility first), then continuing
+prefill chunks, then FCFS admission of waiting requests while slots, tokens and the row cap allow.
+Every row updates the slot-indexed progress arrays at once (optimistic scheduling: the step's
+result is not needed to schedule the next rows of a request).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ppstate.batch import NewRequest, SchedulerOutput, FreedSlot
+from ppstate.budget import StepBudget
+from ppstate.request import Request
+
+if TYPE_CHECKING:
+    from ppstate.scheduler import Scheduler
+
+
+class RowBuilder:
+    """Collects the rows of step ``step`` within ``budget``.
+
+    Args:
+        sched: the scheduler (its arrays, slots and lifecycle are updated in place).
+        step: the step being built.
+        budget: tokens and rows left in this step.
+    """
+
+    def __init__(self, sched: "Scheduler", step: int, budget: StepBudget) -> None:
+        self.sched, self.step, self.budget = sched, step, budget
+        self.arrays = sched.arrays
+        self.cadence = sched.config.cadence
+        self.req_ids: list[str] = []
+        self.slots: list[int] = []
+        self.num_tokens: list[int] = []
+        self.starts: list[int] = []
+        self.final: list[bool] = []
+        self.new: list[NewRequest] = []
+
+    def _row(self, req: Request, num_tokens: int, final: bool) -> None:
+        a, slot = self.arrays, req.slot
+        self.req_ids.append(req.req_id)
+        self.slots.append(slot)
+        self.num_tokens.append(num_tokens)
+        self.starts.append(int(a.num_computed_tokens[slot]))
+        self.final.append(final)
+        a.num_computed_tokens[slot] += num_tokens
+        if final:
+            a.num_sampling_rows[slot] += 1
+            a.next_eligible_step[slot] = self.step + self.cadence
+        else:
+            a.next_eligible_step[slot] = self.step + 1
+        self.budget.take(num_tokens)
+
+    def add_decodes(self) -> None:
+        """One-token rows for decoding requests that are eligible and below max_tokens rows."""
+        a = self.arrays
+        eligible = [r for r in self.sched.running_requests()
+                    if r.state == "decoding" and a.next_eligible_step[r.slot] <= self.step
+                    and a.num_sampling_rows[r.slot] < a.max_tokens[r.slot]]
+        eligible.sort(key=lambda r: int(a.next_eligible_step[r.slot]))  # stable: admission order
+        for req in eligible:
+            if not self.budget.can_add():
+                return
+            self._row(req, 1, True)
+
+    def _add_chunk(self, req: Request) -> None:
+        a, slot = self.arrays, req.slot
+        remaining = int(a.prefill_len[slot] - a.num_computed_tokens[slot])
+        chunk = min(remaining, self.sched.config.max_prefill_chunk, self.budget.tokens)
+        final = chunk == remaining
+        self._row(req, chunk, final)
+        if final:
+            self.sched.fire(req, "complete_prefill")
+
+    def add_continuing_prefills(self) -> None:
+        """Next chunk of every admitted request still prefilling (consecutive steps)."""
+        for req in self.sched.running_requests():
+            if req.state == "prefilling" and self.arrays.next_eligible_step[req.slot] <= self.step:
+                if not self.budget.can_add():
+                    return
+                self._add_chunk(req)
+
+    def admit_waiting(self) -> None:
+        """FCFS admission into free slots; each admitted request's first chunk goes in this step."""
+        while self.budget.can_add() and self.sched.slots.num_free > 0:
+            req = self.sched.pop_waiting()
+            if req is None:
+                return
+            self.new.append(self.sched.place(req, self.step))
+            self._add_chunk(req)
+
+    def build(self, freed: tuple[FreedSlot, ...]) -> SchedulerOutput:
+        """The step's SchedulerOutput (arrays ``[num_rows]``)."""
+        return SchedulerOutput(
+            step=self.step, req_ids=tuple(self.req_ids),
+            slots=np.array(self.slots, dtype=np.int32),                 # [num_rows]
+            num_scheduled_tokens=np.array(self.num_tokens, dtype=np.int32),  # [num_rows]
+            start_positions=np.array(self.starts, dtype=np.int32),      # [num_rows]
+            is_final_chunk=np.array(self.final, dtype=bool),            # [num_rows]
+            new_requests=tuple(self.new), freed=freed)
