@@ -63,6 +63,7 @@ def test_special_tokens_and_properties(tok, ref):
     ids = [0, 1, 2, 16, 17, 216, 1000, 30000, 49151]
     assert [tok.id_to_token(i) for i in ids] == ref.convert_ids_to_tokens(ids)
     assert tok.id_to_token(49152) is None
+    assert load_tokenizer(GGUF_DIR).encode(TEXTS[5]) == tok.encode(TEXTS[5])  # folder with one .gguf
 
 
 def test_numerals_are_isolated_like_the_models_tokenizer_json(tok, ref):
@@ -114,6 +115,9 @@ def test_errors_name_the_problem(tok, tmp_path):
         load_tokenizer(tmp_path / "x.gguf")
     with pytest.raises(FileNotFoundError):
         load_tokenizer(tmp_path / "missing.gguf")
+    (tmp_path / "y.gguf").write_bytes(b"")
+    with pytest.raises(ValueError, match="no tokenizer.json"):
+        load_tokenizer(tmp_path)  # two .gguf files: ambiguous
     strict = Tokenizer(tok.backend, bos_token_id=1, eos_token_id=2,
                        chat_template="{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}{% endif %}ok")
     assert strict.apply_chat_template([{"role": "user", "content": "x"}]) == "ok"

