@@ -24,11 +24,12 @@ Logprobs are log_softmax of the raw (unscaled, unfiltered) logits, as vLLM retur
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from runtime.sampling_params import SamplingParams
+if TYPE_CHECKING:  # duck-typed at runtime: the GPU box has no pydantic
+    from runtime.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 CPU_TOP_P_CANDIDATES = 256
