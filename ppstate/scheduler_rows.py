@@ -40,7 +40,7 @@ class RowBuilder:
         self.final: list[bool] = []
         self.new: list[NewRequest] = []
 
-    def _row(self, req: Request, num_tokens: int, final: bool) -> None:
+    def _row(self, req: Request, num_tokens: int, final: bool, counts_row: bool = True) -> None:
         a, slot = self.arrays, req.slot
         self.req_ids.append(req.req_id)
         self.slots.append(slot)
@@ -53,7 +53,7 @@ class RowBuilder:
             a.next_eligible_step[slot] = self.step + self.cadence
         else:
             a.next_eligible_step[slot] = self.step + 1
-        self.budget.take(num_tokens)
+        self.budget.take(num_tokens, counts_row)
 
     def add_decodes(self) -> None:
         """One-token rows for decoding requests that are eligible and below max_tokens rows."""
@@ -67,22 +67,27 @@ class RowBuilder:
                 return
             self._row(req, 1, True)
 
-    def _add_chunk(self, req: Request) -> None:
+    def _add_chunk(self, req: Request, counts_row: bool) -> None:
         a, slot = self.arrays, req.slot
         remaining = int(a.prefill_len[slot] - a.num_computed_tokens[slot])
         chunk = min(remaining, self.sched.config.max_prefill_chunk, self.budget.tokens)
         final = chunk == remaining
-        self._row(req, chunk, final)
+        self._row(req, chunk, final, counts_row)
         if final:
             self.sched.fire(req, "complete_prefill")
 
     def add_continuing_prefills(self) -> None:
-        """Next chunk of every admitted request still prefilling (consecutive steps)."""
+        """Next chunk of every admitted request still prefilling (consecutive steps).
+
+        These rows use tokens but not the balanced row share: a long prompt occupies consecutive
+        steps for a while and must not block admissions (its lane is only chosen by its final
+        chunk).
+        """
         for req in self.sched.running_requests():
             if req.state == "prefilling" and self.arrays.next_eligible_step[req.slot] <= self.step:
-                if not self.budget.can_add():
+                if self.budget.tokens <= 0:
                     return
-                self._add_chunk(req)
+                self._add_chunk(req, counts_row=False)
 
     def admit_waiting(self) -> None:
         """FCFS admission into free slots; each admitted request's first chunk goes in this step."""
@@ -91,7 +96,7 @@ class RowBuilder:
             if req is None:
                 return
             self.new.append(self.sched.place(req, self.step))
-            self._add_chunk(req)
+            self._add_chunk(req, counts_row=True)
 
     def build(self, freed: tuple[FreedSlot, ...]) -> SchedulerOutput:
         """The step's SchedulerOutput (arrays ``[num_rows]``)."""

@@ -1,0 +1,195 @@
+"""Deterministic discrete-event simulator of a ``pp_size``-stage pipeline running the real scheduler.
+
+Logical integer ticks; one seed draws the whole workload (:mod:`ppstate.sim_workload`). Each rank
+is a :class:`~ppstate.sim_rank.SimRank` (device state, CPU mirrors, PPHandler on non-last ranks).
+Timing rules: rank r starts step s only after it finished s-1, after rank r-1 finished s (the p2p
+hand-off of hidden states; rank 0: after the step was issued) and, on non-last ranks, after the last
+rank finished step s-depth when that deferred receive is pending. A stage takes
+``stage_base + stage_per_token * tokens`` ticks. After every tick the
+:class:`~ppstate.sim_checks.InvariantChecker` has seen all new facts.
+
+Usage: ``python -m ppstate.sim --pp 4 --requests 64 --seed 1 --mode overlapped --json``
+(see :mod:`ppstate.sim_cli`).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+from ppstate.budget import SchedulerConfig
+from ppstate.scheduler import RequestSpec, Scheduler
+from ppstate.sim_checks import InvariantChecker
+from ppstate.sim_rank import SimRank, Wire
+from ppstate.sim_workload import EOS_TOKEN, SimConfig, SimRequest, make_workload
+
+
+@dataclass
+class SimResult:
+    """Outcome of one run (the CLI's JSON object)."""
+    steps: int
+    ticks: int
+    completed: int
+    aborted: int
+    output_tokens: int
+    throughput_tokens_per_tick: float
+    bubble_fraction: float
+    invariant_violations: list[dict] = field(default_factory=list)
+    num_violations: int = 0
+    seed: int = 0
+    repro: str = ""
+
+
+class Simulator:
+    """One run of ``cfg`` (use :func:`run_sim`)."""
+
+    def __init__(self, cfg: SimConfig) -> None:
+        self.cfg = cfg
+        self.sched = Scheduler(SchedulerConfig(
+            pp_size=cfg.pp_size, max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens, max_prefill_chunk=cfg.chunk,
+            max_model_len=cfg.max_model_len, mode=cfg.mode))
+        self.requests = make_workload(cfg)
+        self.arrivals = sorted(self.requests, key=lambda r: r.arrival)
+        self.aborts = sorted((r.abort_at, r.req_id) for r in self.requests if r.abort_at >= 0)
+        self.checker = InvariantChecker(self.requests, self.sched)
+        depth = cfg.pp_size if cfg.mode == "overlapped" else 1
+        self.depth = depth
+        self.ranks = [SimRank(r, cfg.pp_size, depth, cfg.max_num_seqs, self.checker)
+                      for r in range(cfg.pp_size)]
+        self.wire = Wire()
+        self.outputs = self.wire.outputs
+        self.now = 0
+        self.num_aborted = 0
+        self.output_tokens = 0
+        self.max_steps = cfg.max_steps or self._step_bound()
+
+    def _step_bound(self) -> int:
+        work = sum(len(r.prompt) + r.max_tokens + 1 for r in self.requests)
+        return (work + 16) * (self.cfg.pp_size + 1) * 2
+
+    # ---------------------------------------------------------------- events of one tick
+    def _arrive(self) -> None:
+        while self.arrivals and self.arrivals[0].arrival <= self.now:
+            r: SimRequest = self.arrivals.pop(0)
+            self.sched.add_request(RequestSpec(
+                r.req_id, r.prompt, r.max_tokens, eos_token_ids=frozenset({EOS_TOKEN}),
+                ignore_eos=r.ignore_eos, sampling={"seed": r.sample_seed, "eos_at": r.eos_at}))
+        while self.aborts and self.aborts[0][0] <= self.now:
+            _, rid = self.aborts.pop(0)
+            if rid in self.checker.closed or any(a.req_id == rid for a in self.arrivals):
+                continue
+            if self.sched.abort(rid):
+                self.num_aborted += 1
+                self.checker.on_abort(rid)
+
+    def _complete(self) -> None:
+        for rank in self.ranks:
+            if rank.running is not None and rank.busy_until <= self.now:
+                rank.finished[rank.running] = rank.busy_until
+                rank.running = None
+
+    def _issue(self) -> None:
+        while (out := self.sched.schedule()) is not None:
+            self.outputs[out.step] = out
+            self.checker.on_issue(out)
+
+    def _can_start(self, rank: SimRank) -> bool:
+        s = rank.next_step
+        if rank.running is not None or s not in self.outputs:
+            return False
+        if rank.rank > 0 and self.ranks[rank.rank - 1].finished.get(s, self.now + 1) > self.now:
+            return False
+        if rank.handler is not None and s - self.depth in rank.handler.pending_steps():
+            return self.ranks[-1].finished.get(s - self.depth, self.now + 1) <= self.now
+        return True
+
+    def _start_ranks(self) -> None:
+        for rank in self.ranks:
+            if not self._can_start(rank):
+                continue
+            out = self.outputs[rank.next_step]
+            result = rank.run_step(out, self.wire)
+            dur = self.cfg.stage_time(out.total_tokens)
+            rank.running, rank.busy_until = out.step, self.now + dur
+            rank.busy_ticks += dur
+            rank.next_step += 1
+            if result is not None:
+                self._pending_results.append((rank.busy_until, result))
+
+    def _deliver_results(self) -> None:
+        while self._pending_results and self._pending_results[0][0] <= self.now:
+            _, result = self._pending_results.pop(0)
+            updates = self.sched.on_step_result(result)
+            self.output_tokens += sum(len(u.token_ids) for u in updates)
+            self.checker.on_updates(result.step, updates)
+
+    def _next_time(self) -> int | None:
+        times = [r.busy_until for r in self.ranks if r.running is not None]
+        if self.arrivals:
+            times.append(self.arrivals[0].arrival)
+        if self.aborts:
+            times.append(self.aborts[0][0])
+        return min(times) if times else None
+
+    # ---------------------------------------------------------------- main loop
+    def run(self) -> SimResult:
+        self._pending_results: list = []
+        stuck = None
+        while True:
+            self._complete()
+            self._deliver_results()
+            self._arrive()
+            self._issue()
+            self._start_ranks()
+            if self.sched.next_step > self.max_steps:
+                stuck = f"no progress bound: {self.sched.next_step} steps > {self.max_steps}"
+                break
+            nxt = self._next_time()
+            if nxt is None:
+                break
+            self.now = max(nxt, self.now)
+        if stuck is None and (self.sched.has_unfinished() or self.sched.in_flight):
+            stuck = (f"deadlock at tick {self.now}: {self.sched.num_running} running, "
+                     f"{self.sched.num_waiting} waiting, {self.sched.in_flight} steps in flight")
+        self.checker.finish(self.sched.next_step, stuck)
+        return self._result()
+
+    def _result(self) -> SimResult:
+        ticks = max([max(r.finished.values(), default=0) for r in self.ranks] + [1])
+        busy = sum(r.busy_ticks for r in self.ranks)
+        completed = sum(1 for v in self.checker.closed.values() if v != "abort")
+        return SimResult(
+            steps=self.sched.next_step, ticks=ticks, completed=completed,
+            aborted=self.num_aborted, output_tokens=self.output_tokens,
+            throughput_tokens_per_tick=round(self.output_tokens / ticks, 6),
+            bubble_fraction=round(1.0 - busy / (self.cfg.pp_size * ticks), 6),
+            invariant_violations=[v.as_dict() for v in self.checker.violations],
+            num_violations=self.checker.num_violations, seed=self.cfg.seed,
+            repro=repro_command(self.cfg))
+
+
+def run_sim(cfg: SimConfig) -> SimResult:
+    """Run one deterministic simulation of ``cfg``."""
+    return Simulator(cfg).run()
+
+
+def repro_command(cfg: SimConfig) -> str:
+    """The CLI line that reproduces a run of ``cfg`` (random workloads only)."""
+    return (f"python -m ppstate.sim --pp {cfg.pp_size} --requests {cfg.num_requests} "
+            f"--seed {cfg.seed} --mode {cfg.mode} --prompt-len {cfg.prompt_len[0]}:"
+            f"{cfg.prompt_len[1]} --output-len {cfg.output_len[0]}:{cfg.output_len[1]} "
+            f"--chunk {cfg.chunk} --abort-rate {cfg.abort_rate} --arrival {cfg.arrival} "
+            f"--max-num-seqs {cfg.max_num_seqs} --max-num-batched-tokens "
+            f"{cfg.max_num_batched_tokens} --eos-prob {cfg.eos_prob} --stage-cost "
+            f"{cfg.stage_base}:{cfg.stage_per_token} --json")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; returns the exit status (1 when invariants were violated)."""
+    from ppstate.sim_cli import run_cli
+    return run_cli(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""Invariant checks of the simulator (DESIGN.md section 4, invariants 1, 2, 3, 5, 6, 7; 4 for the
+``num_computed_tokens`` mirror).
+
+The checker receives ground truth from the simulated ranks and the client side and records one
+:class:`Violation` per broken rule; it never raises, so a run reports every violation it meets.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from ppstate.batch import SchedulerOutput
+from ppstate.request import TokenUpdate
+from ppstate.scheduler import Scheduler
+from ppstate.sim_workload import ExpectedOutput, SimRequest, expected_output
+
+MAX_REPORTED = 50  # violations kept per run (the count keeps going)
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One broken invariant: its number (DESIGN.md section 4), where, and what happened."""
+    invariant: int
+    step: int
+    rank: int | None
+    message: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class InvariantChecker:
+    """Collects violations of one simulation run.
+
+    Args:
+        requests: the workload (prompt lengths, expected outputs).
+        sched: the scheduler under test (budgets, slot table).
+    """
+
+    def __init__(self, requests: tuple[SimRequest, ...], sched: Scheduler) -> None:
+        self.sched, self.cfg = sched, sched.config
+        # Invariant 5's cadence from the design, not from the scheduler's own property.
+        self.cadence = self.cfg.pp_size if self.cfg.mode == "overlapped" else 1
+        self.prompt_len = {r.req_id: len(r.prompt) for r in requests}
+        self.expected = {r.req_id: expected_output(r, self.cfg.max_model_len) for r in requests}
+        self.violations: list[Violation] = []
+        self.num_violations = 0
+        self.sampling_steps: dict[str, list[int]] = defaultdict(list)
+        self.sampled_by_last: dict[str, list[int]] = defaultdict(list)
+        self.received: dict[str, list[int]] = defaultdict(list)
+        self.closed: dict[str, str] = {}     # req_id -> finish reason seen by the client
+        self._posts: dict[int, dict[int, bool]] = defaultdict(dict)
+        self.post_log: dict[int, tuple[bool, ...]] = {}  # step -> posted, per rank
+
+    def violation(self, invariant: int, step: int, rank: int | None, message: str) -> None:
+        """Record a violation (the first MAX_REPORTED are kept)."""
+        self.num_violations += 1
+        if len(self.violations) < MAX_REPORTED:
+            self.violations.append(Violation(invariant, step, rank, message))
+
+    # ---------------------------------------------------------- scheduler side (5, 7)
+    def on_issue(self, out: SchedulerOutput) -> None:
+        """Cadence (5) and budgets / balance (7) of a freshly issued step."""
+        cfg, s = self.cfg, out.step
+        if out.total_tokens > cfg.max_num_batched_tokens:
+            self.violation(7, s, None, f"{out.total_tokens} tokens > max_num_batched_tokens")
+        if self.sched.slots.num_allocated > cfg.max_num_seqs:
+            self.violation(7, s, None, f"{self.sched.slots.num_allocated} live > max_num_seqs")
+        capped = sum(1 for i, rid in enumerate(out.req_ids)   # continuing chunks are exempt
+                     if out.start_positions[i] == 0 or out.start_positions[i] >= self.prompt_len[rid])
+        if capped > cfg.max_rows_per_step:
+            self.violation(7, s, None, f"{capped} rows > balanced cap {cfg.max_rows_per_step}")
+        if out.num_rows == 0 and self.sched.num_waiting and self.sched.slots.num_free:
+            self.violation(7, s, None, "empty batch while requests wait and slots are free")
+        for i, rid in enumerate(out.req_ids):
+            steps = self.sampling_steps[rid]
+            is_decode = int(out.start_positions[i]) >= self.prompt_len[rid]
+            if is_decode and steps and s - steps[-1] < self.cadence:
+                self.violation(5, s, None, f"request {rid} decodes at step {s}, "
+                               f"{s - steps[-1]} steps after step {steps[-1]} (< {self.cadence})")
+            if out.is_final_chunk[i]:
+                steps.append(s)
+
+    # ---------------------------------------------------------- rank side (1, 2, 3)
+    def record_post(self, step: int, rank: int, posted: bool) -> None:
+        """Rank ``rank`` did (not) post its side of step ``step``'s broadcast (invariant 1)."""
+        posts = self._posts[step]
+        posts[rank] = posted
+        if len(posts) == self.cfg.pp_size:
+            self.post_log[step] = tuple(posts[r] for r in range(self.cfg.pp_size))
+            if len(set(posts.values())) != 1:
+                self.violation(1, step, None, f"broadcast posted by ranks "
+                               f"{sorted(r for r, p in posts.items() if p)} only")
+            del self._posts[step]
+
+    def check_apply(self, rank: int, step: int, row_req: str, slot: int, owner: str | None) -> None:
+        """A deferred row of ``step`` for ``row_req`` is being applied to ``slot`` (invariant 2)."""
+        if owner != row_req:
+            self.violation(2, step, rank, f"deferred token of {row_req} (step {step}) applied to "
+                           f"slot {slot} now owned by {owner}")
+
+    def check_owner(self, rank: int, step: int, slot: int, want: str | None,
+                    have: str | None) -> None:
+        """Slot ownership before free (``want`` = freed request) or new (``want`` = None)."""
+        if want != have:
+            self.violation(2, step, rank, f"slot {slot} owned by {have}, expected {want}")
+
+    def check_inputs(self, rank: int, out: SchedulerOutput, owner: list[str | None],
+                     history: list[list[int]]) -> None:
+        """Every decode row's input token is the last rank's previous sample for that request."""
+        for i, rid in enumerate(out.req_ids):
+            slot = int(out.slots[i])
+            if owner[slot] != rid:
+                self.violation(2, out.step, rank, f"row {rid} runs on slot {slot} owned by "
+                               f"{owner[slot]}")
+                continue
+            if int(out.start_positions[i]) < self.prompt_len[rid]:
+                continue
+            n_prev = bisect_left(self.sampling_steps[rid], out.step)
+            hist = history[slot]
+            truth = self.sampled_by_last[rid]
+            if len(hist) != n_prev or not hist or hist[-1] != truth[n_prev - 1]:
+                self.violation(3, out.step, rank, f"decode input of {rid}: device has "
+                               f"{len(hist)} sampled ids ending {hist[-1:]}, last rank sampled "
+                               f"{n_prev} ending {truth[n_prev - 1:n_prev]}")
+
+    def record_sampled(self, out: SchedulerOutput, tokens: np.ndarray) -> None:
+        """Ground truth: ids the last rank sampled for the sampling rows of ``out``."""
+        for i in np.nonzero(out.is_final_chunk)[0].tolist():
+            self.sampled_by_last[out.req_ids[i]].append(int(tokens[i]))
+
+    # ---------------------------------------------------------- client side (3)
+    def on_updates(self, step: int, updates: list[TokenUpdate]) -> None:
+        """Exactly-once, in-order delivery, nothing after finish / abort."""
+        for u in updates:
+            rid, got = u.req_id, self.received[u.req_id]
+            if rid in self.closed:
+                self.violation(3, step, None, f"{rid} got {u.token_ids} after {self.closed[rid]}")
+                continue
+            got.extend(u.token_ids)
+            exp: ExpectedOutput = self.expected[rid]
+            if got != exp.tokens[:len(got)]:
+                self.violation(3, step, None, f"{rid} received tokens differ from the model's "
+                               f"at index {_first_diff(got, exp.tokens)}")
+            if u.finish_reason is not None:
+                self.closed[rid] = u.finish_reason
+                if u.finish_reason != exp.reason or len(got) != len(exp.tokens):
+                    self.violation(3, step, None, f"{rid} finished {u.finish_reason} after "
+                                   f"{len(got)} tokens, expected {exp.reason} after {len(exp.tokens)}")
+
+    def on_abort(self, req_id: str) -> None:
+        self.closed[req_id] = "abort"
+
+    # ---------------------------------------------------------- end of run (6)
+    def finish(self, step: int, reason: str | None) -> None:
+        """Liveness: the run ended with every request final and nothing in flight."""
+        if reason is not None:
+            self.violation(6, step, None, reason)
+        open_reqs = [r for r in self.expected if r not in self.closed]
+        if open_reqs:
+            self.violation(6, step, None, f"{len(open_reqs)} requests never finished, e.g. "
+                           f"{open_reqs[:3]}")
+
+
+def _first_diff(got: list[int], want: list[int]) -> int:
+    """First index where ``got`` differs from ``want`` (or runs past its end)."""
+    for k, tok in enumerate(got):
+        if k >= len(want) or tok != want[k]:
+            return k
+    return len(got)

@@ -1,0 +1,148 @@
+"""Simulator configuration, seeded workload and the deterministic token "model".
+
+Everything random in a simulation comes from one ``numpy.random.default_rng(seed)`` drawn here, in
+a fixed order, so a (config, seed) pair reproduces a run exactly. Times are integer logical ticks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from ppstate.errors import SchedulerError
+
+EOS_TOKEN = 2       # SmolLM2's <|im_end|>
+FIRST_TOKEN = 3     # sampled / prompt ids are in [FIRST_TOKEN, VOCAB)
+VOCAB = 49152
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    """One request of a workload.
+
+    Attributes:
+        req_id: id.
+        arrival: tick it reaches the scheduler.
+        prompt: prompt token ids.
+        max_tokens: new tokens allowed.
+        sample_seed: seeds the token model for this request (carried in NewRequest.sampling).
+        eos_at: output index the model emits EOS at (-1: never).
+        ignore_eos: keep going after EOS.
+        abort_at: tick the client aborts (-1: never).
+    """
+    req_id: str
+    arrival: int
+    prompt: tuple[int, ...]
+    max_tokens: int
+    sample_seed: int
+    eos_at: int = -1
+    ignore_eos: bool = False
+    abort_at: int = -1
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Simulation parameters (CLI flags in brackets).
+
+    Attributes:
+        pp_size [--pp], num_requests [--requests], seed [--seed], mode [--mode].
+        prompt_len, output_len: inclusive (low, high) ranges in tokens [--prompt-len A:B, --output-len].
+        chunk: max_prefill_chunk [--chunk]; max_num_seqs, max_num_batched_tokens, max_model_len.
+        abort_rate: probability a request is aborted at a random tick [--abort-rate].
+        arrival: "burst" (all at tick 0) or "poisson" (mean gap ``mean_gap`` ticks) [--arrival].
+        eos_prob: probability a request's model emits EOS before max_tokens [--eos-prob].
+        stage_base, stage_per_token: stage time of a batch = base + per_token * tokens (ticks).
+        workload: explicit requests (overrides the random ones; tests).
+        max_steps: liveness bound (0: derived from the workload).
+    """
+    pp_size: int = 2
+    num_requests: int = 16
+    seed: int = 0
+    mode: Literal["overlapped", "sync"] = "overlapped"
+    prompt_len: tuple[int, int] = (8, 32)
+    output_len: tuple[int, int] = (8, 32)
+    chunk: int = 32
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 256
+    max_model_len: int = 2048
+    abort_rate: float = 0.0
+    arrival: Literal["burst", "poisson"] = "burst"
+    mean_gap: float = 4.0
+    eos_prob: float = 0.3
+    stage_base: int = 1
+    stage_per_token: int = 2
+    workload: tuple[SimRequest, ...] | None = None
+    max_steps: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_len", "output_len"):
+            lo, hi = getattr(self, name)
+            if not 1 <= lo <= hi:
+                raise SchedulerError(f"SimConfig.{name} must be 1 <= low <= high, got {lo}:{hi}")
+        if self.stage_base < 0 or self.stage_per_token < 0 or \
+                self.stage_base + self.stage_per_token == 0:
+            raise SchedulerError("SimConfig.stage_base/stage_per_token must be >= 0, not both 0")
+        if not 0.0 <= self.abort_rate <= 1.0 or not 0.0 <= self.eos_prob <= 1.0:
+            raise SchedulerError("SimConfig.abort_rate and eos_prob must be in [0, 1]")
+        if self.arrival not in ("burst", "poisson"):
+            raise SchedulerError(f"SimConfig.arrival must be burst|poisson, got {self.arrival!r}")
+
+    def stage_time(self, num_tokens: int) -> int:
+        """Ticks one stage spends on a batch of ``num_tokens`` tokens."""
+        return self.stage_base + self.stage_per_token * num_tokens
+
+
+def make_workload(cfg: SimConfig) -> tuple[SimRequest, ...]:
+    """The requests of a run: ``cfg.workload`` if given, else drawn from ``cfg.seed``."""
+    if cfg.workload is not None:
+        return cfg.workload
+    rng = np.random.default_rng(cfg.seed)
+    reqs, t = [], 0
+    for i in range(cfg.num_requests):
+        plen = int(rng.integers(cfg.prompt_len[0], cfg.prompt_len[1] + 1))
+        max_tokens = int(rng.integers(cfg.output_len[0], cfg.output_len[1] + 1))
+        prompt = tuple(int(x) for x in rng.integers(FIRST_TOKEN, VOCAB, size=plen))
+        eos_at = int(rng.integers(0, max_tokens)) if rng.random() < cfg.eos_prob else -1
+        ignore_eos = bool(rng.random() < 0.1)
+        if cfg.arrival == "poisson":
+            t += int(np.ceil(rng.exponential(cfg.mean_gap)))
+        horizon = (plen + max_tokens) * cfg.pp_size * cfg.stage_time(4)
+        abort_at = t + int(rng.integers(0, horizon + 1)) if rng.random() < cfg.abort_rate else -1
+        reqs.append(SimRequest(f"req-{i}", t, prompt, max_tokens, int(rng.integers(1, 2**31)),
+                               eos_at, ignore_eos, abort_at))
+    return tuple(reqs)
+
+
+def model_token(sample_seed: int, index: int, prev_token: int, eos_at: int) -> int:
+    """The token the "model" samples as output ``index`` after input ``prev_token``.
+
+    Deterministic in its inputs; a wrong input token (stale or missing deferred update) changes
+    every later token, which is how the client check sees invariant 2/3 failures.
+    """
+    if index == eos_at:
+        return EOS_TOKEN
+    h = (sample_seed * 0x9E3779B1 + index * 0x85EBCA6B + prev_token * 0xC2B2AE35) & 0xFFFFFFFF
+    h ^= h >> 15
+    return FIRST_TOKEN + (h * 0x2C1B3C6D & 0xFFFFFFFF) % (VOCAB - FIRST_TOKEN)
+
+
+@dataclass
+class ExpectedOutput:
+    """What a client must receive for one request, computed independently of the pipeline."""
+    tokens: list[int] = field(default_factory=list)
+    reason: str = "length"
+
+
+def expected_output(req: SimRequest, max_model_len: int) -> ExpectedOutput:
+    """The full token sequence and finish reason of ``req`` if it is not aborted."""
+    limit = min(req.max_tokens, max_model_len - len(req.prompt))
+    exp, prev = ExpectedOutput(), req.prompt[-1]
+    for k in range(limit):
+        prev = model_token(req.sample_seed, k, prev, req.eos_at)
+        exp.tokens.append(prev)
+        if prev == EOS_TOKEN and not req.ignore_eos:
+            exp.reason = "stop"
+            break
+    return exp

@@ -1,0 +1,175 @@
+"""Deterministic PP simulator: invariants 1, 2, 3, 5, 6, 7 over seeds, CLI, schedule efficiency."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ppstate.sim_rank as sim_rank
+from ppstate.budget import SchedulerConfig
+from ppstate.pp_handler import PPHandler
+from ppstate.sim import Simulator, main, run_sim
+from ppstate.sim_workload import SimConfig, SimRequest
+
+ROOT = Path(__file__).resolve().parent.parent
+KEYS = {"steps", "ticks", "completed", "aborted", "output_tokens", "throughput_tokens_per_tick",
+        "bubble_fraction", "invariant_violations"}
+
+
+def sweep_config(seed):
+    """Small, adversarial runs: few slots (fast reuse), tiny chunks, aborts, both modes."""
+    return SimConfig(pp_size=2 + seed % 3, num_requests=10, seed=seed,
+                     mode="sync" if seed % 7 == 3 else "overlapped",
+                     prompt_len=(1, 40), output_len=(1, 24), chunk=(8, 16, 5)[seed % 3],
+                     max_num_seqs=(3, 4, 8)[(seed // 3) % 3],
+                     max_num_batched_tokens=(16, 24, 64)[(seed // 9) % 3],
+                     abort_rate=0.25, arrival="poisson" if seed % 2 else "burst")
+
+
+def abort_reuse_config():
+    """A decodes in the only slot, is aborted at tick 30; B (waiting) takes the slot at once."""
+    return SimConfig(pp_size=2, max_num_seqs=1, workload=(
+        SimRequest("A", 0, (5, 6, 7, 8), 40, 11, abort_at=30),
+        SimRequest("B", 0, (9, 10, 11, 12), 5, 22)))
+
+
+def no_generation_check(monkeypatch):
+    monkeypatch.setattr(PPHandler, "_stale_rows",
+                        lambda self, e: np.zeros(len(e.idx_mapping), dtype=bool))
+
+
+def test_cli_json_and_determinism(capsys):
+    argv = ["--pp", "3", "--requests", "12", "--seed", "5", "--mode", "overlapped",
+            "--prompt-len", "4:40", "--output-len", "2:20", "--chunk", "16", "--abort-rate",
+            "0.3", "--arrival", "poisson", "--json"]
+    assert main(argv) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert KEYS <= set(first) and first["invariant_violations"] == []
+    assert first["completed"] + first["aborted"] == 12
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out) == first
+    assert main(argv[:5] + ["6"] + argv[6:]) == 0
+    assert json.loads(capsys.readouterr().out) != first
+
+
+def test_module_entry_point():
+    proc = subprocess.run([sys.executable, "-m", "ppstate.sim", "--pp", "2", "--requests", "4",
+                           "--seed", "1", "--mode", "sync", "--json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["completed"] == 4 and data["bubble_fraction"] == 0.5
+
+
+def test_cli_exit_1_prints_seed_and_repro(monkeypatch, capsys):
+    no_generation_check(monkeypatch)
+    cfg = sweep_config(0)
+    assert run_sim(cfg).num_violations > 0
+    rc = main(["--pp", "2", "--requests", "10", "--seed", "0", "--prompt-len", "1:40",
+               "--output-len", "1:24", "--chunk", "8", "--max-num-seqs", "3",
+               "--max-num-batched-tokens", "16", "--abort-rate", "0.25", "--json"])
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert json.loads(captured.out)["invariant_violations"]
+    assert "seed 0" in captured.err and "python -m ppstate.sim --pp 2 --requests 10 --seed 0" \
+        in captured.err
+
+
+def test_broadcast_skipped_for_all_non_final_chunk_steps():
+    cfg = SimConfig(pp_size=3, chunk=8, workload=(
+        SimRequest("long", 0, tuple(range(3, 43)), 2, 7),     # chunks at steps 0..4
+        SimRequest("short", 0, (3, 4, 5), 1, 8)))             # row share 1: admitted at step 1
+    sim = Simulator(cfg)
+    res = sim.run()
+    assert res.invariant_violations == []
+    log = sim.checker.post_log
+    assert [sim.outputs[s].is_final_chunk.tolist() for s in range(5)] == [
+        [False], [False, True], [False], [False], [True]]
+    assert [log[s] for s in range(5)] == [(False,) * 3, (True,) * 3, (False,) * 3,
+                                          (False,) * 3, (True,) * 3]
+    assert res.completed == 2
+
+
+def test_abort_reuse_never_applies_old_token():
+    sim = Simulator(abort_reuse_config())
+    res = sim.run()
+    assert res.invariant_violations == []
+    assert (res.completed, res.aborted) == (1, 1)
+    assert sim.checker.received["B"] == sim.checker.expected["B"].tokens
+    reuse = [o for o in sim.outputs.values() if o.new_requests and o.new_requests[0].req_id == "B"]
+    assert [(f.req_id, f.slot) for f in reuse[0].freed] == [("A", 0)]
+    assert reuse[0].new_requests[0].slot == 0
+
+
+def test_abort_reuse_violation_when_generation_check_off(monkeypatch):
+    no_generation_check(monkeypatch)
+    res = run_sim(abort_reuse_config())
+    first = res.invariant_violations[0]
+    assert (first["invariant"], first["rank"]) == (2, 0)
+    assert first["message"] == "deferred token of A (step 6) applied to slot 0 now owned by B"
+    assert {v["invariant"] for v in res.invariant_violations} == {2, 3}
+
+
+def test_checker_catches_cadence_and_broadcast_mutants(monkeypatch):
+    with monkeypatch.context() as m:
+        m.setattr(SchedulerConfig, "cadence", property(lambda self: 1))
+        assert 5 in {v["invariant"] for v in run_sim(sweep_config(1)).invariant_violations}
+    monkeypatch.setattr(sim_rank, "should_broadcast", lambda out: out.num_rows > 0)
+    assert {v["invariant"] for v in run_sim(sweep_config(1)).invariant_violations} == {1}
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_sim_cadence(pp):
+    sim = Simulator(SimConfig(pp_size=pp, num_requests=24, seed=pp, abort_rate=0.2,
+                              max_num_seqs=12, arrival="poisson"))
+    assert sim.run().invariant_violations == []
+    steps = {}
+    for s in sorted(sim.outputs):
+        o = sim.outputs[s]
+        for rid, final in zip(o.req_ids, o.is_final_chunk):
+            if final:
+                steps.setdefault(rid, []).append(s)
+    gaps = [b - a for v in steps.values() for a, b in zip(v, v[1:])]
+    assert min(gaps) == pp
+
+
+def test_burst_of_64_fills_all_4_in_flight_batches():
+    sim = Simulator(SimConfig(pp_size=4, num_requests=64, seed=3, arrival="burst"))
+    res = sim.run()
+    assert res.invariant_violations == [] and res.completed == 64
+    assert all(sim.outputs[s].num_rows > 0 for s in range(4))
+    assert all(sim.outputs[s].total_tokens <= 64 for s in range(4))
+
+
+def test_liveness_500_seeds_under_60s():
+    start = time.perf_counter()
+    bad = {}
+    for seed in range(500):
+        res = run_sim(sweep_config(seed))
+        if res.invariant_violations:
+            bad[seed] = res.invariant_violations[:2]
+    assert bad == {}
+    assert time.perf_counter() - start < 60
+
+
+@pytest.mark.slow
+def test_sweep_1000_more_seeds_with_aborts():
+    bad = [s for s in range(500, 1500) if run_sim(sweep_config(s)).num_violations]
+    assert bad == []
+
+
+@pytest.mark.parametrize("pp,floor", [(4, 3.6), (2, 1.85)])
+def test_schedule_efficiency_overlapped_vs_sync(pp, floor):
+    ratios = []
+    for seed in range(3):
+        kw = dict(pp_size=pp, num_requests=64, seed=seed, prompt_len=(8, 32),
+                  output_len=(64, 128), chunk=32, eos_prob=0.0)
+        over, sync = run_sim(SimConfig(mode="overlapped", **kw)), run_sim(SimConfig(mode="sync", **kw))
+        assert over.invariant_violations == [] == sync.invariant_violations
+        assert over.output_tokens == sync.output_tokens
+        ratios.append(over.throughput_tokens_per_tick / sync.throughput_tokens_per_tick)
+    assert min(ratios) >= floor, ratios
