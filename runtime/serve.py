@@ -29,20 +29,24 @@ from runtime.server.middleware import DEFAULT_MAX_BODY_BYTES
 ENGINE_WATCH_INTERVAL_S = 1.0
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keeps the description's layout and shows every flag's default."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The CLI: server flags plus the shared engine flags (see ``runtime.cli_common``)."""
-    p = argparse.ArgumentParser(prog="python -m runtime.serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m runtime.serve", description=__doc__.replace("``", "'"),
+                                formatter_class=_HelpFormatter)
     s = p.add_argument_group("server")
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
-    s.add_argument("--api-key", default=os.environ.get("PPSTATE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PPSTATE_API_KEY)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=8000, help="TCP port (0 picks a free one)")
+    s.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/* (else $PPSTATE_API_KEY if set)")
     s.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                   help=f"largest accepted request body in bytes (default {DEFAULT_MAX_BODY_BYTES})")
+                   help="largest accepted request body (bytes)")
     s.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"],
-                   help="uvicorn log level (default warning; info logs every request)")
+                   help="uvicorn log level ('info' logs every request)")
     add_engine_flags(p)
     return p
 
@@ -127,6 +131,8 @@ async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.soc
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
+    if args.api_key is None:
+        args.api_key = os.environ.get("PPSTATE_API_KEY") or None
     if not 0 <= args.port <= 65535:
         p.error(f"--port: must be in 0..65535, got {args.port}")
     if args.max_body_bytes < 1024:

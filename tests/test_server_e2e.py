@@ -1,0 +1,233 @@
+"""The real server (``python -m runtime.serve``, default model, PP=2 over gloo) as a subprocess.
+
+One server start per module (~45 s on the 2-core machine); the transformers reference loads while
+the server starts. Greedy outputs are compared as token ids: the server returns them through
+logprobs with vLLM's ``return_tokens_as_token_ids`` extension, so the comparison is exact.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from reference import greedy_reference, hf_model
+from test_server_validation import check_error, malformed_cases
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_MODEL_LEN = 256
+READY_TIMEOUT_S = 300
+PROMPT = "The capital of France is"
+MESSAGES = [{"role": "system", "content": "You are a concise assistant."},
+            {"role": "user", "content": "Name a primary color."}]
+NEW_TOKENS = 12
+IDS = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+
+
+class ServerProcess:
+    """``python -m runtime.serve --port 0`` with its URL parsed from the ``ready:`` line."""
+
+    def __init__(self, *flags: str) -> None:
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="ppstate-serve-", suffix=".log")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "runtime.serve", "--port", "0", *flags], cwd=ROOT,
+            stdout=subprocess.PIPE, stderr=self.log, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if line.startswith("ready: "):
+                self.ready.set()
+
+    def wait_ready(self, timeout: float) -> str:
+        if not self.ready.wait(timeout):
+            self.stop()
+            self.log.seek(0)
+            tail = self.log.read()[-3000:]
+            raise RuntimeError(f"server not ready in {timeout} s: {''.join(self.lines)}\n{tail}")
+        line = next(x for x in self.lines if x.startswith("ready: "))
+        return re.match(r"ready: (http://\S+)", line).group(1)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc = ServerProcess("--pp", "2", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8")
+    try:
+        hf_model()  # load the reference while the server starts
+        url = proc.wait_ready(READY_TIMEOUT_S)
+        yield url
+    finally:
+        assert proc.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def reference_ids(prompt) -> list[int]:
+    """Prompt token ids from transformers' own tokenizer (text or chat messages)."""
+    _, tok = hf_model()
+    if isinstance(prompt, str):
+        return list(tok(prompt)["input_ids"])
+    enc = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+    return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+
+
+def as_ids(tokens: list[str]) -> list[int]:
+    assert all(t.startswith("token_id:") for t in tokens), tokens
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+def metric_samples(url: str) -> dict:
+    text = httpx.get(f"{url}/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_models(client):
+    models = client.models.list().data
+    assert len(models) == 1 and models[0].max_model_len == MAX_MODEL_LEN
+
+
+def test_completion_greedy_matches_reference(client):
+    prompt_ids = reference_ids(PROMPT)
+    ref = list(greedy_reference(tuple(prompt_ids), NEW_TOKENS))
+    _, tok = hf_model()
+    served_name = client.models.list().data[0].id
+    r = client.completions.create(model=served_name, prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0,
+                                  logprobs=0, extra_body=IDS)
+    assert as_ids(r.choices[0].logprobs.tokens) == ref
+    assert r.choices[0].text == tok.decode(ref)
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
+        len(prompt_ids), NEW_TOKENS, len(prompt_ids) + NEW_TOKENS)
+    chunks = list(client.completions.create(model="default", prompt=PROMPT, max_tokens=NEW_TOKENS,
+                                            temperature=0, stream=True, extra_body={"ignore_eos": True},
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == tok.decode(ref)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == NEW_TOKENS
+    assert chunks[-1].usage.prompt_tokens == len(prompt_ids)
+
+
+def test_chat_greedy_matches_reference(client):
+    prompt_ids = reference_ids(MESSAGES)
+    ref = list(greedy_reference(tuple(prompt_ids), NEW_TOKENS))
+    _, tok = hf_model()
+    r = client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=NEW_TOKENS,
+                                       temperature=0, logprobs=True, extra_body=IDS)
+    assert as_ids([c.token for c in r.choices[0].logprobs.content]) == ref
+    assert r.choices[0].message.content == tok.decode(ref)
+    assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt_ids), NEW_TOKENS)
+    chunks = list(client.chat.completions.create(
+        model="default", messages=MESSAGES, max_tokens=NEW_TOKENS, temperature=0, stream=True,
+        logprobs=True, extra_body=IDS, stream_options={"include_usage": True}))
+    with_choice = [c for c in chunks if c.choices]
+    assert with_choice[0].choices[0].delta.role == "assistant"
+    streamed = [lp.token for c in with_choice if c.choices[0].logprobs for lp in c.choices[0].logprobs.content]
+    assert as_ids(streamed) == ref
+    assert "".join(c.choices[0].delta.content or "" for c in with_choice) == tok.decode(ref)
+    assert with_choice[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.prompt_tokens == len(prompt_ids)
+    assert chunks[-1].usage.completion_tokens == NEW_TOKENS
+
+
+def test_stop_string_and_natural_stop(client):
+    _, tok = hf_model()
+    question = [{"role": "user", "content": "What is 2+2?"}]
+    ref = list(greedy_reference(tuple(reference_ids(question)), 32))
+    eos = ref.index(tok.eos_token_id)  # the reply ends with <|im_end|> well before 32 tokens
+    r = client.chat.completions.create(model="default", messages=question, max_tokens=32, temperature=0)
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == tok.decode(ref[:eos])
+    assert r.usage.completion_tokens == eos + 1  # the EOS token counts as generated
+    full = tok.decode(greedy_reference(tuple(reference_ids(PROMPT)), NEW_TOKENS))
+    stop = full[4:8]
+    cut = client.completions.create(model="default", prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0,
+                                    stop=[stop, "never-generated"])
+    assert cut.choices[0].text == full[: full.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_malformed_requests_get_400_and_server_keeps_serving(server, client):
+    cases = malformed_cases(MAX_MODEL_LEN)
+    assert len(cases) >= 20
+    with httpx.Client(base_url=server, timeout=60) as h:
+        for path, body, param, code in cases:
+            if isinstance(body, bytes):
+                r = h.post(path, content=body, headers={"content-type": "application/json"})
+            else:
+                r = h.post(path, json=body)
+            check_error(r.status_code, r.json(), param, code)
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model="no-such-model", prompt="hi")
+    assert exc.value.status_code == 400 and exc.value.body["param"] == "model"
+    r = client.completions.create(model="default", prompt=PROMPT, max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens == 3
+
+
+def test_disconnect_mid_stream_aborts(server):
+    before = metric_samples(server)[("ppstate_requests_finished_total", (("finish_reason", "abort"),))]
+    body = {"model": "default", "prompt": PROMPT, "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with httpx.Client(base_url=server, timeout=60) as h, h.stream("POST", "/v1/completions", json=body) as r:
+        got = 0
+        for line in r.iter_lines():
+            got += line.startswith("data: ")
+            if got == 3:
+                break
+    deadline = time.monotonic() + 20
+    while True:
+        s = metric_samples(server)
+        done = (s[("ppstate_num_requests_running", ())] == 0
+                and s[("ppstate_requests_finished_total", (("finish_reason", "abort"),))] == before + 1)
+        if done or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert s[("ppstate_num_requests_running", ())] == 0
+    assert s[("ppstate_requests_finished_total", (("finish_reason", "abort"),))] == before + 1
+    assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+
+
+def test_metrics_parse_and_hold_series(server):
+    names = {fam.name for fam in text_string_to_metric_families(httpx.get(f"{server}/metrics").text)}
+    expected = {"ppstate_time_to_first_token_seconds", "ppstate_inter_token_latency_seconds",
+                "ppstate_time_per_output_token_seconds", "ppstate_e2e_request_latency_seconds",
+                "ppstate_num_requests_running", "ppstate_num_requests_waiting", "ppstate_engine_steps",
+                "ppstate_generation_tokens", "ppstate_rank_busy_seconds", "ppstate_pipeline_bubble_fraction",
+                "ppstate_requests_finished", "ppstate_prompt_tokens", "ppstate_engine_alive"}
+    assert expected <= names, expected - names
+    s = metric_samples(server)
+    assert s[("ppstate_pp_size", ())] == 2
+    assert s[("ppstate_rank_busy_seconds_total", (("rank", "0"),))] > 0
+    assert s[("ppstate_rank_busy_seconds_total", (("rank", "1"),))] > 0
+    assert 0.0 <= s[("ppstate_pipeline_bubble_fraction", ())] < 1.0
+    assert s[("ppstate_engine_steps_total", ())] > 0 and s[("ppstate_generation_tokens_total", ())] > 0
