@@ -26,6 +26,8 @@ from runtime.server.metrics import ServerMetrics
 from runtime.server.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
 
 DEFAULT_COMPLETION_TOKENS = 16
+#: temperatures below this are served greedily (as vLLM does): dividing logits by ~0 overflows
+MIN_TEMPERATURE = 1e-5
 
 
 class OpenAIHandlers:
@@ -74,12 +76,14 @@ class OpenAIHandlers:
                            code="invalid_value")
 
     def sampling_params(self, req: GenerationRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """SamplingParams from the OpenAI fields (null means the OpenAI default)."""
+        """SamplingParams from the OpenAI fields (null means the OpenAI default; a temperature
+        below ``MIN_TEMPERATURE`` means greedy)."""
         stop_ids = req.stop_token_ids or []
         self.check_token_ids(stop_ids, "stop_token_ids")
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
+            temperature=1.0 if req.temperature is None else
+            (0.0 if req.temperature < MIN_TEMPERATURE else req.temperature),
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=-1 if req.top_k is None else req.top_k,
             seed=req.seed, stop=req.stop_list, stop_token_ids=stop_ids,
