@@ -45,6 +45,7 @@ class Scheduler:
         self.lifecycle = Lifecycle()
         self._waiting: deque[Request] = deque()
         self._running: dict[str, Request] = {}          # admission order
+        self._live: dict[str, Request] = {}             # waiting + running, by id
         self._finished: dict[str, str] = {}             # req_id -> final state
         self._freed: list[FreedSlot] = []               # delivered with the next output
         self._in_flight: deque[SchedulerOutput] = deque()
@@ -76,8 +77,7 @@ class Scheduler:
 
     def state_of(self, req_id: str) -> str:
         """Lifecycle state of ``req_id``. Raises SchedulerError for an unknown id."""
-        req = self._running.get(req_id) or next((r for r in self._waiting if r.req_id == req_id),
-                                                None)
+        req = self._live.get(req_id)
         if req is not None:
             return req.state
         if req_id in self._finished:
@@ -92,8 +92,7 @@ class Scheduler:
             SchedulerError: duplicate id, empty prompt, prompt_len >= max_model_len, max_tokens < 1.
         """
         rid, plen = spec.req_id, spec.prompt_len
-        if rid in self._finished or rid in self._running or \
-                any(r.req_id == rid for r in self._waiting):
+        if rid in self._finished or rid in self._live:
             raise SchedulerError(f"duplicate request id {rid!r}")
         if plen == 0:
             raise SchedulerError(f"request {rid!r}: empty prompt")
@@ -107,6 +106,7 @@ class Scheduler:
         self._order += 1
         self.lifecycle.add(req)
         self._waiting.append(req)
+        self._live[rid] = req
 
     def abort(self, req_id: str) -> bool:
         """Abort ``req_id`` now; its slot is freed (FreedSlot in the next output).
@@ -114,11 +114,10 @@ class Scheduler:
         Returns:
             False when the id is unknown or the request already finished.
         """
-        req = self._running.get(req_id)
+        req = self._live.get(req_id)
         if req is None:
-            req = next((r for r in self._waiting if r.req_id == req_id), None)
-            if req is None:
-                return False
+            return False
+        if req.slot < 0:
             self._waiting.remove(req)
         self._finish(req, "abort")
         return True
@@ -141,8 +140,9 @@ class Scheduler:
 
         Returns:
             None when ``in_flight_limit`` steps are in flight, or nothing needs delivering and no
-            live request can get a row before more results arrive; otherwise the step's output, possibly without rows (nothing eligible this
-            step under the cadence), so that step numbers and every rank's FIFO keep advancing.
+            live request can get a row before more results arrive. Otherwise the step's output,
+            possibly without rows (nothing eligible this step under the cadence, or only
+            ``freed`` to deliver), so that step numbers and every rank's FIFO keep advancing.
         """
         if self.in_flight >= self.config.in_flight_limit:
             return None
@@ -248,6 +248,7 @@ class Scheduler:
             self._freed.append(FreedSlot(req.req_id, req.slot, req.state))
             del self._running[req.req_id]
         self._finished[req.req_id] = req.state
+        del self._live[req.req_id]
         self.lifecycle.remove(req)
 
     # ---------------------------------------------------------------- used by RowBuilder
