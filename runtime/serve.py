@@ -144,9 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     from runtime.engine import EngineDeadError
+    from runtime.model.errors import ModelError
     try:
         return asyncio.run(serve(config, args, sock))
-    except EngineDeadError as exc:
+    except (EngineDeadError, ModelError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C while the model was loading

@@ -82,9 +82,11 @@ def server():
     try:
         hf_model()  # load the reference while the server starts
         url = proc.wait_ready(READY_TIMEOUT_S)
-        yield url
-    finally:
-        assert proc.stop() == 0
+    except BaseException:
+        proc.stop()
+        raise
+    yield url
+    assert proc.stop() == 0  # SIGINT: clean shutdown of server and workers
 
 
 @pytest.fixture(scope="module")

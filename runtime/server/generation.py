@@ -18,6 +18,7 @@ import anyio
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from runtime.engine import EngineDeadError, RequestRejected
 from runtime.outputs import RequestOutput, TokenLogprob
 from runtime.sampling_params import SamplingParams
 from runtime.server.errors import APIError
@@ -57,7 +58,6 @@ class Generation:
 
     def start(self) -> None:
         """Submit to the engine. Raises APIError (400 for rejected input, 503 for a dead engine)."""
-        from runtime.engine import EngineDeadError, RequestRejected
         try:
             self._stream = aiter(self.engine.add_request(self.req_id, self.prompt_ids, self.params))
         except RequestRejected as exc:
