@@ -128,7 +128,8 @@ async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.soc
     return exit_code
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_cli(argv: list[str] | None = None) -> tuple[argparse.Namespace, EngineConfig]:
+    """Parse and check the flags (exits with status 2 and a message naming the flag on error)."""
     p = build_parser()
     args = p.parse_args(argv)
     if args.api_key is None:
@@ -137,7 +138,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--port: must be in 0..65535, got {args.port}")
     if args.max_body_bytes < 1024:
         p.error(f"--max-body-bytes: must be >= 1024, got {args.max_body_bytes}")
-    config = engine_config(p, args)
+    return args, engine_config(p, args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, config = parse_cli(argv)
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as exc:

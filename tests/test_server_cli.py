@@ -1,0 +1,85 @@
+"""``python -m runtime.serve`` flags: --help, flag -> EngineConfig, errors naming the flag, busy port.
+
+None of these start an engine: flag errors and a busy port must fail before the model loads.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runtime import serve
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse(*argv: str):
+    return serve.parse_cli(list(argv))
+
+
+def test_defaults():
+    args, cfg = parse()
+    assert (args.host, args.port, args.api_key, args.max_body_bytes) == ("127.0.0.1", 8000, None, 1 << 20)
+    assert (cfg.model, cfg.pp_size, cfg.pp_schedule, cfg.trace_dir) == ("default", 2, "overlapped", None)
+
+
+def test_flags_map_to_config():
+    args, cfg = parse("--model", "/models/llama", "--pp", "4", "--host", "0.0.0.0", "--port", "9001",
+                      "--max-num-seqs", "16", "--max-model-len", "1024", "--max-prefill-chunk", "64",
+                      "--pp-schedule", "sync", "--api-key", "sk-x", "--trace-dir", "/tmp/tr")
+    assert (args.host, args.port, args.api_key) == ("0.0.0.0", 9001, "sk-x")
+    assert (cfg.model, cfg.pp_size, cfg.max_num_seqs, cfg.max_model_len, cfg.max_prefill_chunk,
+            cfg.pp_schedule, cfg.trace_dir) == ("/models/llama", 4, 16, 1024, 64, "sync", "/tmp/tr")
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--pp", "0"], "--pp"),
+    (["--max-model-len", "3"], "--max-model-len"),
+    (["--max-num-seqs", "0"], "--max-num-seqs"),
+    (["--pp-schedule", "fast"], "--pp-schedule"),
+    (["--port", "70000"], "--port"),
+    (["--port", "eighty"], "--port"),
+    (["--max-body-bytes", "10"], "--max-body-bytes"),
+])
+def test_bad_flag_names_the_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        serve.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: argument {flag}" in err or f"error: {flag}:" in err, err
+
+
+def test_api_key_from_environment(monkeypatch):
+    monkeypatch.setenv("PPSTATE_API_KEY", "sk-env")
+    assert parse()[0].api_key == "sk-env"
+    assert parse("--api-key", "sk-flag")[0].api_key == "sk-flag"
+
+
+def test_busy_port_fails_before_loading(capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        assert serve.main(["--port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot listen on 127.0.0.1:{port}: ")
+
+
+def test_help_lists_the_flags():
+    out = subprocess.run([sys.executable, "-m", "runtime.serve", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0
+    for flag in ("--model", "--pp ", "--host", "--port", "--max-num-seqs", "--max-model-len",
+                 "--max-prefill-chunk", "--pp-schedule", "--api-key", "--trace-dir"):
+        assert flag in out.stdout, flag
+    assert "(default: 127.0.0.1)" in out.stdout and "(default: 8000)" in out.stdout
+
+
+def test_url_of_socket():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        assert serve.url_of(s, "127.0.0.1") == f"http://127.0.0.1:{s.getsockname()[1]}"
