@@ -35,6 +35,8 @@ class FakeTokenizer:
         return bytes(ids).decode("utf-8", errors="replace")
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
+        if messages[-1]["role"] == "assistant":
+            raise ValueError("chat template render failed: the last message must not be the assistant's")
         return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
 
 
@@ -169,6 +171,17 @@ async def test_chat_nonstream_and_stream():
             {"role": "assistant", "content": ""}, {"content": "a"}, {"content": "b"}, {}]
         assert [e["choices"][0]["finish_reason"] for e in ev[:-1]] == [None, None, None, "length"]
         assert all(e["object"] == "chat.completion.chunk" for e in ev[:-1])
+
+
+async def test_chat_template_rejection_is_400():
+    msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    async with client_for(FakeEngine()) as c:
+        r = await c.post("/v1/chat/completions", json={"messages": msgs})
+        assert r.status_code == 400
+        assert r.json()["error"] == {
+            "message": "Invalid value for 'messages': chat template render failed: the last message must "
+                       "not be the assistant's", "type": "invalid_request_error", "param": "messages",
+            "code": "invalid_value"}
 
 
 async def test_chat_default_max_tokens_fills_context():

@@ -150,7 +150,11 @@ class OpenAIHandlers:
         arrival = time.perf_counter()
         self.check_model(req.model)
         messages = [m.as_template_dict() for m in req.messages]
-        ids = await anyio.to_thread.run_sync(self.engine.tokenizer.encode_chat, messages)
+        try:
+            ids = await anyio.to_thread.run_sync(self.engine.tokenizer.encode_chat, messages)
+        except ValueError as exc:  # no chat template, or the template rejected the messages
+            raise APIError(f"Invalid value for 'messages': {exc}", param="messages",
+                           code="invalid_value") from None
         limit_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         limit = self.output_limit(req.output_limit, None, len(ids), "messages", limit_field)
         top_n = (req.top_logprobs or 0) if req.logprobs else None
