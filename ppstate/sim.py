@@ -98,10 +98,13 @@ class Simulator:
         s = rank.next_step
         if rank.running is not None or s not in self.outputs:
             return False
-        if rank.rank > 0 and self.ranks[rank.rank - 1].finished.get(s, self.now + 1) > self.now:
+        never = self.now + 1
+        if rank.rank > 0 and \
+                self.ranks[rank.rank - 1].finished.get(s, never) + self.cfg.p2p_ticks > self.now:
             return False
         if rank.handler is not None and s - self.depth in rank.handler.pending_steps():
-            return self.ranks[-1].finished.get(s - self.depth, self.now + 1) <= self.now
+            done = self.ranks[-1].finished.get(s - self.depth, never)
+            return done + self.cfg.broadcast_ticks <= self.now
         return True
 
     def _start_ranks(self) -> None:
@@ -126,11 +129,25 @@ class Simulator:
 
     def _next_time(self) -> int | None:
         times = [r.busy_until for r in self.ranks if r.running is not None]
+        times += [t for t in self._waits() if t > self.now]
         if self.arrivals:
             times.append(self.arrivals[0].arrival)
         if self.aborts:
             times.append(self.aborts[0][0])
         return min(times) if times else None
+
+    def _waits(self) -> list[int]:
+        """Ticks at which a latency (p2p hand-off, broadcast) ends for an idle rank's next step."""
+        out = []
+        for rank in self.ranks:
+            s = rank.next_step
+            if rank.running is not None or s not in self.outputs:
+                continue
+            if rank.rank > 0 and s in self.ranks[rank.rank - 1].finished:
+                out.append(self.ranks[rank.rank - 1].finished[s] + self.cfg.p2p_ticks)
+            if s - self.depth in self.ranks[-1].finished:
+                out.append(self.ranks[-1].finished[s - self.depth] + self.cfg.broadcast_ticks)
+        return out
 
     # ---------------------------------------------------------------- main loop
     def run(self) -> SimResult:
@@ -182,7 +199,8 @@ def repro_command(cfg: SimConfig) -> str:
             f"--chunk {cfg.chunk} --abort-rate {cfg.abort_rate} --arrival {cfg.arrival} "
             f"--max-num-seqs {cfg.max_num_seqs} --max-num-batched-tokens "
             f"{cfg.max_num_batched_tokens} --eos-prob {cfg.eos_prob} --stage-cost "
-            f"{cfg.stage_base}:{cfg.stage_per_token} --json")
+            f"{cfg.stage_base}:{cfg.stage_per_token} --p2p-ticks {cfg.p2p_ticks} --broadcast-ticks "
+            f"{cfg.broadcast_ticks} --json")
 
 
 def main(argv: list[str] | None = None) -> int:

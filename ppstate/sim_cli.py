@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eos-prob", type=float, default=0.3)
     p.add_argument("--stage-cost", type=_pair, default=(1, 2), metavar="BASE:PER_TOKEN",
                    help="stage time of a batch = BASE + PER_TOKEN * tokens (ticks)")
+    p.add_argument("--p2p-ticks", type=int, default=0, help="rank-to-rank hand-off latency")
+    p.add_argument("--broadcast-ticks", type=int, default=0, help="sampled-id broadcast latency")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -53,7 +55,8 @@ def config_from_args(ns: argparse.Namespace) -> SimConfig:
                      max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
                      max_model_len=ns.max_model_len, abort_rate=ns.abort_rate, arrival=ns.arrival,
                      eos_prob=ns.eos_prob, stage_base=ns.stage_cost[0],
-                     stage_per_token=ns.stage_cost[1])
+                     stage_per_token=ns.stage_cost[1], p2p_ticks=ns.p2p_ticks,
+                     broadcast_ticks=ns.broadcast_ticks)
 
 
 def run_cli(argv: list[str] | None = None) -> int:

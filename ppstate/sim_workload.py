@@ -53,7 +53,11 @@ class SimConfig:
         abort_rate: probability a request is aborted at a random tick [--abort-rate].
         arrival: "burst" (all at tick 0) or "poisson" (mean gap ``mean_gap`` ticks) [--arrival].
         eos_prob: probability a request's model emits EOS before max_tokens [--eos-prob].
-        stage_base, stage_per_token: stage time of a batch = base + per_token * tokens (ticks).
+        stage_base, stage_per_token: stage time of a batch = base + per_token * tokens (ticks)
+            [--stage-cost BASE:PER_TOKEN].
+        p2p_ticks: hidden-state hand-off from rank r to r + 1 [--p2p-ticks].
+        broadcast_ticks: last rank's sampled-id broadcast until earlier ranks hold it
+            [--broadcast-ticks].
         workload: explicit requests (overrides the random ones; tests).
         max_steps: liveness bound (0: derived from the workload).
     """
@@ -73,6 +77,8 @@ class SimConfig:
     eos_prob: float = 0.3
     stage_base: int = 1
     stage_per_token: int = 2
+    p2p_ticks: int = 0
+    broadcast_ticks: int = 0
     workload: tuple[SimRequest, ...] | None = None
     max_steps: int = 0
 
@@ -84,6 +90,8 @@ class SimConfig:
         if self.stage_base < 0 or self.stage_per_token < 0 or \
                 self.stage_base + self.stage_per_token == 0:
             raise SchedulerError("SimConfig.stage_base/stage_per_token must be >= 0, not both 0")
+        if self.p2p_ticks < 0 or self.broadcast_ticks < 0:
+            raise SchedulerError("SimConfig.p2p_ticks and broadcast_ticks must be >= 0")
         if not 0.0 <= self.abort_rate <= 1.0 or not 0.0 <= self.eos_prob <= 1.0:
             raise SchedulerError("SimConfig.abort_rate and eos_prob must be in [0, 1]")
         if self.arrival not in ("burst", "poisson"):

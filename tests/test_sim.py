@@ -27,7 +27,8 @@ def sweep_config(seed):
                      prompt_len=(1, 40), output_len=(1, 24), chunk=(8, 16, 5)[seed % 3],
                      max_num_seqs=(3, 4, 8)[(seed // 3) % 3],
                      max_num_batched_tokens=(16, 24, 64)[(seed // 9) % 3],
-                     abort_rate=0.25, arrival="poisson" if seed % 2 else "burst")
+                     abort_rate=0.25, arrival="poisson" if seed % 2 else "burst",
+                     p2p_ticks=seed % 2, broadcast_ticks=(seed // 2) % 3)
 
 
 def abort_reuse_config():
@@ -173,3 +174,19 @@ def test_schedule_efficiency_overlapped_vs_sync(pp, floor):
         assert over.output_tokens == sync.output_tokens
         ratios.append(over.throughput_tokens_per_tick / sync.throughput_tokens_per_tick)
     assert min(ratios) >= floor, ratios
+
+
+@pytest.mark.parametrize("bcast,ticks", [(0, 26), (5, 31)])
+def test_deferred_receive_waits_for_broadcast(bcast, ticks):
+    # pp 2: step 0 final chunk (9 ticks/stage), 1 empty (1), 2 decode (3), 3 empty with freed (1).
+    res = run_sim(SimConfig(pp_size=2, broadcast_ticks=bcast, workload=(
+        SimRequest("a", 0, (3, 4, 5, 6), 2, 1),)))
+    assert (res.steps, res.ticks, res.output_tokens) == (4, ticks, 2)
+    assert res.bubble_fraction == round(1 - 28 / (2 * ticks), 6)
+
+
+def test_p2p_hand_off_latency_in_sync_mode():
+    res = run_sim(SimConfig(pp_size=2, mode="sync", p2p_ticks=3, workload=(
+        SimRequest("a", 0, (3, 4, 5, 6), 1, 1),)))
+    # step 0: 9 + 3 + 9 ticks; step 1 (freed only): 1 + 3 + 1.
+    assert (res.steps, res.ticks, res.completed) == (2, 26, 1)
