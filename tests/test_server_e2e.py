@@ -166,9 +166,9 @@ def test_chat_greedy_matches_reference(client):
 def test_stop_string_and_natural_stop(client):
     _, tok = hf_model()
     question = [{"role": "user", "content": "What is 2+2?"}]
-    ref = list(greedy_reference(tuple(reference_ids(question)), 32))
-    eos = ref.index(tok.eos_token_id)  # the reply ends with <|im_end|> well before 32 tokens
-    r = client.chat.completions.create(model="default", messages=question, max_tokens=32, temperature=0)
+    ref = list(greedy_reference(tuple(reference_ids(question)), 16))
+    eos = ref.index(tok.eos_token_id)  # the 12-token reply ends with <|im_end|>
+    r = client.chat.completions.create(model="default", messages=question, max_tokens=16, temperature=0)
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].message.content == tok.decode(ref[:eos])
     assert r.usage.completion_tokens == eos + 1  # the EOS token counts as generated
