@@ -14,10 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
+#: Key lengths are padded to a multiple of this, so a row's attention reductions run over the same
+#: vector-aligned lengths whatever else is in the batch (see ``layers.attend``).
+KV_ALIGN = 16
+
 
 @dataclass(frozen=True)
 class AttnGroup:
-    """Rows attended together; queries padded to ``q_max``, keys to ``kv_len``.
+    """Rows attended together; queries padded to ``q_max``, keys to ``kv_len`` (the group's longest
+    context rounded up to :data:`KV_ALIGN`; keys past a row's context are masked out).
 
     Attributes:
         slots: ``[Rg]`` cache slot of each row.
@@ -48,7 +53,8 @@ class BatchMeta:
         token_slots: ``[T]`` long, cache slot of each token (KV write index, dim 1 of the cache).
         last_token: ``[R]`` long, index into T of each row's last token (logits are taken there).
         groups: the attention groups (1 or 2).
-        max_context: largest ``start + query_len`` of the batch (cache length that must exist).
+        max_context: largest ``start + query_len`` of the batch (cache length that must exist;
+            the cache is allocated rounded up to ``KV_ALIGN``).
     """
     slots: torch.Tensor
     start_positions: torch.Tensor
@@ -101,7 +107,7 @@ def _group(rows: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, qlen: t
            offsets: torch.Tensor, device: str | torch.device) -> AttnGroup:
     """Padded layout and causal mask for the batch rows ``rows`` (indices into R)."""
     q, st, off = qlen[rows], start[rows], offsets[rows]
-    q_max, kv_len = int(q.max()), int((st + q).max())
+    q_max, kv_len = int(q.max()), -(-int((st + q).max()) // KV_ALIGN) * KV_ALIGN
     i = torch.arange(q_max)
     clamped = torch.minimum(i[None, :], (q - 1)[:, None])           # [Rg, q_max]
     gather = (off[:, None] + clamped).reshape(-1)

@@ -25,15 +25,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def linear(x: torch.Tensor, w: torch.Tensor, min_rows: int = 0) -> torch.Tensor:
+    """``x [T, in] @ w[out, in].T -> [T, out]``; with ``T < min_rows`` the input is zero-padded to
+    ``min_rows`` rows first (results sliced back).
+
+    Why: CPU sgemm (MKL, one thread) takes a different kernel for fewer than 16 rows, whose
+    accumulation order differs; at >= 16 rows a row's result is bitwise independent of the other
+    rows (measured, torch 2.13 CPU). Padding thus makes a request's logits independent of batch
+    composition and prefill chunking (batch invariance), which the engine relies on when it compares
+    schedules token for token. Not guaranteed with several threads (K may be split) or on CUDA.
+    """
+    n = x.shape[0]
+    if n >= min_rows:
+        return F.linear(x, w)
+    return F.linear(F.pad(x, (0, 0, 0, min_rows - n)), w)[:n]
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta,
-           k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+           k_cache: torch.Tensor, v_cache: torch.Tensor, invariant: bool = True) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend every query to its row's cached context.
 
     Args:
         q: ``[T, H, D]`` rotated queries; k, v: ``[T, KVH, D]`` (k rotated).
-        k_cache, v_cache: one layer's cache ``[max_num_reqs, KVH, max_model_len, D]`` (written in place).
+        k_cache, v_cache: one layer's cache ``[max_num_reqs, KVH, max_len, D]`` (written in place).
+        invariant: explicit-matmul attention (see :func:`_grouped_attention`) instead of
+            ``scaled_dot_product_attention``.
     Returns:
-        ``[T, H * D]`` attention output (softmax(q k^T / sqrt(D)) v, causal within each row).
+        ``[T, H * D]``: softmax(q k^T / sqrt(D)) v, causal within each row, GQA (query head h reads
+        KV head ``h // (H / KVH)``, as HF ``repeat_kv``).
     """
     k_cache[meta.token_slots, :, meta.positions] = k
     v_cache[meta.token_slots, :, meta.positions] = v
@@ -44,7 +63,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta,
         qg = q.index_select(0, g.gather).view(rows, g.q_max, h, d).transpose(1, 2)
         kg = k_cache[:, :, :g.kv_len].index_select(0, g.slots)
         vg = v_cache[:, :, :g.kv_len].index_select(0, g.slots)
-        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, enable_gqa=True)
+        if invariant:
+            o = _grouped_attention(qg, kg, vg, g.mask)
+        else:
+            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, enable_gqa=True)
         o = o.transpose(1, 2).reshape(rows * g.q_max, h, d)
         if out is None:
             return o.reshape(t, h * d)
@@ -52,16 +74,33 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta,
     return out.reshape(t, h * d)
 
 
+def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       mask: torch.Tensor) -> torch.Tensor:
+    """Attention as two batched matmuls and a softmax (HF "eager" form), with the query heads
+    sharing a KV head stacked into one matrix so K/V are never repeated.
+
+    ``q [R, H, Q, D]``, ``k, v [R, KVH, L, D]``, ``mask [R, 1, Q, L]`` bool -> ``[R, H, Q, D]``.
+    With L padded to ``KV_ALIGN``, a row's result is bitwise independent of the other rows, of L and
+    of Q on the CPU (measured; the flash SDPA CPU kernel is not: its blocking depends on the batch).
+    """
+    r, h, n, d = q.shape
+    kvh, length = k.shape[1], k.shape[2]
+    scores = torch.matmul(q.reshape(r, kvh, (h // kvh) * n, d), k.transpose(-1, -2)) * d ** -0.5
+    scores = scores.view(r, kvh, h // kvh, n, length).masked_fill(~mask[:, :, None], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return torch.matmul(probs.view(r, kvh, (h // kvh) * n, length), v).view(r, h, n, d)
+
+
 class DecoderLayer(nn.Module):
     """One Llama block: ``x + attn(norm(x))`` then ``+ mlp(norm(.))`` with a carried residual.
 
     Parameters (no grad): ``ln1, ln2 [H]``; ``qkv [(NH + 2 * KVH) * D, H]``; ``o [H, NH * D]``;
-    ``gate_up [2 * I, H]``; ``down [H, I]``.
+    ``gate_up [2 * I, H]``; ``down [H, I]``. ``min_rows``: see :func:`linear`.
     """
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], min_rows: int = 0) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.min_rows = cfg, min_rows
         p = lambda t: nn.Parameter(t, requires_grad=False)  # noqa: E731
         self.ln1, self.ln2 = p(weights["input_layernorm.weight"]), p(weights["post_attention_layernorm.weight"])
         self.qkv = p(torch.cat([weights[f"self_attn.{n}_proj.weight"] for n in "qkv"], 0))
@@ -73,15 +112,16 @@ class DecoderLayer(nn.Module):
                 cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x, residual [T, H]`` (residual None: x is the whole stream) -> (mlp_out, residual)."""
-        cfg = self.cfg
+        cfg, rows = self.cfg, self.min_rows
         residual = x if residual is None else x + residual
-        qkv = F.linear(rms_norm(residual, self.ln1, cfg.rms_norm_eps), self.qkv)
+        qkv = linear(rms_norm(residual, self.ln1, cfg.rms_norm_eps), self.qkv, rows)
         nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
         t = x.shape[0]
         q = apply_rope(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
         k = apply_rope(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-        attn = attend(q, k, v.view(t, cfg.num_kv_heads, cfg.head_dim), meta, k_cache, v_cache)
-        residual = F.linear(attn, self.o) + residual
-        gate, up = F.linear(rms_norm(residual, self.ln2, cfg.rms_norm_eps), self.gate_up).chunk(2, -1)
-        return F.linear(F.silu(gate) * up, self.down), residual
+        attn = attend(q, k, v.view(t, cfg.num_kv_heads, cfg.head_dim), meta, k_cache, v_cache,
+                      invariant=rows > 0)
+        residual = linear(attn, self.o, rows) + residual
+        gate, up = linear(rms_norm(residual, self.ln2, cfg.rms_norm_eps), self.gate_up, rows).chunk(2, -1)
+        return linear(F.silu(gate) * up, self.down, rows), residual

@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from runtime.model.batch_meta import BatchMeta
+from runtime.model.batch_meta import KV_ALIGN, BatchMeta
 from runtime.model.config import ModelConfig
 from runtime.model.errors import PartitionError
-from runtime.model.layers import DecoderLayer, rms_norm
+from runtime.model.layers import DecoderLayer, linear, rms_norm
 from runtime.model.registry import resolve_model_path
 from runtime.model.rope import rope_inv_freq, rope_tables
 from runtime.model.weights import (EMBED, FINAL_NORM, LAYER_SUFFIXES, LM_HEAD, layer_name,
@@ -20,27 +20,35 @@ from runtime.model.weights import (EMBED, FINAL_NORM, LAYER_SUFFIXES, LM_HEAD, l
 
 __all__ = ["BatchMeta", "StageModel", "load_stage", "load_model_config"]
 
+INVARIANT_ROWS = 16  # GEMM rows below which CPU sgemm changes kernel (see layers.linear)
+
 
 class StageModel(nn.Module):
     """Layers ``[layer_start, layer_end)`` of a Llama model plus their slot-contiguous KV cache.
 
     Attributes:
-        k_cache, v_cache: ``[num_local_layers, max_num_reqs, num_kv_heads, max_model_len, head_dim]``
-            in the model dtype, allocated once (zeros).
+        k_cache, v_cache: ``[num_local_layers, max_num_reqs, num_kv_heads, max_len, head_dim]``
+            in the model dtype, allocated once (zeros); ``max_len`` is ``max_model_len`` rounded up
+            to ``KV_ALIGN``.
         embed: ``[V, H]`` (first stage); norm ``[H]`` and lm_head ``[V, H]`` (last stage).
+        min_rows: GEMM inputs are padded to this many rows (16 with ``batch_invariant`` on the
+            CPU, else 0), and attention uses explicit matmuls instead of SDPA: a row's result then
+            does not depend on the rest of the batch nor on prefill chunking.
     """
 
     def __init__(self, cfg: ModelConfig, layer_range: tuple[int, int], weights: dict[str, torch.Tensor],
                  *, max_num_reqs: int, max_model_len: int, dtype: torch.dtype,
-                 device: str | torch.device, freq_factors: torch.Tensor | None = None) -> None:
+                 device: str | torch.device, freq_factors: torch.Tensor | None = None,
+                 batch_invariant: bool = True) -> None:
         super().__init__()
         self.cfg, (self.layer_start, self.layer_end) = cfg, layer_range
         self.is_first, self.is_last = self.layer_start == 0, self.layer_end == cfg.num_layers
         self.max_num_reqs, self.max_model_len = max_num_reqs, max_model_len
+        self.min_rows = INVARIANT_ROWS if batch_invariant and torch.device(device).type == "cpu" else 0
         p = lambda t: nn.Parameter(t, requires_grad=False)  # noqa: E731
         self.embed = p(weights[EMBED]) if self.is_first else None
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, {s: weights[layer_name(i, s)] for s in LAYER_SUFFIXES})
+            DecoderLayer(cfg, {s: weights[layer_name(i, s)] for s in LAYER_SUFFIXES}, self.min_rows)
             for i in range(self.layer_start, self.layer_end))
         self.norm = p(weights[FINAL_NORM]) if self.is_last else None
         self.lm_head = None
@@ -50,7 +58,8 @@ class StageModel(nn.Module):
         cos, sin = rope_tables(rope_inv_freq(cfg, freq_factors), max_model_len)
         self.register_buffer("rope_cos", cos.to(device=device, dtype=dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(device=device, dtype=dtype), persistent=False)
-        shape = (len(self.layers), max_num_reqs, cfg.num_kv_heads, max_model_len, cfg.head_dim)
+        cache_len = -(-max_model_len // KV_ALIGN) * KV_ALIGN
+        shape = (len(self.layers), max_num_reqs, cfg.num_kv_heads, cache_len, cfg.head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
@@ -83,8 +92,8 @@ class StageModel(nn.Module):
         last = hidden.index_select(0, meta.last_token)
         if residual is not None:
             last = last + residual.index_select(0, meta.last_token)
-        return torch.nn.functional.linear(rms_norm(last, self.norm, self.cfg.rms_norm_eps),
-                                          self.lm_head).float()
+        return linear(rms_norm(last, self.norm, self.cfg.rms_norm_eps), self.lm_head,
+                      self.min_rows).float()
 
     def _check(self, meta: BatchMeta, input_ids: torch.Tensor | None, hidden: torch.Tensor | None) -> None:
         """Validate the inputs of :meth:`forward` (cheap: Python ints already in ``meta``)."""
@@ -106,7 +115,8 @@ def load_model_config(model: str | Path) -> ModelConfig:
 
 def load_stage(model: str | Path, layer_range: tuple[int, int], *, max_num_reqs: int,
                max_model_len: int, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", progress: bool = True) -> StageModel:
+               device: str | torch.device = "cpu", progress: bool = True,
+               batch_invariant: bool = True) -> StageModel:
     """Load the stage owning layers ``[start, end)``: only its tensors are read and dequantized.
 
     Args:
@@ -115,6 +125,8 @@ def load_stage(model: str | Path, layer_range: tuple[int, int], *, max_num_reqs:
             when ``start == 0`` and last when ``end == num_layers``.
         max_num_reqs, max_model_len: KV cache slots and tokens per slot.
         progress: show a tqdm bar while reading tensors.
+        batch_invariant: pad small GEMMs (CPU) so results do not depend on batch composition or
+            prefill chunking (one torch thread); costs up to ~2x matmul time for batches < 16 tokens.
     Raises:
         PartitionError: invalid layer range. ModelNotFoundError / UnsupportedModelError /
         WeightShapeError / ModelError from resolving and reading the checkpoint.
@@ -129,4 +141,4 @@ def load_stage(model: str | Path, layer_range: tuple[int, int], *, max_num_reqs:
     factors = ckpt.rope_freq_factors()
     return StageModel(cfg, (start, end), weights, max_num_reqs=max_num_reqs,
                       max_model_len=max_model_len, dtype=dtype, device=device,
-                      freq_factors=factors).eval()
+                      freq_factors=factors, batch_invariant=batch_invariant).eval()
