@@ -1,0 +1,75 @@
+"""Layer partitioning: the cost model, the balanced split and the --pp-layer-partition override."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.model.config import ModelConfig
+from runtime.model.errors import PartitionError
+from runtime.model.partition import (layer_cost, last_stage_extra_cost, parse_partition,
+                                     resolve_partition, split_layers)
+
+SMOLLM2 = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                      num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                      tie_word_embeddings=True)
+
+
+def test_cost_model_counts_macs_per_token():
+    # q 576*576 + k,v 2*576*192 + o 576*576 + gate/up/down 3*576*1536 + attention 2*9*64*256
+    assert layer_cost(SMOLLM2) == 331776 * 2 + 2 * 110592 + 3 * 884736 + 2 * 9 * 64 * 256 == 3833856
+    assert last_stage_extra_cost(SMOLLM2) == 576 + 49152 * 576 + 4 * 49152 == 28508736
+
+
+def test_smollm2_splits():
+    assert split_layers(30, 1, SMOLLM2) == [(0, 30)]
+    assert split_layers(30, 2, SMOLLM2) == [(0, 19), (19, 30)]  # LM head ~ 7.4 layers
+    assert split_layers(30, 3, SMOLLM2) == [(0, 13), (13, 25), (25, 30)]
+    assert split_layers(30, 4, SMOLLM2) == [(0, 10), (10, 19), (19, 28), (28, 30)]
+
+
+def test_split_minimises_the_slowest_stage():
+    per, extra = layer_cost(SMOLLM2), last_stage_extra_cost(SMOLLM2)
+    for pp in (2, 3, 4, 5):
+        ranges = split_layers(30, pp, SMOLLM2)
+        assert ranges[0][0] == 0 and ranges[-1][1] == 30
+        assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(ranges, ranges[1:]))
+        costs = [(e - s) * per for s, e in ranges]
+        costs[-1] += extra
+        # moving one layer across the last boundary in either direction is no better
+        n = ranges[-1][1] - ranges[-1][0]
+        for m in (n - 1, n + 1):
+            if 1 <= m <= 30 - (pp - 1):
+                alt = max(-(-(30 - m) // (pp - 1)) * per, m * per + extra)
+                assert max(costs) <= alt
+
+
+def test_split_without_lm_head_weight_is_even():
+    tiny_head = SMOLLM2.model_copy(update={"vocab_size": 1})
+    assert split_layers(30, 2, tiny_head) == [(0, 15), (15, 30)]
+    assert split_layers(31, 2, tiny_head) == [(0, 16), (16, 31)]
+
+
+def test_split_errors():
+    with pytest.raises(PartitionError, match="31 stages"):
+        split_layers(30, 31, SMOLLM2)
+    with pytest.raises(PartitionError):
+        split_layers(30, 0, SMOLLM2)
+
+
+def test_parse_partition():
+    assert parse_partition("19,11", 30, 2) == [(0, 19), (19, 30)]
+    assert parse_partition(" 10, 10 ,10", 30, 3) == [(0, 10), (10, 20), (20, 30)]
+    assert resolve_partition(SMOLLM2, 2, "15,15") == [(0, 15), (15, 30)]
+    assert resolve_partition(SMOLLM2, 2, None) == [(0, 19), (19, 30)]
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("19;11", "comma-separated"), ("19,x", "comma-separated"), ("", "comma-separated"),
+    ("30", "1 stages but pp_size is 2"), ("10,10,10", "3 stages but pp_size is 2"),
+    ("30,0", "at least one layer"), ("31,-1", "at least one layer"), ("19,12", "sums to 31"),
+])
+def test_parse_partition_errors_name_the_flag(spec, match):
+    with pytest.raises(PartitionError, match=match) as err:
+        parse_partition(spec, 30, 2)
+    assert "--pp-layer-partition" in str(err.value)
+    assert isinstance(err.value, ValueError)
