@@ -34,6 +34,7 @@ PROMPT = "The capital of France is"
 MESSAGES = [{"role": "system", "content": "You are a concise assistant."},
             {"role": "user", "content": "Name a primary color."}]
 NEW_TOKENS = 12
+LONG_TOKENS = 48
 IDS = {"ignore_eos": True, "return_tokens_as_token_ids": True}
 
 
@@ -180,7 +181,18 @@ def test_stop_string_and_natural_stop(client):
     assert cut.choices[0].finish_reason == "stop"
 
 
-def test_malformed_requests_get_400_and_server_keeps_serving(server, client):
+def test_malformed_requests_get_400_and_do_not_disturb_a_stream(server, client):
+    ref = list(greedy_reference(tuple(reference_ids(PROMPT)), NEW_TOKENS))  # cached by the test above
+    streamed: list[str] = []
+
+    def run_stream() -> None:  # a greedy stream that runs while the bad requests arrive
+        for chunk in client.completions.create(model="default", prompt=PROMPT, max_tokens=LONG_TOKENS,
+                                                temperature=0, logprobs=0, stream=True, extra_body=IDS):
+            if chunk.choices and chunk.choices[0].logprobs:
+                streamed.extend(chunk.choices[0].logprobs.tokens)
+
+    background = threading.Thread(target=run_stream)
+    background.start()
     cases = malformed_cases(MAX_MODEL_LEN)
     assert len(cases) >= 20
     with httpx.Client(base_url=server, timeout=60) as h:
@@ -193,8 +205,11 @@ def test_malformed_requests_get_400_and_server_keeps_serving(server, client):
     with pytest.raises(openai.BadRequestError) as exc:
         client.completions.create(model="no-such-model", prompt="hi")
     assert exc.value.status_code == 400 and exc.value.body["param"] == "model"
-    r = client.completions.create(model="default", prompt=PROMPT, max_tokens=3, temperature=0)
-    assert r.usage.completion_tokens == 3
+    background.join(120)
+    alone = client.completions.create(model="default", prompt=PROMPT, max_tokens=LONG_TOKENS, temperature=0,
+                                      logprobs=0, extra_body=IDS)
+    assert as_ids(streamed) == as_ids(alone.choices[0].logprobs.tokens)  # undisturbed by the 400s
+    assert as_ids(streamed)[:NEW_TOKENS] == ref and len(streamed) == LONG_TOKENS
 
 
 def test_disconnect_mid_stream_aborts(server):
