@@ -53,6 +53,7 @@ class BatchMeta:
         token_slots: ``[T]`` long, cache slot of each token (KV write index, dim 1 of the cache).
         last_token: ``[R]`` long, index into T of each row's last token (logits are taken there).
         groups: the attention groups (1 or 2).
+        slot_bounds: ``(min, max)`` slot as Python ints (range checks without a device sync).
         max_context: largest ``start + query_len`` of the batch (cache length that must exist;
             the cache is allocated rounded up to ``KV_ALIGN``).
     """
@@ -64,6 +65,7 @@ class BatchMeta:
     last_token: torch.Tensor
     groups: tuple[AttnGroup, ...]
     num_tokens: int
+    slot_bounds: tuple[int, int]
     max_context: int
 
     @property
@@ -100,6 +102,7 @@ class BatchMeta:
         return BatchMeta(slots=to(slots), start_positions=to(start), query_lens=to(qlen),
                          positions=to(positions), token_slots=to(slots[row]), last_token=to(ends - 1),
                          groups=tuple(groups), num_tokens=int(ends[-1]),
+                         slot_bounds=(int(slots.min()), int(slots.max())),
                          max_context=int((start + qlen).max()))
 
 

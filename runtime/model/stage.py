@@ -12,9 +12,8 @@ from torch import nn
 from runtime.model.batch_meta import KV_ALIGN, BatchMeta
 from runtime.model.config import ModelConfig
 from runtime.model.errors import PartitionError
-from runtime.model.layers import DecoderLayer, linear, rms_norm
+from runtime.model.layers import DecoderLayer, linear, rms_norm, rope_inv_freq, rope_tables
 from runtime.model.registry import resolve_model_path
-from runtime.model.rope import rope_inv_freq, rope_tables
 from runtime.model.weights import (EMBED, FINAL_NORM, LAYER_SUFFIXES, LM_HEAD, layer_name,
                                    load_tensors, open_checkpoint, stage_tensor_names)
 
@@ -103,7 +102,7 @@ class StageModel(nn.Module):
             raise ValueError(f"stage {self.layer_start}-{self.layer_end} needs hidden [{meta.num_tokens}, H]")
         if meta.max_context > self.max_model_len:
             raise ValueError(f"context {meta.max_context} exceeds max_model_len {self.max_model_len}")
-        if meta.slots.max() >= self.max_num_reqs or meta.slots.min() < 0:
+        if meta.slot_bounds[0] < 0 or meta.slot_bounds[1] >= self.max_num_reqs:
             raise ValueError(f"slot out of range [0, {self.max_num_reqs}): {meta.slots.tolist()}")
 
 

@@ -3,6 +3,7 @@ the tensors one pipeline stage needs, their expected shapes, and :func:`open_che
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Iterable, Protocol
 
@@ -86,10 +87,21 @@ def load_tensors(ckpt: Checkpoint, names: Iterable[str], *, dtype: torch.dtype,
 
 
 def open_checkpoint(path: Path) -> Checkpoint:
-    """Open a resolved model path (see ``registry.resolve_model_path``) without reading weights."""
+    """Open a resolved model path (see ``registry.resolve_model_path``) without reading weights.
+
+    GGUF files are opened once per process per (file, size, mtime): parsing the header (vocabulary
+    and merges included) takes seconds, and ``load_model_config`` + ``load_stage`` both need it.
+    """
     from runtime.model.registry import is_gguf
     if is_gguf(path):
-        from runtime.model.gguf_loader import GGUFCheckpoint
-        return GGUFCheckpoint(path)
+        st = path.stat()
+        return _open_gguf(str(path.resolve()), st.st_size, st.st_mtime_ns)
     from runtime.model.hf_loader import HFCheckpoint
     return HFCheckpoint(path)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_gguf(path: str, size: int, mtime_ns: int) -> Checkpoint:
+    """Cached GGUF open (memory-mapped; the key includes size and mtime so a rewritten file reopens)."""
+    from runtime.model.gguf_loader import GGUFCheckpoint
+    return GGUFCheckpoint(Path(path))
