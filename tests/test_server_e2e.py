@@ -212,15 +212,20 @@ def test_malformed_requests_get_400_and_do_not_disturb_a_stream(server, client):
     assert as_ids(streamed)[:NEW_TOKENS] == ref and len(streamed) == LONG_TOKENS
 
 
-def test_disconnect_mid_stream_aborts(server):
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
+def test_disconnect_aborts(server, stream):
     before = metric_samples(server)[("ppstate_requests_finished_total", (("finish_reason", "abort"),))]
-    body = {"model": "default", "prompt": PROMPT, "max_tokens": 200, "stream": True, "ignore_eos": True}
-    with httpx.Client(base_url=server, timeout=60) as h, h.stream("POST", "/v1/completions", json=body) as r:
-        got = 0
-        for line in r.iter_lines():
-            got += line.startswith("data: ")
-            if got == 3:
-                break
+    body = {"model": "default", "prompt": PROMPT, "max_tokens": 200, "stream": stream, "ignore_eos": True}
+    if stream:  # read three events, then drop the connection
+        with httpx.Client(base_url=server, timeout=60) as h, h.stream("POST", "/v1/completions", json=body) as r:
+            got = 0
+            for line in r.iter_lines():
+                got += line.startswith("data: ")
+                if got == 3:
+                    break
+    else:  # give up waiting for the whole reply
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server}/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.5))
     deadline = time.monotonic() + 20
     while True:
         s = metric_samples(server)
