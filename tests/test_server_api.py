@@ -11,7 +11,6 @@ import asyncio
 import json
 
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from runtime.config import EngineConfig

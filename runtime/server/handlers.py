@@ -116,7 +116,9 @@ class OpenAIHandlers:
         res = await gen.collect_unless_disconnected(request.receive)
         if res is None:
             return Response(status_code=499)
-        lp = R.completion_logprobs(res.logprobs, token_text, self.token_text(False), 0) if req.logprobs is not None else None
+        lp = None
+        if req.logprobs is not None:
+            lp = R.completion_logprobs(res.logprobs, token_text, self.token_text(False), 0)
         body = R.CompletionResponse(
             id=gen.req_id, created=gen.created, model=self.model_name,
             choices=[R.CompletionChoice(text=res.text, logprobs=lp, finish_reason=res.finish_reason)],
