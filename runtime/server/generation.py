@@ -125,10 +125,12 @@ class Generation:
                 pass
             cancel.cancel()
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(run, tg.cancel_scope)
-            tg.start_soon(watch, tg.cancel_scope)
-        await self.close()
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run, tg.cancel_scope)
+                tg.start_soon(watch, tg.cancel_scope)
+        finally:
+            await self.close()
         if failed:
             raise failed[0]
         return result[0] if result else None
