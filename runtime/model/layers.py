@@ -110,12 +110,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta,
     k_cache[meta.token_slots, :, meta.positions] = k
     v_cache[meta.token_slots, :, meta.positions] = v
     t, h, d = q.shape
+    kvh = k.shape[1]
     out = None if len(meta.groups) == 1 and meta.groups[0].dense else q.new_empty(t, h, d)
     for g in meta.groups:  # at most two groups per step (decode rows; prefill rows)
         rows = g.slots.shape[0]
-        qg = q.index_select(0, g.gather).view(rows, g.q_max, h, d).transpose(1, 2)
-        kg = k_cache[:, :, :g.kv_len].index_select(0, g.slots)
-        vg = v_cache[:, :, :g.kv_len].index_select(0, g.slots)
+        qg = q if out is None else q.index_select(0, g.gather)  # dense single group: as laid out
+        qg = qg.view(rows, g.q_max, h, d).transpose(1, 2)
+        # gather (slot, head) rows of a 3-D view: ~2x faster than index_select on the 4-D view
+        cache_rows = (g.slots[:, None] * kvh + torch.arange(kvh, device=q.device)).reshape(-1)
+        kg = k_cache.view(-1, *k_cache.shape[2:])[:, :g.kv_len].index_select(0, cache_rows)
+        vg = v_cache.view(-1, *v_cache.shape[2:])[:, :g.kv_len].index_select(0, cache_rows)
+        kg, vg = kg.view(rows, kvh, g.kv_len, d), vg.view(rows, kvh, g.kv_len, d)
         if invariant:
             o = _grouped_attention(qg, kg, vg, g.mask)
         else:
@@ -155,7 +160,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.cfg, self.min_rows = cfg, min_rows
         p = lambda t: nn.Parameter(t, requires_grad=False)  # noqa: E731
-        self.ln1, self.ln2 = p(weights["input_layernorm.weight"]), p(weights["post_attention_layernorm.weight"])
+        self.ln1 = p(weights["input_layernorm.weight"])
+        self.ln2 = p(weights["post_attention_layernorm.weight"])
         self.qkv = p(torch.cat([weights[f"self_attn.{n}_proj.weight"] for n in "qkv"], 0))
         self.o = p(weights["self_attn.o_proj.weight"])
         self.gate_up = p(torch.cat([weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"]], 0))
