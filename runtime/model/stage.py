@@ -25,6 +25,9 @@ INVARIANT_ROWS = 16  # GEMM rows below which CPU sgemm changes kernel (see layer
 class StageModel(nn.Module):
     """Layers ``[layer_start, layer_end)`` of a Llama model plus their slot-contiguous KV cache.
 
+    Built from a dict of canonical-name tensors (see ``weights.stage_tensor_names``); tensors are
+    moved/cast to ``device`` / ``dtype`` when they differ. Use :func:`load_stage` to read them.
+
     Attributes:
         k_cache, v_cache: ``[num_local_layers, max_num_reqs, num_kv_heads, max_len, head_dim]``
             in the model dtype, allocated once (zeros); ``max_len`` is ``max_model_len`` rounded up
@@ -40,6 +43,7 @@ class StageModel(nn.Module):
                  device: str | torch.device, freq_factors: torch.Tensor | None = None,
                  batch_invariant: bool = True) -> None:
         super().__init__()
+        weights = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}  # no-op if so
         self.cfg, (self.layer_start, self.layer_end) = cfg, layer_range
         self.is_first, self.is_last = self.layer_start == 0, self.layer_end == cfg.num_layers
         self.max_num_reqs, self.max_model_len = max_num_reqs, max_model_len
