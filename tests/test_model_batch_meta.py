@@ -105,3 +105,17 @@ def test_stage_validates_inputs():
     hidden, residual = first(meta, input_ids=torch.tensor([1, 2, 3]))
     assert hidden.shape == residual.shape == (3, 16)
     assert last(meta, hidden=hidden, residual=residual).shape == (1, 32)
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_bfloat16_stage_tracks_float32(invariant):
+    cfg, g = tiny_stage().cfg, torch.Generator().manual_seed(0)
+    weights = {n: torch.randn(expected_shape(cfg, n), generator=g) * (1.0 if "norm" in n else 0.3)
+               for n in stage_tensor_names(cfg, (0, 2))}
+    meta, ids = BatchMeta.build([0, 1], [0, 0], [5, 3]), torch.tensor([1, 2, 3, 4, 5, 6, 7, 8])
+    stages = [StageModel(cfg, (0, 2), weights, max_num_reqs=2, max_model_len=20, dtype=dt,
+                         device="cpu", batch_invariant=invariant) for dt in (torch.float32, torch.bfloat16)]
+    assert stages[1].k_cache.dtype == torch.bfloat16 and stages[1].layers[0].qkv.dtype == torch.bfloat16
+    ref, got = (st(meta, input_ids=ids) for st in stages)
+    assert got.dtype == torch.float32 and got.shape == (2, 32)
+    assert ((got - ref).norm() / ref.norm()).item() < 0.03  # bf16 weights alone cost ~1% here
