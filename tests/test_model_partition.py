@@ -43,6 +43,12 @@ def test_split_minimises_the_slowest_stage():
                 assert max(costs) <= alt
 
 
+def test_split_with_measured_costs():
+    # 2-core CPU, batch 32 decode, one thread: 7.0 ms per layer, 30 ms LM head + final norm
+    assert split_layers(30, 2, SMOLLM2, measured=(7.0, 30.0)) == [(0, 17), (17, 30)]
+    assert split_layers(30, 2, SMOLLM2, measured=(1.0, 0.0)) == [(0, 15), (15, 30)]
+
+
 def test_split_without_lm_head_weight_is_even():
     tiny_head = SMOLLM2.model_copy(update={"vocab_size": 1})
     assert split_layers(30, 2, tiny_head) == [(0, 15), (15, 30)]

@@ -32,14 +32,18 @@ def last_stage_extra_cost(cfg: ModelConfig) -> float:
     return float(cfg.hidden_size + cfg.vocab_size * cfg.hidden_size + SAMPLING_PASSES * cfg.vocab_size)
 
 
-def split_layers(num_layers: int, pp_size: int, cfg: ModelConfig,
-                 context: int = TYPICAL_CONTEXT) -> list[tuple[int, int]]:
+def split_layers(num_layers: int, pp_size: int, cfg: ModelConfig, context: int = TYPICAL_CONTEXT,
+                 *, measured: tuple[float, float] | None = None) -> list[tuple[int, int]]:
     """Cut ``num_layers`` into ``pp_size`` contiguous ``(start, end)`` ranges minimising the largest
     stage cost (:func:`layer_cost` per layer, plus :func:`last_stage_extra_cost` on the last stage).
 
     The last stage's layer count is searched exhaustively; the other stages split the rest as
     evenly as possible (earlier stages take the remainder). Ties prefer more layers on the last stage.
 
+    Args:
+        measured: optional ``(seconds per layer, seconds of the last stage's extra work)`` measured
+            on the target machine; replaces the MAC model (which ignores attention overheads and
+            GEMM efficiency: on the 2-core CPU the LM head measures ~4 layers, not ~7.4).
     Raises:
         PartitionError: ``pp_size < 1`` or more stages than layers.
     """
@@ -47,7 +51,7 @@ def split_layers(num_layers: int, pp_size: int, cfg: ModelConfig,
         raise PartitionError(f"cannot split {num_layers} layers into {pp_size} stages")
     if pp_size == 1:
         return [(0, num_layers)]
-    per_layer, extra = layer_cost(cfg, context), last_stage_extra_cost(cfg)
+    per_layer, extra = measured or (layer_cost(cfg, context), last_stage_extra_cost(cfg))
     best: tuple[float, int] | None = None
     for n_last in range(1, num_layers - pp_size + 2):
         rest = math.ceil((num_layers - n_last) / (pp_size - 1)) * per_layer
