@@ -75,9 +75,11 @@ class AsyncEngine:
         tokenizer = load_tokenizer(pool.model_path)
         try:
             await pool.start()
-        except Exception as exc:
+        except BaseException as exc:  # cancellation too: never leave worker processes behind
             await pool.shutdown()
-            raise EngineDeadError(f"engine failed to start: {exc}") from exc
+            if isinstance(exc, Exception):
+                raise EngineDeadError(f"engine failed to start: {exc}") from exc
+            raise
         engine = cls(config, pool, tokenizer)
         engine._tasks = [asyncio.create_task(engine._step_loop()),
                          asyncio.create_task(engine._result_loop())]

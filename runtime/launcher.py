@@ -57,15 +57,16 @@ class WorkerPool:
         self.config = config
         self.model_path = resolve_model_path(config.model)
         self.model_cfg = load_model_config(self.model_path)
-        self.model_name = self.model_cfg.name if getattr(self.model_cfg, "name", None) else "default"
+        self.model_name = served_name(self.model_path)
         n, pp = self.model_cfg.num_layers, config.pp_size
         self.layer_ranges = (parse_partition(config.pp_layer_partition, n, pp)
                              if config.pp_layer_partition else split_layers(n, pp, self.model_cfg))
-        self.ctx = zmq.asyncio.Context()
+        self.ctx = zmq.asyncio.Context()   # the result PULL socket (awaited)
+        self.sync_ctx = zmq.Context()      # step PUSH sockets (never block: no high-water mark)
         self.procs: list[mp.Process] = []
         self._push: list[zmq.Socket] = []
         self._pull: zmq.asyncio.Socket | None = None
-        self._down = False
+        self._shutdown_task: asyncio.Task | None = None
 
     async def start(self, ready_timeout_s: float = 600.0) -> None:
         """Spawn the ranks and wait until each reports ready.
@@ -81,9 +82,7 @@ class WorkerPool:
         spawn = mp.get_context("spawn")
         for rank, lr in enumerate(self.layer_ranges):
             addr = tp.ipc_address(f"step{rank}-{tag}")
-            push = self.ctx.socket(zmq.PUSH)
-            push.setsockopt(zmq.LINGER, 0)
-            push.bind(addr)
+            push = tp.make_push(self.sync_ctx, addr, bind=True, linger_ms=0)
             self._push.append(push)
             args = WorkerArgs(rank, self.config.model_dump(), tuple(lr), str(self.model_path),
                               init, addr, result_addr)
@@ -135,14 +134,17 @@ class WorkerPool:
         return [i for i, p in enumerate(self.procs) if not p.is_alive()]
 
     async def shutdown(self, grace_s: float = 5.0) -> None:
-        """Ask every rank to stop, then terminate / kill stragglers. Idempotent."""
-        if self._down:
-            return
-        self._down = True
+        """Ask every rank to stop, then terminate / kill stragglers, close every socket.
+        Idempotent: a second caller waits for the first shutdown to finish."""
+        if self._shutdown_task is None:
+            self._shutdown_task = asyncio.ensure_future(self._shutdown(grace_s))
+        await asyncio.shield(self._shutdown_task)
+
+    async def _shutdown(self, grace_s: float) -> None:
         for s in self._push:
             try:
                 s.send(tp.encode(tp.ControlMsg(kind="shutdown")), zmq.NOBLOCK)
-            except zmq.ZMQError:
+            except zmq.ZMQError:  # rank gone: nothing to tell
                 pass
         deadline = time.monotonic() + grace_s
         while any(p.is_alive() for p in self.procs) and time.monotonic() < deadline:
@@ -154,11 +156,21 @@ class WorkerPool:
             if p.is_alive():
                 p.kill()
                 p.join(2)
-        for s in self._push:
-            s.close(0)
-        if self._pull is not None:
-            self._pull.close(0)
-        self.ctx.term()
+        self.ctx.destroy(linger=0)
+        self.sync_ctx.destroy(linger=0)
+
+
+def served_name(model_path) -> str:
+    """Name reported by /v1/models: the GGUF file name without extension and quantisation
+    suffix (``SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct``), or the HF folder's
+    name."""
+    from pathlib import Path
+    p = Path(model_path)
+    if p.is_dir():
+        return p.name
+    stem = p.name[:-len(".gguf")] if p.name.endswith(".gguf") else p.stem
+    head, _, tail = stem.rpartition(".")
+    return head if head and (tail.upper().startswith(("Q", "F", "BF", "IQ"))) else stem
 
 
 def _worker_entry(args: WorkerArgs) -> None:

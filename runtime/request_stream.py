@@ -75,9 +75,9 @@ class RequestStream:
         try:
             while True:
                 out = await self.queue.get()
+                done = out.finished  # closing the stream after the last increment is no abort
                 yield out
-                if out.finished:
-                    done = True
+                if done:
                     return
         finally:
             if not done:

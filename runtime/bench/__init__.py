@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m runtime.bench ...`` (results written to a JSON file)."""

@@ -1,0 +1,92 @@
+"""``python -m runtime.bench``: overlapped vs sync PP throughput on the real model, one run.
+
+Starts one engine per schedule mode (same flags otherwise), sends ``--num-requests`` concurrent
+greedy requests with random-token prompts of ``--prompt-len`` tokens and ``--max-tokens`` new
+tokens (EOS ignored), and reports output tokens/s, mean TTFT / TPOT, the engine's bubble fraction
+and the overlapped/sync ratio (ceiling = pp_size, DESIGN.md section 6). Results are printed and
+written as JSON to ``--out`` (default ``bench-results/pp_overlap.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+from runtime.cli_common import add_engine_flags, engine_config
+from runtime.engine import AsyncEngine
+from runtime.sampling_params import SamplingParams
+
+
+async def _one(engine: AsyncEngine, rid: str, ids: list[int], params: SamplingParams) -> dict:
+    t0 = time.perf_counter()
+    first, n = None, 0
+    async for out in engine.add_request(rid, ids, params):
+        if out.new_token_ids and first is None:
+            first = time.perf_counter()
+        n += len(out.new_token_ids)
+    end = time.perf_counter()
+    tpot = (end - first) / (n - 1) if n > 1 and first else 0.0
+    return {"ttft_s": (first or end) - t0, "tpot_s": tpot, "tokens": n}
+
+
+async def run_mode(config, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Start an engine, warm it up with one request, run all prompts concurrently."""
+    engine = await AsyncEngine.start(config)
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        await _one(engine, "warmup", prompts[0], SamplingParams(max_tokens=4, temperature=0.0))
+        s0 = engine.stats()
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(_one(engine, f"b{i}", p, params) for i, p in enumerate(prompts)))
+        wall = time.perf_counter() - t0
+        s1 = engine.stats()
+    finally:
+        await engine.shutdown()
+    tokens = sum(r["tokens"] for r in res)
+    busy = [b - a for a, b in zip(s0["rank_busy_seconds"], s1["rank_busy_seconds"])]
+    return {"mode": config.pp_schedule, "pp_size": config.pp_size, "wall_s": wall,
+            "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
+            "steps": s1["steps_total"] - s0["steps_total"],
+            "mean_ttft_s": statistics.mean(r["ttft_s"] for r in res),
+            "mean_tpot_s": statistics.mean(r["tpot_s"] for r in res),
+            "rank_busy_s": busy, "rank_busy_fraction": [b / wall for b in busy]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m runtime.bench", description=__doc__)
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--modes", default="overlapped,sync", help="comma list of schedule modes")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench-results/pp_overlap.json")
+    add_engine_flags(p)
+    args = p.parse_args(argv)
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(100, 40000) for _ in range(args.prompt_len)]
+               for _ in range(args.num_requests)]
+    results = {}
+    for mode in args.modes.split(","):
+        args.pp_schedule = mode
+        cfg = engine_config(p, args)
+        results[mode] = asyncio.run(run_mode(cfg, prompts, args.max_tokens))
+        print(json.dumps(results[mode]), flush=True)
+    if "overlapped" in results and "sync" in results:
+        ratio = results["overlapped"]["output_tokens_per_s"] / results["sync"]["output_tokens_per_s"]
+        results["overlapped_over_sync"] = ratio
+        results["pp_efficiency"] = ratio / args.pp
+        print(f"overlapped/sync throughput ratio: {ratio:.2f} (ceiling {args.pp})")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
