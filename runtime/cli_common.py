@@ -7,6 +7,7 @@ import argparse
 from pydantic import ValidationError
 
 from runtime.config import EngineConfig
+from runtime.torchrun import resolve_cli
 
 #: flag -> EngineConfig field
 ENGINE_FLAGS = {
@@ -16,7 +17,8 @@ ENGINE_FLAGS = {
     "--max-prefill-chunk": "max_prefill_chunk", "--validate-mirrors": "validate_mirrors",
     "--device": "device", "--dtype": "dtype", "--torch-threads": "torch_threads",
     "--step-timeout": "step_timeout_s", "--trace-dir": "trace_dir",
-    "--served-model-name": "served_model_name",
+    "--served-model-name": "served_model_name", "--launcher": "launcher",
+    "--engine-port": "engine_port",
 }
 
 
@@ -26,7 +28,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=d.model, help="'default' (embedded SmolLM2-135M-Instruct "
                    "GGUF), a .gguf file or a Hugging Face folder")
-    g.add_argument("--pp", type=int, default=d.pp_size, help="pipeline stages (worker processes)")
+    g.add_argument("--pp", type=int, default=None, help="pipeline stages (worker processes); "
+                   f"default {d.pp_size}, or WORLD_SIZE under torchrun")
     g.add_argument("--pp-layer-partition", default=None, help="layers per stage, e.g. 19,11")
     g.add_argument("--pp-schedule", choices=["overlapped", "sync"], default=d.pp_schedule)
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
@@ -40,11 +43,21 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--step-timeout", type=float, default=d.step_timeout_s)
     g.add_argument("--trace-dir", default=None, help="write per-process JSONL event traces here")
     g.add_argument("--served-model-name", default=None)
+    g.add_argument("--launcher", choices=["auto", "spawn", "torchrun"], default="auto",
+                   help="spawn: one process per rank on this machine; torchrun: the ranks are "
+                   "torchrun's processes (auto: torchrun when RANK, WORLD_SIZE, ... are set)")
+    g.add_argument("--engine-port", type=int, default=d.engine_port, help="torchrun: the engine's "
+                   "TCP ports on the rank-0 host are PORT .. PORT + pp (see docs/torchrun.md)")
 
 
 def engine_config(p: argparse.ArgumentParser, args: argparse.Namespace) -> EngineConfig:
     """Build the EngineConfig; a bad value exits via ``p.error`` naming the flag."""
     values = {field: getattr(args, flag[2:].replace("-", "_")) for flag, field in ENGINE_FLAGS.items()}
+    try:
+        values = resolve_cli(values)
+    except ValueError as exc:
+        p.error(str(exc))
+    args.pp = values["pp_size"]  # callers (bench) read args.pp
     try:
         return EngineConfig(**values)
     except ValidationError as exc:

@@ -27,6 +27,11 @@ class EngineConfig(BaseModel):
         step_timeout_s: seconds any collective, receive or step may take before the engine fails.
         trace_dir: write a JSON-lines event trace per process there (None: off).
         served_model_name: name reported by /v1/models (default: derived from the model).
+        launcher: ``spawn`` (the engine starts one process per rank on this machine) or
+            ``torchrun`` (ranks are torchrun's processes, possibly on several machines; see
+            :mod:`runtime.torchrun`).
+        engine_port: torchrun only: the engine's TCP ports on the rank-0 host are
+            ``engine_port`` (results) and ``engine_port + 1 + rank`` (steps of each rank).
     """
     model_config = ConfigDict(extra="forbid")
 
@@ -45,6 +50,8 @@ class EngineConfig(BaseModel):
     step_timeout_s: float = Field(default=120.0, gt=0)
     trace_dir: str | None = None
     served_model_name: str | None = None
+    launcher: Literal["spawn", "torchrun"] = "spawn"
+    engine_port: int = Field(default=29600, ge=1, le=65535 - 65)
 
     @field_validator("validate_mirrors")
     @classmethod

@@ -15,6 +15,7 @@ import sys
 from runtime.cli_common import add_engine_flags, engine_config
 from runtime.engine import AsyncEngine, EngineDeadError, RequestRejected
 from runtime.sampling_params import SamplingParams
+from runtime.torchrun import run_remote_rank
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         p.error(str(exc).replace("\n", " "))
     config = engine_config(p, args)
+    if (status := run_remote_rank(config)) is not None:  # torchrun RANK > 0: a worker, no engine
+        return status
     try:
         results = asyncio.run(run(args, prompts, params, config))
     except (EngineDeadError, RequestRejected) as exc:

@@ -1,8 +1,14 @@
-"""WorkerPool: spawns one worker process per PP rank on this machine and talks to them over zmq.
+"""WorkerPool: the engine's side of the worker processes (one per PP rank), talked to over zmq.
 
-Engine -> rank r: a PUSH socket per rank (ipc) carrying step and control messages.
-Ranks -> engine: one PULL socket (ipc) carrying ready, result and error messages.
+Engine -> rank r: a PUSH socket per rank carrying step and control messages.
+Ranks -> engine: one PULL socket carrying ready, result and error messages.
 All messages are msgspec/msgpack (:mod:`runtime.transport`); nothing is unpickled.
+
+``launcher="spawn"``: every rank is spawned here; sockets are ipc, the rendezvous a free local port.
+``launcher="torchrun"``: only rank 0 is spawned here (``env://`` rendezvous); ranks > 0 are the
+other torchrun processes (:mod:`runtime.torchrun`), so the sockets are TCP on every interface at
+``engine_port`` (results) and ``engine_port + 1 + rank`` (steps), and the pool pings every rank
+each :data:`runtime.torchrun.HEARTBEAT_S` seconds so that orphaned workers can exit.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import zmq.asyncio
 from ppstate.batch import SchedulerOutput, StepResult
 from runtime import transport as tp
 from runtime.config import EngineConfig
+from runtime.model.config import ModelConfig
 from runtime.model.partition import parse_partition, split_layers
 from runtime.model.registry import resolve_model_path
 from runtime.model.stage import load_model_config
@@ -41,6 +48,19 @@ class WorkerArgs:
     init_method: str
     step_addr: str
     result_addr: str
+    idle_exit_s: float | None = None  # exit after this many seconds without an engine message
+
+
+def plan_layers(config: EngineConfig, model_cfg: ModelConfig) -> list[tuple[int, int]]:
+    """The ``(start, end)`` layers of every rank: ``--pp-layer-partition`` or the cost-balanced
+    split. Deterministic, so torchrun ranks compute it locally without a handshake.
+
+    Raises:
+        ValueError: bad ``pp_layer_partition`` (message names ``--pp-layer-partition``).
+    """
+    n, pp = model_cfg.num_layers, config.pp_size
+    return (parse_partition(config.pp_layer_partition, n, pp) if config.pp_layer_partition
+            else split_layers(n, pp, model_cfg))
 
 
 class WorkerPool:
@@ -58,46 +78,69 @@ class WorkerPool:
         self.model_path = resolve_model_path(config.model)
         self.model_cfg = load_model_config(self.model_path)
         self.model_name = served_name(self.model_path)
-        n, pp = self.model_cfg.num_layers, config.pp_size
-        self.layer_ranges = (parse_partition(config.pp_layer_partition, n, pp)
-                             if config.pp_layer_partition else split_layers(n, pp, self.model_cfg))
+        self.layer_ranges = plan_layers(config, self.model_cfg)
         self.ctx = zmq.asyncio.Context()   # the result PULL socket (awaited)
         self.sync_ctx = zmq.Context()      # step PUSH sockets (never block: no high-water mark)
+        self.torchrun = config.launcher == "torchrun"
+        self.local_ranks = [0] if self.torchrun else list(range(config.pp_size))
         self.procs: list[mp.Process] = []
         self._push: list[zmq.Socket] = []
         self._pull: zmq.asyncio.Socket | None = None
+        self._heartbeat: asyncio.Task | None = None
         self._shutdown_task: asyncio.Task | None = None
 
+    def _addresses(self) -> tuple[str, list[str], str]:
+        """(result bind address, step bind address per rank, rendezvous URL)."""
+        if self.torchrun:
+            port = self.config.engine_port
+            return (f"tcp://*:{port}", [f"tcp://*:{port + 1 + r}" for r in range(self.config.pp_size)],
+                    "env://")
+        tag = f"{time.time_ns()}"
+        return (tp.ipc_address(f"res-{tag}"),
+                [tp.ipc_address(f"step{r}-{tag}") for r in range(self.config.pp_size)],
+                f"tcp://127.0.0.1:{free_port()}")
+
     async def start(self, ready_timeout_s: float = 600.0) -> None:
-        """Spawn the ranks and wait until each reports ready.
+        """Bind the sockets, spawn the local ranks and wait until every rank reports ready.
 
         Raises:
             RuntimeError: a rank reported an error or died, or the timeout passed.
+            TransportError: a TCP port (torchrun) is in use.
         """
-        tag = f"{time.time_ns()}"
-        result_addr = tp.ipc_address(f"res-{tag}")
-        self._pull = self.ctx.socket(zmq.PULL)
-        self._pull.bind(result_addr)
-        init = f"tcp://127.0.0.1:{free_port()}"
+        result_addr, step_addrs, init = self._addresses()
+        self._pull = tp.make_pull(self.ctx, result_addr, bind=True)
+        for a in step_addrs:  # appended one by one: shutdown must close every socket it made
+            self._push.append(tp.make_push(self.sync_ctx, a, bind=True, linger_ms=0))
+        if self.torchrun:
+            self._heartbeat = asyncio.ensure_future(self._ping_loop())
         spawn = mp.get_context("spawn")
-        for rank, lr in enumerate(self.layer_ranges):
-            addr = tp.ipc_address(f"step{rank}-{tag}")
-            push = tp.make_push(self.sync_ctx, addr, bind=True, linger_ms=0)
-            self._push.append(push)
-            args = WorkerArgs(rank, self.config.model_dump(), tuple(lr), str(self.model_path),
-                              init, addr, result_addr)
+        for rank in self.local_ranks:  # a local rank connects to a "*" bind via the loopback
+            args = WorkerArgs(rank, self.config.model_dump(), tuple(self.layer_ranges[rank]),
+                              str(self.model_path), init, step_addrs[rank].replace("*", "127.0.0.1"),
+                              result_addr.replace("*", "127.0.0.1"))
             proc = spawn.Process(target=_worker_entry, args=(args,), name=f"ppstate-rank{rank}",
                                  daemon=True)
             proc.start()
             self.procs.append(proc)
         await self._wait_ready(ready_timeout_s)
 
+    async def _ping_loop(self) -> None:
+        from runtime.torchrun import HEARTBEAT_S
+        ping = tp.encode(tp.ControlMsg(kind="ping"))
+        while True:
+            for s in self._push:
+                try:
+                    s.send(ping, zmq.NOBLOCK)
+                except zmq.ZMQError:  # rank not connected (yet): nothing to keep alive
+                    pass
+            await asyncio.sleep(HEARTBEAT_S)
+
     async def _wait_ready(self, timeout_s: float) -> None:
         ready: set[int] = set()
         deadline = time.monotonic() + timeout_s
-        while len(ready) < len(self.procs):
+        while len(ready) < self.config.pp_size:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"ranks {sorted(set(range(len(self.procs))) - ready)} not "
+                raise RuntimeError(f"ranks {sorted(set(range(self.config.pp_size)) - ready)} not "
                                    f"ready within {timeout_s:.0f} s")
             msg = await self.recv(timeout_s=1.0)
             if msg is None:
@@ -110,10 +153,17 @@ class WorkerPool:
                 ready.add(msg.rank)
 
     def send_step(self, out: SchedulerOutput) -> None:
-        """Send one step to every rank (same bytes to all: the replicated decision input)."""
+        """Send one step to every rank (same bytes to all: the replicated decision input).
+
+        Raises:
+            RuntimeError: a rank's socket has no peer (its process is gone); never blocks.
+        """
         data = tp.encode(tp.from_scheduler_output(out))
-        for s in self._push:
-            s.send(data, copy=False)
+        for rank, s in enumerate(self._push):
+            try:
+                s.send(data, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                raise RuntimeError(f"rank {rank} is not connected (its process is gone)") from None
 
     def send_control(self, rank: int, msg) -> None:
         """Send a control message (e.g. a test's state corruption) to one rank."""
@@ -130,8 +180,8 @@ class WorkerPool:
         return tp.to_step_result(msg)
 
     def dead_ranks(self) -> list[int]:
-        """Ranks whose process exited."""
-        return [i for i, p in enumerate(self.procs) if not p.is_alive()]
+        """Ranks whose local process exited (torchrun ranks > 0 report errors themselves)."""
+        return [r for r, p in zip(self.local_ranks, self.procs) if not p.is_alive()]
 
     async def shutdown(self, grace_s: float = 5.0) -> None:
         """Ask every rank to stop, then terminate / kill stragglers, close every socket.
@@ -141,6 +191,8 @@ class WorkerPool:
         await asyncio.shield(self._shutdown_task)
 
     async def _shutdown(self, grace_s: float) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
         for s in self._push:
             try:
                 s.send(tp.encode(tp.ControlMsg(kind="shutdown")), zmq.NOBLOCK)
@@ -156,8 +208,13 @@ class WorkerPool:
             if p.is_alive():
                 p.kill()
                 p.join(2)
+        if self.torchrun:  # let the shutdown messages reach the remote ranks (at most grace_s)
+            for s in self._push:
+                s.close(linger=int(grace_s * 1000))
+            await asyncio.to_thread(self.sync_ctx.term)
         self.ctx.destroy(linger=0)
-        self.sync_ctx.destroy(linger=0)
+        if not self.sync_ctx.closed:
+            self.sync_ctx.destroy(linger=0)
 
 
 def served_name(model_path) -> str:

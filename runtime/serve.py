@@ -25,6 +25,7 @@ import uvicorn
 from runtime.cli_common import add_engine_flags, engine_config
 from runtime.config import EngineConfig
 from runtime.server.middleware import DEFAULT_MAX_BODY_BYTES
+from runtime.torchrun import run_remote_rank
 
 ENGINE_WATCH_INTERVAL_S = 1.0
 
@@ -143,6 +144,8 @@ def parse_cli(argv: list[str] | None = None) -> tuple[argparse.Namespace, Engine
 
 def main(argv: list[str] | None = None) -> int:
     args, config = parse_cli(argv)
+    if (status := run_remote_rank(config)) is not None:  # torchrun RANK > 0: a worker, no server
+        return status
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as exc:

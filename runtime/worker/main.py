@@ -1,8 +1,10 @@
 """Entry point of one worker process (one PP rank).
 
 Loads only this rank's layers, sets up torch.distributed (PP group + sibling broadcast group),
-then serves step messages from the engine until told to stop. Any exception is reported to the
-engine as an error message (rank, step, type, message, traceback) before the process exits.
+then serves step messages from the engine until told to stop, or until the engine is gone (the
+parent process changed, or, under torchrun, no message for ``args.idle_exit_s`` seconds although
+the engine pings every second). Any exception is reported to the engine as an error message (rank,
+step, type, message, traceback) before the process exits.
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ from runtime.worker.runner import StageRunner
 
 
 def pick_device(cfg: EngineConfig, rank: int) -> torch.device:
-    """``cuda:<rank % n>`` when CUDA is asked for (or auto and available), else CPU."""
+    """``cuda:<i % n>`` when CUDA is asked for (or auto and available), else CPU; ``i`` is the
+    rank, or ``LOCAL_RANK`` (the rank on this machine) under the torchrun launcher."""
     if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        if cfg.launcher == "torchrun" and "LOCAL_RANK" in os.environ:
+            rank = int(os.environ["LOCAL_RANK"])
         return torch.device("cuda", rank % max(torch.cuda.device_count(), 1))
     return torch.device("cpu")
 
@@ -64,14 +69,20 @@ class _Worker:
         self.sink = sink
 
     def serve(self, pull: zmq.Socket) -> None:
+        """Handle engine messages until shutdown, parent death or ``idle_exit_s`` of silence."""
         parent = os.getppid()
+        idle_s = getattr(self.args, "idle_exit_s", None)
         poller = zmq.Poller()
         poller.register(pull, zmq.POLLIN)
+        last = time.monotonic()
         while True:
-            if not poller.poll(1000):
+            if not poller.poll(1000 if idle_s is None else int(min(1.0, idle_s) * 1000)):
                 if os.getppid() != parent:
                     return  # the engine is gone
+                if idle_s is not None and time.monotonic() - last > idle_s:
+                    return  # torchrun: the engine stopped pinging
                 continue
+            last = time.monotonic()
             msg = tp.decode(pull.recv())
             if msg.kind == "shutdown":
                 return
@@ -99,8 +110,25 @@ class _Worker:
             traceback="".join(traceback.format_exception(exc)))))
 
 
-def run_worker(args) -> None:
-    """Process body: connect to the engine, set up the rank, serve steps, report failures."""
+def report_error(result_addr: str, rank: int, exc: BaseException, linger_ms: int = 5000) -> None:
+    """Send one ErrorMsg (step -1) to the engine at ``result_addr`` and return, waiting at most
+    ``linger_ms`` ms for delivery; for failures before :func:`run_worker` could start."""
+    ctx = zmq.Context()
+    push = tp.make_push(ctx, result_addr, bind=False, linger_ms=linger_ms)
+    push.send(tp.encode(tp.ErrorMsg(
+        rank=rank, step=-1, error_type=type(exc).__name__, message=str(exc),
+        traceback="".join(traceback.format_exception(exc)))))
+    push.close()
+    ctx.term()
+
+
+def run_worker(args) -> int:
+    """Process body: connect to the engine, set up the rank, serve steps, report failures.
+
+    Returns:
+        0 after a shutdown message or a vanished engine, 1 after an error (reported to the engine
+        as an ErrorMsg; never raised).
+    """
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 2000)
@@ -108,12 +136,14 @@ def run_worker(args) -> None:
     pull = ctx.socket(zmq.PULL)
     pull.connect(args.step_addr)
     w = _Worker(args, push)
+    status = 0
     try:
         w.setup()
         push.send(tp.encode(tp.ReadyMsg(rank=args.rank, info={"layers": list(args.layer_range)})))
         w.serve(pull)
     except BaseException as exc:  # noqa: BLE001 - report everything to the engine
         w.report(exc)
+        status = 1
     finally:
         if getattr(w, "sink", None) is not None:
             w.sink.close()
@@ -125,3 +155,4 @@ def run_worker(args) -> None:
         pull.close(0)
         push.close()
         ctx.term()
+    return status
