@@ -8,6 +8,7 @@ GPU (NCCL refuses "Duplicate GPU") use gloo with explicit host staging of every 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -116,7 +117,10 @@ def init_groups(rank: int, pp_size: int, init_method: str, device: torch.device,
     Raises:
         RuntimeError: rendezvous failed or timed out.
     """
-    multi_gpu = device.type == "cuda" and torch.cuda.device_count() >= pp_size
+    # NCCL needs one GPU per rank on each host: under torchrun the ranks of this host are
+    # LOCAL_WORLD_SIZE, with the spawn launcher all pp_size ranks share this host.
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", pp_size))
+    multi_gpu = device.type == "cuda" and torch.cuda.device_count() >= ranks_here
     backend = "nccl" if multi_gpu else "gloo"
     timeout = timedelta(seconds=timeout_s)
     groups = PPGroups(rank=rank, pp_size=pp_size, backend=backend, device=device, timeout=timeout,
