@@ -9,13 +9,13 @@ GGUF loader does (``LlamaConverter.reverse_permute_weights``).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from runtime.model.config import ModelConfig
 from runtime.model.errors import ModelError, ModelNotFoundError
+from runtime.model.gguf_file import read_gguf_header, tensor_data
 from runtime.model.weights import EMBED, FINAL_NORM, LM_HEAD
 
 _GLOBAL_NAMES = {EMBED: "token_embd.weight", FINAL_NORM: "output_norm.weight", LM_HEAD: "output.weight"}
@@ -48,7 +48,7 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 class GGUFCheckpoint:
-    """A memory-mapped GGUF file.
+    """A memory-mapped GGUF file (header parsed by :mod:`runtime.model.gguf_file`).
 
     Raises (constructor):
         ModelNotFoundError: no such file.
@@ -56,17 +56,17 @@ class GGUFCheckpoint:
     """
 
     def __init__(self, path: Path) -> None:
-        import gguf  # slow import; keep it off the module import path
         if not Path(path).is_file():
             raise ModelNotFoundError(f"GGUF file {path} does not exist")
         self.path = Path(path)
-        self._gguf = gguf
-        self.reader = gguf.GGUFReader(str(path))
-        self.tensors = {t.name: t for t in self.reader.tensors}
-        self.metadata = read_metadata(self.reader)
-        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
+        header = read_gguf_header(path)
+        self.tensors = header.tensors
+        self._mm = np.memmap(path, dtype=np.uint8, mode="r")
+        tokens = header.metadata.get("tokenizer.ggml.tokens")
+        self.metadata = {k: v for k, v in header.metadata.items()
+                         if not (isinstance(v, (list, np.ndarray)) and len(v) > _MAX_DECODED_ARRAY)}
         self.config = ModelConfig.from_gguf_fields(
-            self.metadata, vocab_size=len(tokens.data) if tokens is not None else None,
+            self.metadata, vocab_size=len(tokens) if tokens is not None else None,
             tied="output.weight" not in self.tensors)
 
     def read(self, name: str) -> torch.Tensor:
@@ -79,7 +79,8 @@ class GGUFCheckpoint:
         t = self.tensors.get(gname)
         if t is None:
             raise ModelError(f"{self.path}: tensor {gname!r} (for {name!r}) is missing")
-        w = np.asarray(self._gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        from gguf.quants import dequantize  # slow import; keep it off the module import path
+        w = np.asarray(dequantize(tensor_data(self._mm, t), t.ggml_type), dtype=np.float32)
         if name.endswith("q_proj.weight"):
             w = unpermute_qk(w, self.config.num_heads)
         elif name.endswith("k_proj.weight"):
@@ -90,17 +91,5 @@ class GGUFCheckpoint:
         """llama.cpp's ``rope_freqs.weight`` (Llama 3 style scaling stored as per-frequency divisors
         ``[head_dim // 2]``), or None when absent."""
         t = self.tensors.get("rope_freqs.weight")
-        return None if t is None else torch.from_numpy(np.array(t.data, dtype=np.float32))
-
-
-def read_metadata(reader: Any) -> dict[str, Any]:
-    """Decode GGUF key/values to Python values, skipping long arrays (vocabulary, merges)."""
-    out: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if len(field.data) > _MAX_DECODED_ARRAY:
-            continue
-        try:
-            out[key] = field.contents()
-        except (ValueError, TypeError, IndexError):  # odd/unknown field types are not needed here
-            continue
-    return out
+        return None if t is None else torch.from_numpy(
+            np.array(tensor_data(self._mm, t), dtype=np.float32))

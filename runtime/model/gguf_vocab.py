@@ -1,8 +1,7 @@
 """Tokenizer metadata of a GGUF file, and the byte-level BPE `tokenizers.Tokenizer` it describes.
 
-`read_gguf_metadata` parses only the key/value header of a GGUF file (no tensors), which takes
-~0.1 s for SmolLM2 where `gguf.GGUFReader` takes ~5 s because it indexes every tensor and array
-element. `build_gguf_tokenizer` turns llama.cpp's `tokenizer.ggml.*` keys into a `tokenizers`
+The metadata comes from :func:`runtime.model.gguf_file.read_gguf_metadata` (a fast header
+parser). `build_gguf_tokenizer` turns llama.cpp's `tokenizer.ggml.*` keys into a `tokenizers`
 object equal to the model's own tokenizer.json: byte-level BPE over the file's tokens and merges,
 the pre-tokenizer split that `tokenizer.ggml.pre` names, a ByteLevel decoder, control tokens as
 special tokens, and BOS/EOS added when the file's `add_bos_token` / `add_eos_token` flags say so.
@@ -11,24 +10,17 @@ special tokens, and BOS/EOS added when the file's `add_bos_token` / `add_eos_tok
 from __future__ import annotations
 
 import logging
-import struct
-from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from runtime.model.gguf_file import read_gguf_metadata  # noqa: F401  (re-exported)
+
 log = logging.getLogger(__name__)
 
-GGUF_MAGIC = b"GGUF"
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
-
-# value type id -> (struct format, numpy dtype) for fixed-size scalars (little-endian files only)
-_SCALARS = {0: ("<B", np.uint8), 1: ("<b", np.int8), 2: ("<H", np.uint16), 3: ("<h", np.int16),
-            4: ("<I", np.uint32), 5: ("<i", np.int32), 6: ("<f", np.float32), 7: ("<?", np.bool_),
-            10: ("<Q", np.uint64), 11: ("<q", np.int64), 12: ("<d", np.float64)}
-_STRING, _ARRAY = 8, 9
 
 # GPT-2's split (what `pre_tokenizers.ByteLevel(use_regex=True)` applies).
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -45,43 +37,6 @@ PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
     "llama3": (LLAMA3_SPLIT,), "llama-bpe": (LLAMA3_SPLIT,), "llama-v3": (LLAMA3_SPLIT,),
     "smaug-bpe": (LLAMA3_SPLIT,), "dbrx": (LLAMA3_SPLIT,),
 }
-
-
-def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
-    """The key/value metadata of a GGUF file (v2/v3, little-endian), without touching tensors.
-
-    Returns: key -> value; strings as str, scalars as Python numbers/bools, string arrays as
-    list[str], numeric arrays as 1-D numpy arrays.
-    Raises: ValueError if the file is not a GGUF file or uses an unknown value type.
-    """
-    with open(path, "rb") as f:
-        if f.read(4) != GGUF_MAGIC:
-            raise ValueError(f"{path}: not a GGUF file (bad magic)")
-        version, _n_tensors, n_kv = struct.unpack("<IQQ", f.read(20))
-        if version not in (2, 3):
-            raise ValueError(f"{path}: unsupported GGUF version {version} (expected 2 or 3)")
-        return {_read_str(f): _read_value(f, struct.unpack("<I", f.read(4))[0], path)
-                for _ in range(n_kv)}
-
-
-def _read_str(f: BinaryIO) -> str:
-    (n,) = struct.unpack("<Q", f.read(8))
-    return f.read(n).decode("utf-8", errors="replace")
-
-
-def _read_value(f: BinaryIO, vtype: int, path: str | Path) -> Any:
-    if vtype in _SCALARS:
-        fmt = _SCALARS[vtype][0]
-        return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
-    if vtype == _STRING:
-        return _read_str(f)
-    if vtype == _ARRAY:
-        sub, n = struct.unpack("<IQ", f.read(12))
-        if sub in _SCALARS:
-            dtype = np.dtype(_SCALARS[sub][1]).newbyteorder("<")
-            return np.frombuffer(f.read(n * dtype.itemsize), dtype=dtype).copy()
-        return [_read_value(f, sub, path) for _ in range(n)]
-    raise ValueError(f"{path}: unknown GGUF metadata value type {vtype}")
 
 
 def _byte_alphabet() -> dict[int, str]:
