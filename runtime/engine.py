@@ -13,7 +13,9 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
+from ppstate.events import NULL_SINK, JsonlSink
 from ppstate.scheduler import RequestSpec, Scheduler, SchedulerConfig
 from runtime.config import EngineConfig
 from runtime.launcher import WorkerPool
@@ -45,11 +47,13 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig, pool: WorkerPool, tokenizer: Tokenizer) -> None:
         self.config, self.pool, self.tokenizer = config, pool, tokenizer
         self.model_name = config.served_model_name or pool.model_name
+        self.sink = (JsonlSink(Path(config.trace_dir) / "engine.jsonl") if config.trace_dir
+                     else NULL_SINK)
         self.sched = Scheduler(SchedulerConfig(
             pp_size=config.pp_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_prefill_chunk=config.max_prefill_chunk, max_model_len=config.max_model_len,
-            mode=config.pp_schedule))
+            mode=config.pp_schedule), sink=self.sink)
         self._streams: dict[str, RequestStream] = {}
         self._step_rows: dict[int, tuple[str, ...]] = {}
         self._wake = asyncio.Event()
@@ -89,11 +93,12 @@ class AsyncEngine:
         """Abort every live request, stop the loops and the worker processes."""
         if not self._closed:
             self._closed = True
-            self._fail_all("engine shut down", reason="abort")
+            self._fail_all(error=None)
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.pool.shutdown()
+        self.sink.close()
 
     @property
     def is_alive(self) -> bool:
@@ -220,13 +225,14 @@ class AsyncEngine:
     def _die(self, error: str) -> None:
         if self._error is None and not self._closed:
             self._error = error
-            self._fail_all(error)
+            self._fail_all(error=error)
             self._wake.set()
             asyncio.get_running_loop().create_task(self.pool.shutdown())
 
-    def _fail_all(self, error: str, reason: str = "abort") -> None:
+    def _fail_all(self, error: str | None) -> None:
+        """End every live stream with finish_reason ``abort`` (and ``error`` when the engine died)."""
         for stream in list(self._streams.values()):
-            stream.finish(reason, error=None if reason == "abort" and self._error is None else error)
+            stream.finish("abort", error=error)
         self._streams.clear()
 
     def _mark_idle(self) -> None:

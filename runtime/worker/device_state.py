@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ppstate.batch import NewRequest, SchedulerOutput
+from ppstate.batch import NewRequest
 from ppstate.mirror import MIRROR_FIELDS, CpuMirror
 from runtime.kernels.post_update import post_update_computed, post_update_sampled
 
@@ -63,9 +63,11 @@ class DeviceState:
         self.owner[slot] = None
         self.sampling[slot] = None
 
-    def input_ids(self, out: SchedulerOutput, token_slots: torch.Tensor,
-                  positions: torch.Tensor) -> torch.Tensor:
+    def input_ids(self, token_slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Gather the step's input token ids from device state: ``[num_tokens]`` int64.
+
+        Args:
+            token_slots, positions: ``[num_tokens]`` slot and absolute position of each token.
 
         Prefill rows read prompt ids, decode rows read the last sampled token, both from
         ``all_token_ids[slot, position]`` (written by the post-update kernels, never by the engine).

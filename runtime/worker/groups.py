@@ -87,6 +87,11 @@ class PPGroups:
         self._wait(dist.broadcast(t, src=self.last_rank, group=self.pp_group, async_op=True))
         return t.to(self.device) if self.stage_on_host else t
 
+    def keep_pending(self, work, tensor: torch.Tensor) -> None:
+        """Keep ``tensor`` alive until ``work`` (a posted broadcast) completes; waited lazily
+        together with the p2p sends."""
+        self._pending_sends.append((work, tensor))
+
     def wait(self, work) -> None:
         """Wait for ``work`` at most ``timeout``; raises RuntimeError (timeout) from torch."""
         self._wait(work)

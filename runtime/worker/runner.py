@@ -141,7 +141,7 @@ class StageRunner:
         t_total = out.total_tokens
         with torch.inference_mode():
             if self.g.is_first:
-                ids = self.state.all_token_ids[meta.token_slots, meta.positions]
+                ids = self.state.input_ids(meta.token_slots, meta.positions)
                 t0 = time.perf_counter()
                 res = self.stage(meta, input_ids=ids)
             else:
@@ -200,6 +200,9 @@ class StageRunner:
             self._publish(out, mask, payload)
         self.timing.busy_s += time.perf_counter() - t0
         host = payload.cpu().numpy()
+        if self.sink.enabled:
+            self.sink.emit("sampled", step=out.step, rank=self.g.rank, req_ids=list(out.req_ids),
+                           token_ids=host[:, :w].tolist(), num_sampled=host[:, w].tolist())
         return StepResult(out.step, host[:, :w].copy(), host[:, w].astype(np.int32),
                           host[:, w + 1].astype(np.int32), logprobs)
 
@@ -210,7 +213,7 @@ class StageRunner:
             return
         if self.overlapped:
             work, buf = self.g.post_broadcast(payload)
-            self.g._pending_sends.append((work, buf))  # keep alive; drained lazily like sends
+            self.g.keep_pending(work, buf)
         else:
             self.g.blocking_broadcast(payload)
         if self.sink.enabled:
