@@ -24,21 +24,31 @@ def _pair(text: str) -> tuple[int, int]:
     return lo, hi
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ppstate.sim",
                                 description="Deterministic pipeline-parallel scheduling simulator")
-    p.add_argument("--pp", type=int, default=2, help="pipeline stages")
-    p.add_argument("--requests", type=int, default=16, help="number of requests")
+    p.add_argument("--pp", type=_positive, default=2, help="pipeline stages")
+    p.add_argument("--requests", type=_positive, default=16, help="number of requests")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mode", choices=("overlapped", "sync"), default="overlapped")
     p.add_argument("--prompt-len", type=_pair, default=(8, 32), metavar="A:B")
     p.add_argument("--output-len", type=_pair, default=(8, 32), metavar="A:B")
-    p.add_argument("--chunk", type=int, default=32, help="max prefill chunk (tokens)")
+    p.add_argument("--chunk", type=_positive, default=32, help="max prefill chunk (tokens)")
     p.add_argument("--abort-rate", type=float, default=0.0)
     p.add_argument("--arrival", choices=("burst", "poisson"), default="burst")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=256)
-    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=_positive, default=64)
+    p.add_argument("--max-num-batched-tokens", type=_positive, default=256)
+    p.add_argument("--max-model-len", type=_positive, default=2048)
     p.add_argument("--eos-prob", type=float, default=0.3)
     p.add_argument("--stage-cost", type=_pair, default=(1, 2), metavar="BASE:PER_TOKEN",
                    help="stage time of a batch = BASE + PER_TOKEN * tokens (ticks)")

@@ -160,6 +160,15 @@ class AsyncEngine:
         if stream is not None:
             stream.finish("abort")
 
+    async def abort_all(self, message: str) -> None:
+        """Abort every live request; each stream ends with finish_reason ``abort`` and ``error``
+        set to ``message`` (used when the server is asked to stop while streams are open)."""
+        for req_id, stream in list(self._streams.items()):
+            self._streams.pop(req_id, None)
+            self.sched.abort(req_id)
+            stream.finish("abort", error=message)
+        self._wake.set()
+
     # ---- loops -------------------------------------------------------------------------------
     async def _step_loop(self) -> None:
         try:

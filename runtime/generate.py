@@ -12,6 +12,9 @@ import asyncio
 import json
 import sys
 
+from pydantic import ValidationError
+
+from ppstate.errors import PPStateError
 from runtime.cli_common import add_engine_flags, engine_config
 from runtime.engine import AsyncEngine, EngineDeadError, RequestRejected
 from runtime.sampling_params import SamplingParams
@@ -39,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
 def load_prompts(p: argparse.ArgumentParser, args: argparse.Namespace) -> list:
     """Prompts from --prompt or --prompt-file (errors name the flag)."""
     if args.prompt is not None:
+        if not args.prompt:
+            p.error("--prompt: must not be empty")
         return [[{"role": "user", "content": args.prompt}] if args.chat else args.prompt]
     try:
         with open(args.prompt_file, encoding="utf-8") as fh:
@@ -54,9 +59,41 @@ def load_prompts(p: argparse.ArgumentParser, args: argparse.Namespace) -> list:
     return prompts
 
 
-async def _one(engine: AsyncEngine, i: int, prompt, params: SamplingParams) -> dict:
-    tok = engine.tokenizer
-    ids = tok.encode_chat(prompt) if isinstance(prompt, list) else tok.encode(prompt)
+#: SamplingParams field -> the flag that sets it
+_SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p",
+                   "top_k": "--top-k", "seed": "--seed"}
+
+
+def sampling_params(p: argparse.ArgumentParser, args: argparse.Namespace) -> SamplingParams:
+    """SamplingParams from the flags; a bad value exits via ``p.error`` naming the flag."""
+    try:
+        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                              top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                              ignore_eos=args.ignore_eos)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        p.error(f"{_SAMPLING_FLAGS.get(str(err['loc'][0]), 'sampling')}: {err['msg']}")
+        raise  # unreachable: p.error exits
+
+
+def tokenize_all(p: argparse.ArgumentParser, prompts: list, config, max_tokens: int) -> list:
+    """Prompt token ids, checked against ``--max-model-len`` before any worker starts."""
+    from runtime.model.registry import resolve_model_path
+    from runtime.model.tokenizer import load_tokenizer
+    tok = load_tokenizer(resolve_model_path(config.model))
+    out = []
+    for i, pr in enumerate(prompts):
+        ids = tok.encode_chat(pr) if isinstance(pr, list) else tok.encode(pr)
+        if not ids:
+            p.error(f"prompt {i} is empty")
+        if len(ids) + max_tokens > config.max_model_len:
+            p.error(f"--max-tokens: prompt {i} has {len(ids)} tokens; with --max-tokens "
+                    f"{max_tokens} that exceeds --max-model-len {config.max_model_len}")
+        out.append(ids)
+    return out
+
+
+async def _one(engine: AsyncEngine, i: int, ids: list[int], params: SamplingParams) -> dict:
     token_ids, text, reason = [], "", None
     async for out in engine.add_request(f"gen-{i}", ids, params):
         token_ids += out.new_token_ids
@@ -67,11 +104,11 @@ async def _one(engine: AsyncEngine, i: int, prompt, params: SamplingParams) -> d
     return {"prompt_token_ids": ids, "token_ids": token_ids, "text": text, "finish_reason": reason}
 
 
-async def run(args, prompts: list, params: SamplingParams, config) -> list[dict]:
-    """Start an engine, run every prompt concurrently, shut the engine down."""
+async def run(prompts: list[list[int]], params: SamplingParams, config) -> list[dict]:
+    """Start an engine, run every prompt (token ids) concurrently, shut the engine down."""
     engine = await AsyncEngine.start(config)
     try:
-        return await asyncio.gather(*(_one(engine, i, pr, params) for i, pr in enumerate(prompts)))
+        return await asyncio.gather(*(_one(engine, i, ids, params) for i, ids in enumerate(prompts)))
     finally:
         await engine.shutdown()
 
@@ -80,20 +117,19 @@ def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     prompts = load_prompts(p, args)
-    try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                                ignore_eos=args.ignore_eos)
-    except ValueError as exc:
-        p.error(str(exc).replace("\n", " "))
+    params = sampling_params(p, args)
     config = engine_config(p, args)
     if (status := run_remote_rank(config)) is not None:  # torchrun RANK > 0: a worker, no engine
         return status
     try:
-        results = asyncio.run(run(args, prompts, params, config))
-    except (EngineDeadError, RequestRejected) as exc:
+        ids = tokenize_all(p, prompts, config, params.max_tokens)
+        results = asyncio.run(run(ids, params, config))
+    except (EngineDeadError, RequestRejected, PPStateError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
     for r in results:
         print(json.dumps(r, ensure_ascii=False) if args.json else r["text"])
     return 0

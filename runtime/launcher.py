@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import os
+import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass
 
@@ -63,6 +66,33 @@ def plan_layers(config: EngineConfig, model_cfg: ModelConfig) -> list[tuple[int,
             else split_layers(n, pp, model_cfg))
 
 
+def check_resources(config: EngineConfig, model_cfg: ModelConfig) -> None:
+    """Refuse, before any process starts, configurations that cannot work.
+
+    Raises:
+        ValueError: ``max_model_len`` beyond the model's context, CUDA asked for but absent, or
+            (on CPU) KV caches larger than 80% of this machine's memory; names the flag.
+    """
+    if config.max_model_len > model_cfg.max_position_embeddings:
+        raise ValueError(f"--max-model-len: {config.max_model_len} exceeds the model's context "
+                         f"length {model_cfg.max_position_embeddings}")
+    import torch
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device: cuda was asked for but torch sees no CUDA device "
+                         f"(torch {torch.__version__})")
+    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+        return
+    elem = 2 if config.dtype in ("bfloat16", "float16") else 4
+    kv = (2 * model_cfg.num_layers * config.max_num_seqs * model_cfg.num_kv_heads
+          * (-(-config.max_model_len // 16) * 16) * model_cfg.head_dim * elem)
+    mem = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if kv > 0.8 * mem:
+        raise ValueError(
+            f"--max-model-len / --max-num-seqs: KV caches of {config.max_num_seqs} x "
+            f"{config.max_model_len} tokens need {kv / 2**30:.1f} GiB, more than 80% of this "
+            f"machine's {mem / 2**30:.1f} GiB")
+
+
 class WorkerPool:
     """The worker processes of one pipeline.
 
@@ -77,6 +107,7 @@ class WorkerPool:
         self.config = config
         self.model_path = resolve_model_path(config.model)
         self.model_cfg = load_model_config(self.model_path)
+        check_resources(config, self.model_cfg)
         self.model_name = served_name(self.model_path)
         self.layer_ranges = plan_layers(config, self.model_cfg)
         self.ctx = zmq.asyncio.Context()   # the result PULL socket (awaited)
@@ -120,7 +151,7 @@ class WorkerPool:
                               result_addr.replace("*", "127.0.0.1"))
             proc = spawn.Process(target=_worker_entry, args=(args,), name=f"ppstate-rank{rank}",
                                  daemon=True)
-            proc.start()
+            _start_ignoring_sigint(proc)
             self.procs.append(proc)
         await self._wait_ready(ready_timeout_s)
 
@@ -228,6 +259,19 @@ def served_name(model_path) -> str:
     stem = p.name[:-len(".gguf")] if p.name.endswith(".gguf") else p.stem
     head, _, tail = stem.rpartition(".")
     return head if head and (tail.upper().startswith(("Q", "F", "BF", "IQ"))) else stem
+
+
+def _start_ignoring_sigint(proc: mp.Process) -> None:
+    """Start ``proc`` with SIGINT ignored (inherited across exec): Ctrl-C reaches the engine,
+    which shuts the workers down in order, instead of every worker raising KeyboardInterrupt."""
+    if threading.current_thread() is not threading.main_thread():
+        proc.start()
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        proc.start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _worker_entry(args: WorkerArgs) -> None:

@@ -100,6 +100,9 @@ async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.soc
         def on_signal() -> None:
             server.force_exit = server.should_exit
             server.should_exit = True
+            # end open streams now (error event + [DONE]) instead of letting uvicorn's graceful
+            # shutdown time out and cancel them mid-chunk
+            loop.create_task(engine.abort_all("the server is shutting down"))
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal)
@@ -151,11 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
         return 1
+    from ppstate.errors import PPStateError
     from runtime.engine import EngineDeadError
-    from runtime.model.errors import ModelError
     try:
         return asyncio.run(serve(config, args, sock))
-    except (EngineDeadError, ModelError) as exc:
+    except (EngineDeadError, PPStateError, ValueError) as exc:  # model / flag problems found late
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C while the model was loading

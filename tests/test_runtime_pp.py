@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+from ppstate.errors import SchedulerError
 from runtime.config import EngineConfig
 from runtime.sampling_params import SamplingParams
 from engine_harness import EngineThread
@@ -101,6 +102,34 @@ def test_abort_mid_decode_frees_every_slot(pp2):
     sched = pp2.engine.sched
     assert sched.slots.num_free == sched.config.max_num_seqs
     assert sched.num_running == 0 and sched.num_waiting == 0
+
+
+def _decoding(sched, req_id: str) -> bool:
+    try:
+        return sched.state_of(req_id) == "decoding"
+    except SchedulerError:  # not added yet
+        return False
+
+
+def test_abort_all_ends_every_stream_and_keeps_serving(pp2):
+    """What the server does on SIGTERM: open streams end with abort + error, the engine lives."""
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(3, 5, 10, seed=5)
+
+    async def go():
+        tasks = [asyncio.ensure_future(pp2.collect(f"all{i}", p, params))
+                 for i, p in enumerate(prompts)]
+        while not all(_decoding(pp2.engine.sched, f"all{i}") for i in range(3)):
+            await asyncio.sleep(0.05)
+        await pp2.engine.abort_all("the server is shutting down")
+        return await asyncio.gather(*tasks)
+
+    for r in pp2.run(go()):
+        assert r["finish_reason"] == "abort" and r["error"] == "the server is shutting down"
+        assert len(r["token_ids"]) < 200
+    assert pp2.engine.is_alive
+    assert pp2.generate([prompts[0]], GREEDY, prefix="alive-")[0]["finish_reason"] == "length"
+    assert pp2.engine.sched.slots.num_free == pp2.engine.sched.config.max_num_seqs
 
 
 def test_low_concurrency_sequential_requests(pp2):
