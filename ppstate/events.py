@@ -2,7 +2,9 @@
 enqueue / consume / free, broadcast posted / skipped, sampled ids).
 
 Callers guard emission with ``if sink.enabled:`` so a disabled sink costs one attribute read.
-Events are pydantic models so a recorded run can be written as JSON lines and read back for replay.
+A file sink writes each event as one flat JSON object (``{"kind", "step", "rank", ...fields}``);
+the typed pydantic models of every kind, the run header and the reader live in
+:mod:`ppstate.trace` (format: ``docs/trace_format.md``).
 """
 
 from __future__ import annotations
@@ -31,8 +33,14 @@ class Event(BaseModel):
 
 
 class EventSink:
-    """Base sink: disabled, drops everything."""
+    """Base sink: disabled, drops everything.
+
+    Attributes:
+        enabled: emit sites run only when True (``if sink.enabled:``).
+        trace_prompts: record prompt token ids (``--trace-prompts``); otherwise only lengths.
+    """
     enabled: bool = False
+    trace_prompts: bool = False
 
     def emit(self, kind: str, step: int = -1, rank: int | None = None, **data: Any) -> None:
         """Record one event (no-op here)."""
@@ -59,23 +67,60 @@ class ListSink(EventSink):
         return [e for e in self.events if e.kind == kind]
 
 
-class JsonlSink(EventSink):
-    """Appends one JSON object per event to a file (``--trace-dir``)."""
+class RecordingSink(EventSink):
+    """Keeps each event as the flat dict a :class:`JsonlSink` would write (replay, the simulator)."""
     enabled = True
 
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh: TextIO = self.path.open("a", encoding="utf-8")
+    def __init__(self, trace_prompts: bool = False) -> None:
+        self.trace_prompts = trace_prompts
+        self.events: list[dict[str, Any]] = []
 
     def emit(self, kind: str, step: int = -1, rank: int | None = None, **data: Any) -> None:
-        self._fh.write(Event(kind=kind, step=step, rank=rank, data=data).model_dump_json() + "\n")
+        self.events.append({"kind": kind, "step": step, "rank": rank, **data})
+
+
+class JsonlSink(EventSink):
+    """Writes one flat JSON object per event to a new file (``--trace-dir``).
+
+    Args:
+        path: the file; it must not exist (a run never appends to another run's trace).
+        trace_prompts: record prompt token ids, not only prompt lengths.
+
+    Raises:
+        FileExistsError: ``path`` exists.
+    """
+    enabled = True
+
+    def __init__(self, path: str | Path, trace_prompts: bool = False) -> None:
+        self.path = Path(path)
+        self.trace_prompts = trace_prompts
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh: TextIO = self.path.open("x", encoding="utf-8", buffering=1 << 16)
+
+    def emit(self, kind: str, step: int = -1, rank: int | None = None, **data: Any) -> None:
+        self._fh.write(json.dumps({"kind": kind, "step": step, "rank": rank, **data},
+                                  separators=(",", ":")) + "\n")
+
+    def flush(self) -> None:
+        """Push buffered events to the file."""
+        self._fh.flush()
 
     def close(self) -> None:
-        self._fh.close()
+        if not self._fh.closed:
+            self._fh.close()
 
 
-def read_jsonl(path: str | Path) -> list[Event]:
-    """Read back a :class:`JsonlSink` file."""
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Read back a :class:`JsonlSink` file as flat dicts; a truncated last line (a killed
+    process) is dropped. Typed parsing: :func:`ppstate.trace.models.parse_event`."""
+    out = []
     with Path(path).open(encoding="utf-8") as fh:
-        return [Event.model_validate(json.loads(line)) for line in fh if line.strip()]
+        for line in fh:
+            if not line.strip():
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                if line.endswith("\n"):
+                    raise
+    return out

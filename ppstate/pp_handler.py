@@ -110,11 +110,12 @@ class PPHandler:
         """Steps whose receive is posted and not yet consumed, oldest first."""
         return [e.step for e in self._fifo if e is not None]
 
-    def on_slot_freed(self, idx: int) -> None:
-        """Slot ``idx`` was freed: bump its generation so queued rows for it go stale."""
+    def on_slot_freed(self, idx: int, step: int = -1) -> None:
+        """Slot ``idx`` was freed (at ``step``, named in the event): bump its generation so
+        queued rows for it go stale."""
         self.generation[idx] += 1
         if self.sink.enabled:
-            self.sink.emit("pp.free", rank=self.rank, slot=int(idx),
+            self.sink.emit("pp.free", step=step, rank=self.rank, slot=int(idx),
                            generation=int(self.generation[idx]))
 
     def enqueue(self, step: int, out: SchedulerOutput, mask: np.ndarray | None,

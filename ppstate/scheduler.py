@@ -26,6 +26,7 @@ from ppstate.lifecycle import Lifecycle
 from ppstate.request import FINISH_REASONS, Request, RequestSpec, TokenUpdate
 from ppstate.scheduler_rows import RowBuilder
 from ppstate.slots import SlotTable
+from ppstate.trace.codec import encode_output
 
 __all__ = ["Scheduler", "SchedulerConfig", "RequestSpec", "TokenUpdate"]
 
@@ -35,7 +36,9 @@ class Scheduler:
 
     Args:
         config: budgets, pp_size and mode.
-        sink: event sink (``lifecycle`` and ``schedule`` events).
+        sink: event sink: inputs (``arrival``, ``abort``, ``stop``, ``result``) and decisions
+            (``lifecycle``, ``schedule``, ``tokens``); enough to replay the scheduler
+            (``docs/trace_format.md``).
     """
 
     def __init__(self, config: SchedulerConfig, sink: EventSink = NULL_SINK) -> None:
@@ -101,6 +104,8 @@ class Scheduler:
                                  f"max_model_len={self.config.max_model_len}")
         if spec.max_tokens < 1:
             raise SchedulerError(f"request {rid!r}: max_tokens must be >= 1, got {spec.max_tokens}")
+        if self.sink.enabled:
+            self.sink.emit("arrival", step=self._next_step, **arrival_fields(spec, self.sink))
         max_tokens = min(spec.max_tokens, self.config.max_model_len - plen)
         req = Request(spec, max_tokens, self.arrays, self._order)
         self._order += 1
@@ -114,6 +119,8 @@ class Scheduler:
         Returns:
             False when the id is unknown or the request already finished.
         """
+        if self.sink.enabled:
+            self.sink.emit("abort", step=self._next_step, req_id=req_id)
         req = self._live.get(req_id)
         if req is None:
             return False
@@ -128,6 +135,8 @@ class Scheduler:
         Returns:
             False unless ``req_id`` is decoding.
         """
+        if self.sink.enabled:
+            self.sink.emit("stop", step=self._next_step, req_id=req_id)
         req = self._running.get(req_id)
         if req is None or req.state != "decoding":
             return False
@@ -159,11 +168,8 @@ class Scheduler:
         self._next_step += 1
         self._in_flight.append(out)
         if self.sink.enabled:
-            self.sink.emit("schedule", step=step, req_ids=list(out.req_ids),
-                           slots=out.slots.tolist(), num_tokens=out.num_scheduled_tokens.tolist(),
-                           final=out.is_final_chunk.tolist(),
-                           new=[n.req_id for n in out.new_requests],
-                           freed=[f.req_id for f in out.freed])
+            self.sink.emit("schedule", step=step,
+                           output=encode_output(out, self.sink.trace_prompts))
         return out
 
     def _all_awaiting_results(self) -> bool:
@@ -210,6 +216,11 @@ class Scheduler:
             SchedulerError: ``result.step`` is not the oldest in-flight step, or its row count
                 differs from that step's.
         """
+        if self.sink.enabled:
+            self.sink.emit("result", step=self._next_step, of_step=result.step,
+                           token_ids=result.sampled_token_ids.tolist(),
+                           num_sampled=result.num_sampled.tolist(),
+                           num_rejected=result.num_rejected.tolist())
         if not self._in_flight or self._in_flight[0].step != result.step:
             expected = self._in_flight[0].step if self._in_flight else None
             raise SchedulerError(f"step result {result.step} out of order (expected {expected})")
@@ -225,6 +236,9 @@ class Scheduler:
             if req is None or n <= 0 or not out.is_final_chunk[i]:
                 continue
             updates.append(self._append_tokens(req, result.sampled_token_ids[i, :n]))
+        if self.sink.enabled:
+            self.sink.emit("tokens", step=self._next_step, of_step=result.step,
+                           updates=[vars(u) for u in updates])
         return updates
 
     def _append_tokens(self, req: Request, tokens: np.ndarray) -> TokenUpdate:
@@ -273,3 +287,13 @@ class Scheduler:
 def finish_reason_of(state: str) -> str | None:
     """Client-visible finish reason of a lifecycle state ("stop" | "length" | "abort" | None)."""
     return FINISH_REASONS.get(state)
+
+
+def arrival_fields(spec: RequestSpec, sink: EventSink) -> dict:
+    """Fields of the ``arrival`` event of ``spec``: lengths and sampling parameters; prompt
+    token ids only when ``sink.trace_prompts``."""
+    return {"req_id": spec.req_id, "prompt_len": spec.prompt_len, "max_tokens": spec.max_tokens,
+            "eos_token_ids": sorted(spec.eos_token_ids),
+            "stop_token_ids": sorted(spec.stop_token_ids), "ignore_eos": spec.ignore_eos,
+            "sampling": dict(spec.sampling),
+            "prompt_token_ids": list(spec.prompt_token_ids) if sink.trace_prompts else None}

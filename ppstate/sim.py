@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass, field
 
 from ppstate.budget import SchedulerConfig
+from ppstate.events import NULL_SINK, EventSink
 from ppstate.scheduler import RequestSpec, Scheduler
 from ppstate.sim_checks import InvariantChecker
 from ppstate.sim_rank import SimRank, Wire
@@ -41,14 +42,15 @@ class SimResult:
 
 
 class Simulator:
-    """One run of ``cfg`` (use :func:`run_sim`)."""
+    """One run of ``cfg`` (use :func:`run_sim`); ``sink`` records the scheduler's events
+    (:mod:`ppstate.sim_trace` writes them as a replayable trace)."""
 
-    def __init__(self, cfg: SimConfig) -> None:
+    def __init__(self, cfg: SimConfig, sink: EventSink = NULL_SINK) -> None:
         self.cfg = cfg
         self.sched = Scheduler(SchedulerConfig(
             pp_size=cfg.pp_size, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_prefill_chunk=cfg.chunk,
-            max_model_len=cfg.max_model_len, mode=cfg.mode))
+            max_model_len=cfg.max_model_len, mode=cfg.mode), sink=sink)
         self.requests = make_workload(cfg)
         self.arrivals = sorted(self.requests, key=lambda r: r.arrival)
         self.aborts = sorted((r.abort_at, r.req_id) for r in self.requests if r.abort_at >= 0)

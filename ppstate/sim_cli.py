@@ -2,7 +2,9 @@
 
 Prints one JSON object (or a short text summary without ``--json``) with steps, ticks, completed,
 aborted, output_tokens, throughput_tokens_per_tick, bubble_fraction and invariant_violations.
-On violations it prints the seed and the reproducing command to stderr and exits with status 1.
+On violations it prints the seed and the reproducing command to stderr, writes the run's trace
+(``--trace-dir``, default ``sim-traces/``; replay it with ``python -m ppstate.replay``) and exits
+with status 1. With ``--trace-dir`` every run is recorded.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stage time of a batch = BASE + PER_TOKEN * tokens (ticks)")
     p.add_argument("--p2p-ticks", type=int, default=0, help="rank-to-rank hand-off latency")
     p.add_argument("--broadcast-ticks", type=int, default=0, help="sampled-id broadcast latency")
+    p.add_argument("--trace-dir", default=None, help="record the run as a replayable trace in a "
+                   "new run-* directory here (a run with violations is always recorded, by "
+                   "default under sim-traces/)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -72,15 +77,26 @@ def config_from_args(ns: argparse.Namespace) -> SimConfig:
 def run_cli(argv: list[str] | None = None) -> int:
     """Parse ``argv``, run, print; returns 0 clean, 1 on violations, 2 on bad arguments."""
     from ppstate.sim import run_sim
+    from ppstate.sim_trace import DEFAULT_SIM_TRACE_DIR, record_sim
     ns = build_parser().parse_args(argv)
+    trace = None
     try:
         cfg = config_from_args(ns)
-        result = run_sim(cfg)
+        if ns.trace_dir:
+            result, trace = record_sim(cfg, ns.trace_dir)
+        else:
+            result = run_sim(cfg)
+            if result.num_violations:  # deterministic: the same run again, recorded
+                result, trace = record_sim(cfg, DEFAULT_SIM_TRACE_DIR)
     except PPStateError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if trace is not None and result.num_violations:
+        print(f"trace written to {trace}; replay with: python -m ppstate.replay {trace}",
+              file=sys.stderr)
     if ns.json:
-        print(json.dumps(asdict(result), sort_keys=True))
+        print(json.dumps({**asdict(result), "trace": None if trace is None else str(trace)},
+                         sort_keys=True))
     else:
         print(f"steps={result.steps} ticks={result.ticks} completed={result.completed} "
               f"aborted={result.aborted} output_tokens={result.output_tokens} "

@@ -17,6 +17,7 @@ ENGINE_FLAGS = {
     "--max-prefill-chunk": "max_prefill_chunk", "--validate-mirrors": "validate_mirrors",
     "--device": "device", "--dtype": "dtype", "--torch-threads": "torch_threads",
     "--step-timeout": "step_timeout_s", "--trace-dir": "trace_dir",
+    "--trace-prompts": "trace_prompts",
     "--served-model-name": "served_model_name", "--launcher": "launcher",
     "--engine-port": "engine_port",
 }
@@ -41,7 +42,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=d.dtype)
     g.add_argument("--torch-threads", type=int, default=d.torch_threads)
     g.add_argument("--step-timeout", type=float, default=d.step_timeout_s)
-    g.add_argument("--trace-dir", default=None, help="write per-process JSONL event traces here")
+    g.add_argument("--trace-dir", default=None, help="record the run in a new run-* directory "
+                   "here (header + one JSONL event file per process; replay with "
+                   "python -m ppstate.replay DIR)")
+    g.add_argument("--trace-prompts", action="store_true", help="with --trace-dir: also record "
+                   "prompt token ids (default: prompt lengths only)")
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--launcher", choices=["auto", "spawn", "torchrun"], default="auto",
                    help="spawn: one process per rank on this machine; torchrun: the ranks are "

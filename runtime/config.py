@@ -25,7 +25,9 @@ class EngineConfig(BaseModel):
         dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto`` (fp32 on CPU, bf16 on CUDA).
         torch_threads: torch intra-op threads per rank (CPU).
         step_timeout_s: seconds any collective, receive or step may take before the engine fails.
-        trace_dir: write a JSON-lines event trace per process there (None: off).
+        trace_dir: record the run: a new ``run-*`` directory there with a header and one JSON-lines
+            event file per process (None: off; docs/trace_format.md).
+        trace_prompts: also record prompt token ids (otherwise only prompt lengths).
         served_model_name: name reported by /v1/models (default: derived from the model).
         launcher: ``spawn`` (the engine starts one process per rank on this machine) or
             ``torchrun`` (ranks are torchrun's processes, possibly on several machines; see
@@ -49,6 +51,7 @@ class EngineConfig(BaseModel):
     torch_threads: int = Field(default=1, ge=1)
     step_timeout_s: float = Field(default=120.0, gt=0)
     trace_dir: str | None = None
+    trace_prompts: bool = False
     served_model_name: str | None = None
     launcher: Literal["spawn", "torchrun"] = "spawn"
     engine_port: int = Field(default=29600, ge=1, le=65535 - 65)

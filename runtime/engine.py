@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from ppstate.events import NULL_SINK, JsonlSink
+from ppstate.trace.run import ENGINE_FILE, new_run_dir, package_versions, write_header
 from ppstate.scheduler import RequestSpec, Scheduler, SchedulerConfig
 from runtime.config import EngineConfig
 from runtime.launcher import WorkerPool
@@ -47,13 +48,9 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig, pool: WorkerPool, tokenizer: Tokenizer) -> None:
         self.config, self.pool, self.tokenizer = config, pool, tokenizer
         self.model_name = config.served_model_name or pool.model_name
-        self.sink = (JsonlSink(Path(config.trace_dir) / "engine.jsonl") if config.trace_dir
-                     else NULL_SINK)
-        self.sched = Scheduler(SchedulerConfig(
-            pp_size=config.pp_size, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_prefill_chunk=config.max_prefill_chunk, max_model_len=config.max_model_len,
-            mode=config.pp_schedule), sink=self.sink)
+        self.sink = (JsonlSink(Path(config.trace_dir) / ENGINE_FILE, config.trace_prompts)
+                     if config.trace_dir else NULL_SINK)
+        self.sched = Scheduler(scheduler_config(config), sink=self.sink)
         self._streams: dict[str, RequestStream] = {}
         self._step_rows: dict[int, tuple[str, ...]] = {}
         self._wake = asyncio.Event()
@@ -75,6 +72,8 @@ class AsyncEngine:
         Raises:
             EngineDeadError: a worker failed while starting (message carries its error).
         """
+        if config.trace_dir:  # a fresh run directory; workers write their files into it
+            config = config.model_copy(update={"trace_dir": str(start_trace_run(config))})
         pool = WorkerPool(config)
         tokenizer = load_tokenizer(pool.model_path)
         try:
@@ -262,6 +261,23 @@ class AsyncEngine:
         return {"num_running": self.sched.num_running, "num_waiting": self.sched.num_waiting,
                 "steps_total": self._steps_total, "generated_tokens_total": self._tokens_total,
                 "rank_busy_seconds": list(self._busy), "bubble_fraction": bubble, "pp_size": pp}
+
+
+def scheduler_config(config: EngineConfig) -> SchedulerConfig:
+    """The scheduler's configuration derived from the engine's."""
+    return SchedulerConfig(
+        pp_size=config.pp_size, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_prefill_chunk=config.max_prefill_chunk, max_model_len=config.max_model_len,
+        mode=config.pp_schedule)
+
+
+def start_trace_run(config: EngineConfig) -> Path:
+    """Create a new run directory under ``config.trace_dir`` and write its header."""
+    run_dir = new_run_dir(config.trace_dir)
+    write_header(run_dir, "engine", scheduler_config(config), config.model_dump(),
+                 trace_prompts=config.trace_prompts, versions=package_versions("torch"))
+    return run_dir
 
 
 def _logprobs_for(result, row_of, req_id: str, token_ids: list[int]) -> list[TokenLogprob] | None:

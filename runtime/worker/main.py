@@ -17,6 +17,7 @@ import torch
 import zmq
 
 from ppstate.events import NULL_SINK, JsonlSink
+from ppstate.trace.run import HEADER, new_run_dir
 from runtime import transport as tp
 from runtime.config import EngineConfig
 from runtime.model.stage import load_stage
@@ -42,6 +43,13 @@ def pick_dtype(cfg: EngineConfig, device: torch.device) -> torch.dtype:
     return getattr(torch, cfg.dtype)
 
 
+def rank_trace_path(trace_dir: str, rank: int) -> str:
+    """``rank<N>.jsonl`` in the engine's run directory; a rank started by torchrun on another
+    host (no header there) opens its own run directory under ``trace_dir`` instead."""
+    run_dir = trace_dir if os.path.isfile(os.path.join(trace_dir, HEADER)) else new_run_dir(trace_dir)
+    return os.path.join(run_dir, f"rank{rank}.jsonl")
+
+
 class _Worker:
     def __init__(self, args, push: zmq.Socket) -> None:
         self.args, self.push = args, push
@@ -63,7 +71,8 @@ class _Worker:
         state = DeviceState(cfg.max_num_seqs, cfg.max_model_len, 1, device, self.rank)
         sink = NULL_SINK
         if cfg.trace_dir:
-            sink = JsonlSink(os.path.join(cfg.trace_dir, f"rank{self.rank}.jsonl"))
+            sink = JsonlSink(rank_trace_path(cfg.trace_dir, self.rank),
+                             trace_prompts=cfg.trace_prompts)
         self.runner = StageRunner(self.groups, stage, state, cfg.pp_schedule == "overlapped",
                                   cfg.validate_every, sink)
         self.sink = sink

@@ -53,7 +53,8 @@ class StageRunner:
         state: slot-indexed device state + mirrors.
         overlapped: bubble-free mode (deferred consume) or sync mode (blocking broadcast).
         validate_every: validate mirrors every N steps (0 = never).
-        sink: event sink (PPHandler enqueue/consume/free, broadcast posted/skipped).
+        sink: event sink (``rank.step``, PPHandler enqueue/consume/free, broadcast
+            posted/skipped, sampled ids, mirror checks, phase timings; docs/trace_format.md).
     """
 
     def __init__(self, groups: PPGroups, stage: StageModel, state: DeviceState, overlapped: bool,
@@ -76,7 +77,7 @@ class StageRunner:
             self.state.free(f.slot)
             self._params.pop(f.slot, None)
             if self.handler is not None:
-                self.handler.on_slot_freed(f.slot)
+                self.handler.on_slot_freed(f.slot, out.step)
         self.state.add_requests(out.new_requests)
         if self.g.is_last:
             for r in out.new_requests:
@@ -86,9 +87,11 @@ class StageRunner:
     def _consume(self) -> None:
         if self.handler is None:
             return
-        t0 = time.perf_counter()
+        t0, ns0 = time.perf_counter(), time.monotonic_ns()
         entry = self.handler.consume()  # waits on the pending receive, if any
         self.timing.wait_s += time.perf_counter() - t0
+        if self.sink.enabled and entry is not None:
+            self._emit_timing("broadcast", entry.step + self.handler.depth, ns0)
         if entry is not None:
             self._apply_buffer(entry.handle.buf, entry.idx_mapping)
 
@@ -109,6 +112,8 @@ class StageRunner:
             RuntimeError: a peer did not answer within the group timeout.
         """
         self.timing = StepTiming()
+        if self.sink.enabled:
+            self.sink.emit("rank.step", step=out.step, rank=self.g.rank, num_rows=out.num_rows)
         self._consume()
         self._apply_freed_new(out)
         mask = need_sampled_mask(out)
@@ -116,12 +121,34 @@ class StageRunner:
         if out.is_empty:
             if self.handler is not None:
                 self.handler.enqueue(out.step, out, None, None)
+            if self.sink.enabled and self.g.pp_size > 1:
+                self.sink.emit("broadcast.skipped", step=out.step, rank=self.g.rank)
             result = self._empty_result(out) if self.g.is_last else None
         else:
             result = self._run_rows(out, mask)
         if self.validate_every and out.step % self.validate_every == 0:
-            self.state.validate(out.step)
+            self._validate(out.step)
         return result
+
+    def _validate(self, step: int) -> None:
+        """Mirror validation (invariant 4), recorded as ``mirror.check`` when tracing."""
+        if not self.sink.enabled:
+            self.state.validate(step)
+            return
+        live = self.state.live_slots()
+        values = self.state.mirror.num_computed_tokens_np[live].tolist()
+        try:
+            self.state.validate(step)
+        except Exception as exc:
+            self.sink.emit("mirror.check", step=step, rank=self.g.rank, slots=live.tolist(),
+                           num_computed_tokens=values, ok=False, message=str(exc))
+            raise
+        self.sink.emit("mirror.check", step=step, rank=self.g.rank, slots=live.tolist(),
+                       num_computed_tokens=values, ok=True, message=None)
+
+    def _emit_timing(self, phase: str, step: int, ns0: int, ns1: int | None = None) -> None:
+        self.sink.emit("timing", step=step, rank=self.g.rank, phase=phase, t0_ns=ns0,
+                       t1_ns=time.monotonic_ns() if ns1 is None else ns1)
 
     def _run_rows(self, out: SchedulerOutput, mask: np.ndarray | None) -> StepResult | None:
         dev = self.device
@@ -139,20 +166,28 @@ class StageRunner:
 
     def _forward(self, out: SchedulerOutput, meta: BatchMeta) -> torch.Tensor:
         t_total = out.total_tokens
+        trace, step = self.sink.enabled, out.step
         with torch.inference_mode():
             if self.g.is_first:
                 ids = self.state.input_ids(meta.token_slots, meta.positions)
-                t0 = time.perf_counter()
+                t0, ns0 = time.perf_counter(), time.monotonic_ns()
                 res = self.stage(meta, input_ids=ids)
             else:
-                t0 = time.perf_counter()
+                t0, ns_r = time.perf_counter(), time.monotonic_ns()
                 packed = self.g.recv_prev((2, t_total, self.hidden_size), self.act_dtype)
-                t1 = time.perf_counter()
+                t1, ns0 = time.perf_counter(), time.monotonic_ns()
+                if trace:
+                    self._emit_timing("recv", step, ns_r, ns0)
                 self.timing.wait_s += t1 - t0
                 t0 = t1
                 res = self.stage(meta, hidden=packed[0], residual=packed[1])
+            if trace:
+                self._emit_timing("forward", step, ns0)
             if not self.g.is_last:
+                ns_s = time.monotonic_ns()
                 self.g.send_next(torch.stack(res))
+                if trace:
+                    self._emit_timing("send", step, ns_s)
         self.timing.busy_s += time.perf_counter() - t0
         return res
 
@@ -168,16 +203,23 @@ class StageRunner:
         if self.handler is not None:
             pending = _PendingRecv(self.g, *self.g.post_broadcast(buf))
             self.handler.enqueue(out.step, out, mask, pending)
+            if self.sink.enabled:
+                self.sink.emit("broadcast.posted", step=out.step, rank=self.g.rank,
+                               rows=int(mask.sum()))
         else:  # sync mode: blocking broadcast on the PP group, immediate consume
-            t0 = time.perf_counter()
+            t0, ns0 = time.perf_counter(), time.monotonic_ns()
             got = self.g.blocking_broadcast(buf)
             self.timing.wait_s += time.perf_counter() - t0
+            if self.sink.enabled:
+                self._emit_timing("broadcast", out.step, ns0)
+                self.sink.emit("broadcast.posted", step=out.step, rank=self.g.rank,
+                               rows=int(mask.sum()))
             idx = np.where(mask, out.slots, -1).astype(np.int64)
             self._apply_buffer(got, idx)
 
     def _sample_and_publish(self, out: SchedulerOutput, mask: np.ndarray | None,
                             logits: torch.Tensor) -> StepResult:
-        t0 = time.perf_counter()
+        t0, ns0 = time.perf_counter(), time.monotonic_ns()
         r, w = out.num_rows, self.width
         payload = torch.zeros((r, w + 2), dtype=torch.int64, device=self.device)
         logprobs = None
@@ -196,6 +238,8 @@ class StageRunner:
         idx = torch.as_tensor(idx_np, device=self.device)
         self.state.apply_sampled(idx, payload[:, :w], payload[:, w], payload[:, w + 1],
                                  idx_np, np.zeros(r, dtype=np.int64))
+        if self.sink.enabled:
+            self._emit_timing("sample", out.step, ns0)
         if self.g.pp_size > 1:
             self._publish(out, mask, payload)
         self.timing.busy_s += time.perf_counter() - t0
@@ -211,12 +255,14 @@ class StageRunner:
             if self.sink.enabled:
                 self.sink.emit("broadcast.skipped", step=out.step, rank=self.g.rank)
             return
+        ns0 = time.monotonic_ns()
         if self.overlapped:
             work, buf = self.g.post_broadcast(payload)
             self.g.keep_pending(work, buf)
         else:
             self.g.blocking_broadcast(payload)
         if self.sink.enabled:
+            self._emit_timing("broadcast", out.step, ns0)
             self.sink.emit("broadcast.posted", step=out.step, rank=self.g.rank,
                            rows=int(mask.sum()))
 

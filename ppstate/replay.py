@@ -1,0 +1,93 @@
+"""``python -m ppstate.replay DIR [--json] [--until STEP] [--explain REQ_ID] [--timeline OUT.json]
+[--plot OUT.png]``: replay a recorded run without the model or any GPU.
+
+DIR is a run directory (``header.json`` + ``engine.jsonl`` + ``rank<N>.jsonl``) or a
+``--trace-dir`` holding several: the newest run is replayed. Prints ``ok``, ``steps``, ``events``,
+``first_divergence`` and ``invariant_violations`` (one JSON object with ``--json``); exits 0 when
+ok, 1 on a divergence or a violation, 2 when DIR holds no readable run or a flag is bad.
+
+Library use: :func:`replay` (``ppstate.trace.replayer``) returns a :class:`ReplayResult`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ppstate.trace.replayer import ReplayFailure, ReplayResult, replay
+from ppstate.trace.run import TraceError, load_run
+
+__all__ = ["replay", "ReplayResult", "ReplayFailure", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ppstate.replay",
+                                description="Replay a recorded ppstate run and check it")
+    p.add_argument("dir", help="run directory, or a --trace-dir (its newest run)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--until", type=int, default=None, metavar="STEP",
+                   help="replay up to STEP and print the state there")
+    p.add_argument("--explain", default=None, metavar="REQ_ID", help="print one request's life")
+    p.add_argument("--timeline", default=None, metavar="OUT.json",
+                   help="write a Chrome / Perfetto trace-event file (one track per rank)")
+    p.add_argument("--plot", default=None, metavar="OUT.png",
+                   help="write a Gantt chart of stage occupancy (needs matplotlib)")
+    return p
+
+
+def _summary(res: ReplayResult) -> str:
+    lines = [f"run {res.run_id} ({res.source}) at {res.run_dir}",
+             f"ok={res.ok} steps={res.steps} events={res.events} rank_steps={res.rank_steps}"]
+    if res.first_divergence:
+        d = res.first_divergence
+        lines.append(f"first divergence: step {d['step']} rank {d['rank']} kind {d['kind']}")
+        lines.append(f"  recorded: {json.dumps(d['recorded'])}")
+        lines.append(f"  replayed: {json.dumps(d['replayed'])}")
+        lines += [f"  before:   {json.dumps(c)}" for c in d["context"]]
+    for v in res.invariant_violations:
+        lines.append(f"invariant {v['invariant']} violated at step {v['step']} rank {v['rank']}: "
+                     f"{v['message']}")
+    if res.state is not None:
+        lines.append(f"state after step {res.state['next_step'] - 1}: {json.dumps(res.state)}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; returns the exit status."""
+    p = build_parser()
+    ns = p.parse_args(argv)
+    if ns.until is not None and ns.until < 0:
+        p.error("--until: must be >= 0")
+    try:
+        run = load_run(ns.dir)
+    except (TraceError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    res = replay(run, until=ns.until)
+    out = res.as_dict()
+    if ns.explain is not None:
+        from ppstate.trace.explain import explain, format_life
+        life = explain(run, ns.explain)
+        out["explain"] = life
+        if not ns.json:
+            print(format_life(ns.explain, life))
+    if ns.timeline is not None:
+        from ppstate.trace.timeline import chrome_trace
+        with open(ns.timeline, "w", encoding="utf-8") as fh:
+            json.dump(chrome_trace(run), fh)
+        out["timeline"] = ns.timeline
+    if ns.plot is not None:
+        from ppstate.trace.timeline import plot_gantt
+        try:
+            out["bubble_fraction"] = plot_gantt(run, ns.plot)
+        except RuntimeError as exc:
+            print(f"error: --plot: {exc}", file=sys.stderr)
+            return 2
+        out["plot"] = ns.plot
+    print(json.dumps(out) if ns.json else _summary(res))
+    return 0 if res.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""Simulator runs written as replayable traces (``docs/trace_format.md``, source ``sim``).
+
+The simulator is deterministic (one seed draws the whole workload), so a run that found a
+violation is recorded by running the same configuration again with a recording sink: the clean
+case pays nothing. The trace holds the header and ``engine.jsonl`` (the scheduler's inputs and
+decisions); simulated ranks are re-derived by replay, not recorded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from ppstate.events import RecordingSink
+from ppstate.sim import SimResult, Simulator
+from ppstate.sim_workload import SimConfig
+from ppstate.trace.run import ENGINE_FILE, new_run_dir, write_header
+
+#: where ``python -m ppstate.sim`` writes the trace of a failing run when no --trace-dir is given
+DEFAULT_SIM_TRACE_DIR = "sim-traces"
+
+
+def record_sim(cfg: SimConfig, trace_dir: str | Path) -> tuple[SimResult, Path]:
+    """Run ``cfg`` once with the scheduler's events recorded; write them as a new run directory
+    under ``trace_dir``. Returns the result and the run directory."""
+    sink = RecordingSink()
+    sim = Simulator(cfg, sink=sink)
+    result = sim.run()
+    run_dir = new_run_dir(trace_dir)
+    write_header(run_dir, "sim", sim.sched.config, dataclasses.asdict(cfg), seed=cfg.seed)
+    with (run_dir / ENGINE_FILE).open("x", encoding="utf-8") as fh:
+        for ev in sink.events:
+            fh.write(json.dumps(ev, separators=(",", ":")) + "\n")
+    return result, run_dir

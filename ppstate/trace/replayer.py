@@ -1,0 +1,149 @@
+"""``replay(path)``: rebuild the core from a recorded run's inputs, re-derive every decision,
+compare it with the recording and check the invariants (pure: no torch, no asyncio, no model).
+
+Used by ``python -m ppstate.replay`` and meant as a library call (a model checker's
+counterexamples, a pytest plugin): ``result = replay(trace_dir); result.assert_ok()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ppstate.batch import SchedulerOutput
+from ppstate.trace.checks import TraceChecker
+from ppstate.trace.codec import decode_output
+from ppstate.trace.compare import Divergence
+from ppstate.trace.replay_engine import EngineReplay
+from ppstate.trace.replay_rank import RankReplay, RankSetup
+from ppstate.trace.run import TraceRun, load_run
+
+
+class ReplayFailure(AssertionError):
+    """A replay found a divergence or an invariant violation (raised by ``assert_ok``)."""
+
+
+@dataclass
+class ReplayResult:
+    """Outcome of one replay (the CLI's JSON object).
+
+    Attributes:
+        ok: no divergence and no invariant violation.
+        steps: steps the scheduler replay re-derived (recorded ``schedule`` events matched).
+        events: events read (all files of the run).
+        first_divergence: the earliest divergence by (step, engine before ranks), or None.
+        invariant_violations: ``{invariant, step, rank, message}`` per violation.
+        run_dir: the run directory replayed; run_id, source: from its header.
+        rank_steps: steps compared per rank file present.
+        state: with ``until``: scheduler and PPHandler state after that step.
+    """
+    ok: bool
+    steps: int
+    events: int
+    first_divergence: dict | None
+    invariant_violations: list[dict]
+    run_dir: str = ""
+    run_id: str = ""
+    source: str = ""
+    rank_steps: dict[int, int] = field(default_factory=dict)
+    state: dict[str, Any] | None = None
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["rank_steps"] = {str(k): v for k, v in self.rank_steps.items()}
+        if d["state"] is None:
+            del d["state"]
+        return d
+
+    def assert_ok(self) -> None:
+        """Raise :class:`ReplayFailure` describing the first divergence / violations."""
+        if self.ok:
+            return
+        parts = []
+        if self.first_divergence:
+            d = self.first_divergence
+            parts.append(f"first divergence at step {d['step']} rank {d['rank']} ({d['kind']}): "
+                         f"recorded {d['recorded']} replayed {d['replayed']}")
+        parts += [f"invariant {v['invariant']} at step {v['step']} rank {v['rank']}: {v['message']}"
+                  for v in self.invariant_violations[:10]]
+        raise ReplayFailure(f"replay of {self.run_dir} failed:\n  " + "\n  ".join(parts))
+
+
+def validate_every_of(run: TraceRun) -> int:
+    """Mirror validation period of a recorded engine run (0: off)."""
+    v = str(run.header.config.get("validate_mirrors", "every"))
+    return 0 if v == "off" else 1 if v == "every" else int(v)
+
+
+def replay(path: str | Path | TraceRun, until: int | None = None) -> ReplayResult:
+    """Replay the run at ``path`` (a run directory, or a trace dir: its newest run).
+
+    Args:
+        path: directory (or an already loaded :class:`TraceRun`).
+        until: compare only events of steps ``<= until``; the result then carries ``state``.
+
+    Raises:
+        ppstate.trace.run.TraceError: the directory holds no readable run.
+    """
+    run = path if isinstance(path, TraceRun) else load_run(path)
+    outputs: dict[int, SchedulerOutput] = {}
+    results: dict[int, dict] = {}
+    for ev in run.engine:
+        if ev.get("kind") == "schedule":
+            outputs[ev["step"]] = decode_output(ev["output"])
+        elif ev.get("kind") == "result":
+            results[ev["of_step"]] = ev
+    engine = EngineReplay(run, until)
+    checker = TraceChecker(engine.sched, run.header.pp_size)
+    engine.on_event = lambda ev, _s: checker.on_engine_event(ev)
+    divergences: list[Divergence] = []
+    if (d := engine.replay()) is not None:
+        divergences.append(d)
+        checker.detach_scheduler()
+        _check_rest(run, engine, checker, d, until)
+    elif until is None and run.header.source == "sim":
+        checker.finish(engine.sched, engine.sched.next_step)
+    cfg = run.scheduler_config
+    rank_steps, handlers = {}, {}
+    for rank, events in sorted(run.ranks.items()):
+        rr = RankReplay(RankSetup(rank, cfg.pp_size, cfg.mode, cfg.max_num_seqs,
+                                  validate_every_of(run)), outputs, results, checker)
+        d, rank_steps[rank] = rr.compare(events, until)
+        if d is not None:
+            divergences.append(d)
+        for ev in events:
+            if until is None or ev.get("step", -1) <= until:
+                checker.on_rank_event(ev)
+        handlers[rank] = rr.handler
+    first = min(divergences, key=Divergence.sort_key) if divergences else None
+    violations = checker.violations
+    return ReplayResult(
+        ok=first is None and not violations, steps=engine.steps, events=run.num_events,
+        first_divergence=first.as_dict() if first else None, invariant_violations=violations,
+        run_dir=str(run.path), run_id=run.header.run_id, source=run.header.source,
+        rank_steps=rank_steps,
+        state=_state(engine, handlers) if until is not None else None)
+
+
+def _check_rest(run: TraceRun, engine: EngineReplay, checker: TraceChecker, d: Divergence,
+                until: int | None) -> None:
+    """After a divergence: keep checking invariants on the rest of the recording."""
+    seen = False
+    for ev in engine.recorded:
+        if ev is d.recorded:
+            seen = True
+        if seen and (until is None or ev.get("step", -1) <= until):
+            checker.on_engine_event(ev)
+
+
+def _state(engine: EngineReplay, handlers: dict) -> dict[str, Any]:
+    s = engine.sched
+    running = {r.req_id: {"state": r.state, "slot": r.slot,
+                          "num_computed_tokens": int(s.arrays.num_computed_tokens[r.slot]),
+                          "num_output_tokens": int(s.arrays.num_output_tokens[r.slot])}
+               for r in s.running_requests()}
+    return {"next_step": s.next_step, "in_flight": s.in_flight, "num_waiting": s.num_waiting,
+            "running": running, "slot_generation": s.slots.generation.tolist(),
+            "pp_pending_steps": {str(r): h.pending_steps() for r, h in handlers.items()
+                                 if h is not None}}
