@@ -108,7 +108,7 @@ def plot_gantt(run: TraceRun, path: str | Path) -> float:
     ax.set_xlabel("time (ms)")
     ax.set_title(f"stage occupancy, run {run.header.run_id}: bubble fraction {bubble:.3f}")
     ax.legend(handles=[Patch(color=c, label=p) for p, c in COLOURS.items() if p != "idle"],
-              loc="upper right", fontsize="small", ncol=5)
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
