@@ -9,13 +9,12 @@ decisions); simulated ranks are re-derived by replay, not recorded.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 from ppstate.events import RecordingSink
 from ppstate.sim import SimResult, Simulator
 from ppstate.sim_workload import SimConfig
-from ppstate.trace.run import ENGINE_FILE, new_run_dir, write_header
+from ppstate.trace.run import write_run
 
 #: where ``python -m ppstate.sim`` writes the trace of a failing run when no --trace-dir is given
 DEFAULT_SIM_TRACE_DIR = "sim-traces"
@@ -27,9 +26,6 @@ def record_sim(cfg: SimConfig, trace_dir: str | Path) -> tuple[SimResult, Path]:
     sink = RecordingSink()
     sim = Simulator(cfg, sink=sink)
     result = sim.run()
-    run_dir = new_run_dir(trace_dir)
-    write_header(run_dir, "sim", sim.sched.config, dataclasses.asdict(cfg), seed=cfg.seed)
-    with (run_dir / ENGINE_FILE).open("x", encoding="utf-8") as fh:
-        for ev in sink.events:
-            fh.write(json.dumps(ev, separators=(",", ":")) + "\n")
+    run_dir = write_run(trace_dir, "sim", sim.sched.config, dataclasses.asdict(cfg), sink.events,
+                        seed=cfg.seed)
     return result, run_dir

@@ -36,11 +36,12 @@ def explain(run: TraceRun, req_id: str) -> list[dict[str, Any]]:
                     life.append({"step": step, "rank": None, "what": "tokens",
                                  "of_step": ev["of_step"], "token_ids": u["token_ids"],
                                  "finish_reason": u["finish_reason"]})
+    depth = run.header.pp_size  # pp.consume exists in overlapped mode only: depth = pp_size
     for rank, events in sorted(run.ranks.items()):
         for ev in events:
             if ev.get("kind") == "pp.consume" and ev["step"] in rows:
                 slot = ev["idx_mapping"][rows[ev["step"]]]
-                life.append({"step": ev["step"], "rank": rank, "what": "deferred consume",
+                life.append({"step": ev["step"] + depth, "rank": rank, "what": "deferred consume",
                              "of_step": ev["step"], "slot": slot, "applied": slot >= 0})
     return sorted(life, key=lambda e: (e["step"], -1 if e["rank"] is None else e["rank"]))
 

@@ -180,7 +180,9 @@ class RunHeader(BaseModel):
         format: always ``"ppstate-trace"``.
         version: :data:`TRACE_FORMAT_VERSION` of the writer.
         run_id: unique id of the run (also the directory name).
-        source: ``engine`` (runtime.serve / generate / bench) or ``sim`` (ppstate.sim).
+        source: ``engine`` (runtime.serve / generate / bench), ``sim`` (ppstate.sim) or another
+            generator of complete runs (e.g. a model checker's counterexample); every source but
+            ``engine`` is expected to end with nothing unfinished (liveness is checked).
         created_unix_s: wall-clock creation time (seconds since the epoch).
         pp_size: stages.
         scheduler: the SchedulerConfig fields (replay rebuilds the scheduler from them).
@@ -194,7 +196,7 @@ class RunHeader(BaseModel):
     format: Literal["ppstate-trace"] = "ppstate-trace"
     version: int = TRACE_FORMAT_VERSION
     run_id: str
-    source: Literal["engine", "sim"]
+    source: str
     created_unix_s: float
     pp_size: int
     scheduler: dict[str, Any]

@@ -56,6 +56,14 @@ class ReplayResult:
             del d["state"]
         return d
 
+    def assert_invariants(self) -> None:
+        """Raise :class:`ReplayFailure` when an invariant was violated (divergences ignored:
+        e.g. a trace recorded by an older version of the scheduler)."""
+        if self.invariant_violations:
+            raise ReplayFailure(f"replay of {self.run_dir}: " + "; ".join(
+                f"invariant {v['invariant']} at step {v['step']} rank {v['rank']}: {v['message']}"
+                for v in self.invariant_violations[:10]))
+
     def assert_ok(self) -> None:
         """Raise :class:`ReplayFailure` describing the first divergence / violations."""
         if self.ok:
@@ -102,7 +110,7 @@ def replay(path: str | Path | TraceRun, until: int | None = None) -> ReplayResul
         divergences.append(d)
         checker.detach_scheduler()
         _check_rest(run, engine, checker, d, until)
-    elif until is None and run.header.source == "sim":
+    elif until is None and run.header.source != "engine":
         checker.finish(engine.sched, engine.sched.next_step)
     cfg = run.scheduler_config
     rank_steps, handlers = {}, {}

@@ -64,6 +64,22 @@ def write_header(run_dir: Path, source: str, sched: SchedulerConfig, config: dic
     return header
 
 
+def write_run(base: str | Path, source: str, sched: SchedulerConfig, config: dict[str, Any],
+              engine_events: list[dict[str, Any]],
+              rank_events: dict[int, list[dict[str, Any]]] | None = None,
+              seed: int | None = None) -> Path:
+    """Write a whole run produced in memory (simulator, model checker) as a new run directory
+    under ``base``: header, ``engine.jsonl`` and any ``rank<N>.jsonl``. Returns the directory."""
+    run_dir = new_run_dir(base)
+    write_header(run_dir, source, sched, config, seed=seed)
+    files = {ENGINE_FILE: engine_events, **{f"rank{r}.jsonl": ev
+                                            for r, ev in (rank_events or {}).items()}}
+    for name, events in files.items():
+        with (run_dir / name).open("x", encoding="utf-8") as fh:
+            fh.writelines(json.dumps(e, separators=(",", ":")) + "\n" for e in events)
+    return run_dir
+
+
 def find_run_dir(path: str | Path) -> Path:
     """``path`` itself when it holds a header, else its newest ``run-*`` child.
 

@@ -6,8 +6,9 @@
 Trace-event format: "Trace Event Format" (Google, catapult project), complete events ``ph: "X"``
 with ``ts`` / ``dur`` in microseconds, metadata events ``ph: "M"``.
 
-Bubble fraction = 1 - (seconds ranks spent computing, i.e. forward + sample) /
-(pp_size x span from the first to the last recorded phase), as in ``docs/design.md`` §2.
+Bubble fraction = 1 - (time ranks spent computing, i.e. forward + sample) / (pp_size x active
+time), where active time is the union of every recorded phase of every rank: a rank idle while work
+exists (``docs/design.md`` §2), without counting the time a server had nothing to do.
 """
 
 from __future__ import annotations
@@ -39,13 +40,24 @@ def slices(run: TraceRun) -> list[Slice]:
     return sorted(out, key=lambda s: (s.rank, s.t0_ns))
 
 
+def active_ns(sl: list[Slice]) -> int:
+    """Length of the union of all slices (ns): time during which some rank had work."""
+    total, end = 0, None
+    for s in sorted(sl, key=lambda s: s.t0_ns):
+        if end is None or s.t0_ns > end:
+            total += s.t1_ns - s.t0_ns
+            end = s.t1_ns
+        elif s.t1_ns > end:
+            total += s.t1_ns - end
+            end = s.t1_ns
+    return total
+
+
 def bubble_fraction(sl: list[Slice], pp_size: int) -> float:
-    """1 - compute time / (pp_size x span); 0.0 without timings."""
-    if not sl:
-        return 0.0
-    span = max(s.t1_ns for s in sl) - min(s.t0_ns for s in sl)
+    """1 - compute time / (pp_size x active time); 0.0 without timings."""
+    active = active_ns(sl)
     busy = sum(s.t1_ns - s.t0_ns for s in sl if s.phase in COMPUTE_PHASES)
-    return max(0.0, 1.0 - busy / (pp_size * span)) if span > 0 else 0.0
+    return max(0.0, 1.0 - busy / (pp_size * active)) if active > 0 else 0.0
 
 
 def chrome_trace(run: TraceRun) -> dict:

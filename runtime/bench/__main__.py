@@ -5,6 +5,10 @@ greedy requests with random-token prompts of ``--prompt-len`` tokens and ``--max
 tokens (EOS ignored), and reports output tokens/s, mean TTFT / TPOT, the engine's bubble fraction
 and the overlapped/sync ratio (ceiling = pp_size, DESIGN.md section 6). Results are printed and
 written as JSON to ``--out`` (default ``bench-results/pp_overlap.json``).
+
+``--trace-cost DIR`` measures the cost of recording: each mode runs ``--repeat`` times without and
+with ``--trace-dir DIR`` (alternating, same prompts) and the report adds the traced throughput and
+``trace_overhead`` = 1 - median traced / median untraced output tokens/s.
 """
 
 from __future__ import annotations
@@ -63,6 +67,13 @@ async def run_mode(config, prompts: list[list[int]], max_tokens: int) -> dict:
             "engine_cpu_s": (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)}
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """The run with the median output tokens/s, plus every run's figure."""
+    ordered = sorted(runs, key=lambda r: r["output_tokens_per_s"])
+    return {**ordered[len(ordered) // 2],
+            "all_output_tokens_per_s": [r["output_tokens_per_s"] for r in runs]}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m runtime.bench", description=__doc__)
     p.add_argument("--num-requests", type=int, default=32)
@@ -71,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="overlapped,sync", help="comma list of schedule modes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-results/pp_overlap.json")
+    p.add_argument("--trace-cost", default=None, metavar="DIR", help="also run each mode with "
+                   "--trace-dir DIR and report the throughput cost of tracing")
+    p.add_argument("--repeat", type=int, default=1, help="runs per mode (and per tracing "
+                   "setting with --trace-cost); medians are reported")
     add_engine_flags(p)
     args = p.parse_args(argv)
     rng = random.Random(args.seed)
@@ -80,8 +95,21 @@ def main(argv: list[str] | None = None) -> int:
     for mode in args.modes.split(","):
         args.pp_schedule = mode
         cfg = engine_config(p, args)
-        results[mode] = asyncio.run(run_mode(cfg, prompts, args.max_tokens))
-        print(json.dumps(results[mode]), flush=True)
+        runs: dict[str, list[dict]] = {"off": [], "on": []}
+        for _ in range(max(1, args.repeat)):
+            for key in ("off", "on") if args.trace_cost else ("off",):
+                c = cfg.model_copy(update={"trace_dir": args.trace_cost if key == "on" else None})
+                runs[key].append(asyncio.run(run_mode(c, prompts, args.max_tokens)))
+                print(json.dumps({"trace": key, **runs[key][-1]}), flush=True)
+        results[mode] = _median_run(runs["off"])
+        if args.trace_cost:
+            traced = _median_run(runs["on"])
+            results[mode + "+trace"] = traced
+            results[mode]["trace_overhead"] = \
+                1.0 - traced["output_tokens_per_s"] / results[mode]["output_tokens_per_s"]
+            print(f"{mode}: tracing costs {100 * results[mode]['trace_overhead']:.1f}% "
+                  f"throughput ({traced['output_tokens_per_s']:.1f} vs "
+                  f"{results[mode]['output_tokens_per_s']:.1f} tok/s)", flush=True)
     if "overlapped" in results and "sync" in results:
         ratio = results["overlapped"]["output_tokens_per_s"] / results["sync"]["output_tokens_per_s"]
         results["overlapped_over_sync"] = ratio
