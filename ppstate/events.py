@@ -68,7 +68,7 @@ class ListSink(EventSink):
 
 
 class RecordingSink(EventSink):
-    """Keeps each event as the flat dict a :class:`JsonlSink` would write (replay, the simulator)."""
+    """Keeps each event as the flat dict a :class:`JsonlSink` writes (replay, the simulator)."""
     enabled = True
 
     def __init__(self, trace_prompts: bool = False) -> None:

@@ -67,9 +67,11 @@ def test_replay_of_real_run_is_ok(recorded):
     assert res.first_divergence is None and res.invariant_violations == [] and res.ok
     run = load_run(run_dir)
     steps = [e["step"] for e in run.engine if e["kind"] == "schedule"]
-    assert res.steps == len(steps) == steps[-1] + 1 and res.rank_steps == {0: res.steps, 1: res.steps}
+    assert res.steps == len(steps) == steps[-1] + 1
+    assert res.rank_steps == {0: res.steps, 1: res.steps}
     assert sum(e["kind"] == "arrival" for e in run.engine) == NUM
-    aborted = {e["req_id"] for e in run.engine if e["kind"] == "lifecycle" and e["trigger"] == "abort"}
+    aborted = {e["req_id"] for e in run.engine
+               if e["kind"] == "lifecycle" and e["trigger"] == "abort"}
     assert aborted == {f"r{i}" for i in ABORTED}
     # what the trace says each client got is what each client got
     got: dict[str, list[int]] = {}
@@ -91,7 +93,8 @@ def _first(events, pred):
 def test_tampered_sampled_id_diverges_on_last_rank(recorded, tmp_path):
     run_dir = _copy(recorded[0], tmp_path)
     run = load_run(run_dir)
-    i = _first(run.ranks[1], lambda e: e["kind"] == "sampled" and 1 in e["num_sampled"] and e["step"] > 3)
+    i = _first(run.ranks[1],
+               lambda e: e["kind"] == "sampled" and 1 in e["num_sampled"] and e["step"] > 3)
     step, row = run.ranks[1][i]["step"], run.ranks[1][i]["num_sampled"].index(1)
 
     def edit(lines):

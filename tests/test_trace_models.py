@@ -88,7 +88,8 @@ def test_codec_round_trip_and_prompt_privacy():
         (NewRequest("a", 3, (11, 12, 13, 14), 20, {"temperature": 0.0}),),
         (FreedSlot("z", 5, "finished_aborted"),))
     enc = encode_output(out)
-    assert enc["new_requests"][0]["prompt_len"] == 4 and "prompt_token_ids" not in enc["new_requests"][0]
+    new = enc["new_requests"][0]
+    assert new["prompt_len"] == 4 and "prompt_token_ids" not in new
     back = decode_output(json.loads(json.dumps(enc)))
     assert back.new_requests[0].prompt_token_ids == (0, 0, 0, 0)
     assert encode_output(back) == enc

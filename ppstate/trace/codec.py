@@ -90,8 +90,7 @@ def encode_output(out: SchedulerOutput, prompts: bool = False) -> dict:
 def decode_output(data: dict) -> SchedulerOutput:
     """The SchedulerOutput recorded as ``data`` (its ``is_final_chunk`` as bool)."""
     out = decode(SchedulerOutput, data)
-    final = np.asarray(out.is_final_chunk, dtype=bool)
-    return dataclasses.replace(out, is_final_chunk=final,
-                               slots=np.asarray(out.slots, dtype=np.int32),
-                               num_scheduled_tokens=np.asarray(out.num_scheduled_tokens, dtype=np.int32),
-                               start_positions=np.asarray(out.start_positions, dtype=np.int32))
+    i32 = {f: np.asarray(getattr(out, f), dtype=np.int32)
+           for f in ("slots", "num_scheduled_tokens", "start_positions")}
+    return dataclasses.replace(out, is_final_chunk=np.asarray(out.is_final_chunk, dtype=bool),
+                               **i32)

@@ -25,8 +25,9 @@ ANY: Any = _Any()
 
 def normalise(event: dict[str, Any]) -> dict[str, Any]:
     """``event`` as it reads back from a JSON line (keeps :data:`ANY` markers)."""
-    return json.loads(json.dumps(event, default=lambda o: "__ANY__" if o is ANY else str(o)),
-                      object_hook=lambda d: {k: (ANY if v == "__ANY__" else v) for k, v in d.items()})
+    text = json.dumps(event, default=lambda o: "__ANY__" if o is ANY else str(o))
+    return json.loads(text, object_hook=lambda d: {k: (ANY if v == "__ANY__" else v)
+                                                    for k, v in d.items()})
 
 
 def matches(expected: Any, recorded: Any) -> bool:

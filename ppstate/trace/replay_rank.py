@@ -122,7 +122,8 @@ class RankReplay:
             self.mirror.apply_rejected(idx, np.asarray(res["num_rejected"], dtype=np.int64))
 
     # ---------------------------------------------------------------- comparison
-    def compare(self, recorded: list[dict], until: int | None = None) -> tuple[Divergence | None, int]:
+    def compare(self, recorded: list[dict],
+                until: int | None = None) -> tuple[Divergence | None, int]:
         """Compare the rank's recorded decision events with the derived ones.
 
         The last recorded step may end early (a process stopped mid-step); anything else that
