@@ -116,7 +116,8 @@ class OpenAIHandlers:
                 return await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
         except RequestFailure as exc:
             cause = exc.cause
-            detail = str(cause) if isinstance(cause, ValueError) else f"{type(cause).__name__}: {cause}"
+            detail = (str(cause) if isinstance(cause, ValueError) else
+                      f"tokenizing it failed: {type(cause).__name__}: {cause}")
             raise APIError(f"Invalid value for '{field}': {detail}", param=field,
                            code="invalid_value") from None
 
