@@ -5,8 +5,9 @@
 The server app runs in this process (``httpx.ASGITransport``) around a real ``AsyncEngine`` (real
 worker processes, the default model, PP=2). Each request starts from a valid body of one endpoint
 (``max_tokens`` 2, so a request that is served stays cheap) and replaces one to three fields, known or
-unknown, with a random JSON value from :func:`random_json`: huge and boundary integers (2**63, -1,
-...), floats, lone UTF-16 surrogates (sent as raw ``\\udXXX`` JSON escapes), nested lists and
+unknown, half the time with a value of about the right type (:func:`plausible`, often at a boundary)
+and otherwise with a random JSON value from :func:`random_json`: huge and boundary integers (2**63,
+-1, ...), floats, lone UTF-16 surrogates (sent as raw ``\\udXXX`` JSON escapes), nested lists and
 objects. After every request ``/health`` is asked. The run reports how many requests were sent,
 how many were answered 5xx (with the first few bodies) and whether the engine survived; the exit
 status is 1 when any 5xx was seen or the engine died.
@@ -58,6 +59,24 @@ def random_json(rng: random.Random, depth: int = 0) -> Any:
     return {rng.choice(keys): random_json(rng, depth + 1) for _ in range(rng.randrange(0, 4))}
 
 
+def plausible(rng: random.Random, name: str) -> Any:
+    """A value of roughly the right type for field ``name`` (often valid, often at a boundary)."""
+    if name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        return rng.choice([0.0, 0.5, 1.0, 1.3, 2.0, 2.5, -2.0, 10.0, 1e-6])
+    if name in ("stop",):
+        return rng.choice([rng.choice(STRINGS), [rng.choice(STRINGS) for _ in range(rng.randrange(1, 6))]])
+    if name in ("stop_token_ids", "prompt"):
+        return [rng.choice(INTS) for _ in range(rng.randrange(1, 4))]
+    if name in ("ignore_eos", "stream", "echo", "return_tokens_as_token_ids", "add_generation_prompt",
+                "continue_final_message", "logprobs") and rng.random() < 0.5:
+        return rng.choice([True, False])
+    if name == "stream_options":
+        return {"include_usage": rng.choice([True, False])}
+    if name in ("model", "user", "suffix"):
+        return rng.choice(STRINGS)
+    return rng.choice(INTS[:12])
+
+
 def random_message(rng: random.Random) -> Any:
     """A chat message that is often nearly valid (so the template and tokenizer are reached)."""
     msg: dict[str, Any] = {"role": rng.choice(["user", "system", "assistant", "developer", "tool"]),
@@ -81,8 +100,8 @@ def random_request(rng: random.Random) -> tuple[str, dict[str, Any]]:
         name = rng.choice(fields + ["bogus"])
         if name == "messages" and rng.random() < 0.7:
             body[name] = [random_message(rng) for _ in range(rng.randrange(1, 4))]
-        elif name == "prompt" and rng.random() < 0.3:
-            body[name] = [rng.choice(INTS) for _ in range(rng.randrange(1, 4))]
+        elif rng.random() < 0.5:
+            body[name] = plausible(rng, name)
         else:
             body[name] = random_json(rng)
     return path, body
