@@ -25,8 +25,7 @@ Penalties (rows that ask for any) come first, on the logits, before temperature 
 vLLM's order: repetition (transformers' ``RepetitionPenaltyLogitsProcessor``, from CTRL, Keskar et
 al. 2019: a logit of a token seen in the prompt or the output is divided by the penalty when
 positive, multiplied when negative), then OpenAI's ``logit -= frequency * count + presence * (count
-> 0)`` over the tokens generated so far. Counts come from the slot's token history on the device
-(:class:`TokenHistory`), one ``scatter_add`` per step for all penalised rows.
+> 0)`` over the tokens generated so far (:mod:`runtime.penalties`).
 """
 
 from __future__ import annotations
@@ -35,6 +34,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 import torch
+
+from runtime.penalties import TokenHistory, apply_penalties  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:  # duck-typed at runtime: the GPU box has no pydantic
     from runtime.sampling_params import SamplingParams
@@ -150,55 +151,6 @@ class SamplingBatch:
             penalty_rows=_rows([i in set(pen_rows) for i in range(len(params))], device),
             presence=pen_col(0), frequency=pen_col(1), repetition=pen_col(2),
         )
-
-
-@dataclass
-class TokenHistory:
-    """The token history of the penalised rows, gathered from slot-indexed device state.
-
-    Attributes:
-        token_ids: [P, L] int64, row i = ``all_token_ids`` of its slot (prompt, then output;
-            entries at or past ``total_len`` are stale and ignored).
-        prompt_len: [P] int64 prompt tokens of each row.
-        total_len: [P] int64 prompt + generated tokens so far (the token sampled now excluded).
-    """
-    token_ids: torch.Tensor
-    prompt_len: torch.Tensor
-    total_len: torch.Tensor
-
-    @classmethod
-    def gather(cls, all_token_ids: torch.Tensor, prefill_len: torch.Tensor, total_len: torch.Tensor,
-               slots: torch.Tensor) -> "TokenHistory":
-        """History of ``slots`` ([P] int64) from the state arrays ``all_token_ids``
-        [max_num_reqs, max_model_len], ``prefill_len`` and ``total_len`` [max_num_reqs]."""
-        return cls(all_token_ids.index_select(0, slots), prefill_len.index_select(0, slots),
-                   total_len.index_select(0, slots))
-
-
-def apply_penalties(logits: torch.Tensor, batch: SamplingBatch, history: TokenHistory) -> torch.Tensor:
-    """Penalised copy of ``logits`` [R, V] fp32 (rows without penalties unchanged).
-
-    ``history`` holds the rows ``batch.penalty_rows``, in that order.
-    Raises: ValueError if the history does not match the penalised rows.
-    """
-    r = batch.penalty_rows
-    if r is None:
-        return logits
-    if history.token_ids.shape[0] != r.shape[0]:
-        raise ValueError(f"history of {history.token_ids.shape[0]} rows for {r.shape[0]} penalised rows")
-    x = logits.index_select(0, r)  # [P, V]
-    pos = torch.arange(history.token_ids.shape[1], device=logits.device).unsqueeze(0)
-    in_prompt = pos < history.prompt_len.unsqueeze(1)                                  # [P, L]
-    in_output = ~in_prompt & (pos < history.total_len.unsqueeze(1))                    # [P, L]
-    ids = history.token_ids.clamp(0, x.shape[1] - 1)
-    out_count = torch.zeros_like(x).scatter_add_(1, ids, in_output.to(x.dtype))        # [P, V]
-    seen = torch.zeros_like(x).scatter_add_(1, ids, in_prompt.to(x.dtype)).add_(out_count) > 0
-    rep = batch.repetition.unsqueeze(1)
-    x = torch.where(seen, torch.where(x < 0, x * rep, x / rep), x)
-    x = x - batch.frequency.unsqueeze(1) * out_count - batch.presence.unsqueeze(1) * (out_count > 0).to(x.dtype)
-    out = logits.clone()
-    out[r] = x
-    return out
 
 
 @dataclass
