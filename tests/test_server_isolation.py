@@ -188,6 +188,20 @@ def test_planted_request_failure_leaves_other_stream_exact(eng, good_ids, undist
     assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 8
 
 
+@pytest.mark.parametrize("path", [COMP, CHAT])
+def test_request_failure_in_a_stream_is_an_sse_error_event(eng, monkeypatch, path):
+    _plant(monkeypatch, eng, "detokenize")
+    body = {"max_tokens": 8, "temperature": 0, "ignore_eos": True, "stop": ["FAIL"], "stream": True,
+            **({"prompt": "1 2 3 4"} if path == COMP else {"messages": [{"role": "user", "content": "Hi"}]})}
+    r = eng.post(path, body)
+    assert r.status_code == 200  # the stream had started
+    events = [line.removeprefix("data: ") for line in r.text.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["code"] == "request_failed" and "detokenizing" in err["message"]
+    assert eng.health() == 200 and eng.engine.sched.num_running == 0
+
+
 def test_request_scope_classifies():
     with pytest.raises(RequestFailure) as info:
         with request_scope("r1", "detokenize"):
