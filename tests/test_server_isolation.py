@@ -76,6 +76,18 @@ def test_seed_minus_one_and_missing_model_are_served(eng):
     assert r.status_code == 200 and r.json()["model"] == eng.engine.model_name
 
 
+@pytest.mark.parametrize("bad,stage", [({"top_k": 2**63}, "sampling_params"), ({"seed": 2**64}, "encode"),
+                                       ({"stop": ["\ud800"]}, "encode")])
+def test_engine_admission_rejects_what_workers_cannot_hold(eng, good_ids, bad, stage):
+    """Past the HTTP checks (model_construct skips validation), the engine's own admission
+    round trip fails the request alone, before the scheduler sees it."""
+    params = SamplingParams.model_construct(**{**GOOD.model_dump(), **bad})
+    with pytest.raises(RequestFailure) as info:
+        eng.engine.add_request(f"raw-{stage}-{len(bad)}", good_ids, params)
+    assert info.value.stage == stage
+    assert eng.engine.is_alive and eng.engine.sched.num_waiting == 0
+
+
 # ---- isolation: plant a failure at each request stage -----------------------------------------
 class _FaultyDetok(IncrementalDetokenizer):
     """Fails (per its planted mode) only for a request whose stop strings include "FAIL"."""
