@@ -3,8 +3,11 @@
 The engine owns the ppstate :class:`~ppstate.scheduler.Scheduler`. Its loop issues steps while the
 scheduler allows (pp_size + 1 in flight in overlapped mode, 1 in sync mode), sends each
 :class:`SchedulerOutput` to every rank, and turns the last rank's :class:`StepResult` into
-per-request stream increments. A worker error, a dead worker or a step past ``step_timeout_s``
-fails every in-flight request with that error and stops all processes (never a hang).
+per-request stream increments. Which failures end one request and which stop the engine is
+decided in :mod:`runtime.faults`: a failure inside a request's own work (building its sampling
+parameters or stop-string matcher, encoding it, detokenizing its tokens, its logprobs) fails that
+request only; a worker error, a dead worker or a step past ``step_timeout_s`` fails every in-flight
+request with that error and stops all processes (never a hang).
 """
 
 from __future__ import annotations
@@ -19,11 +22,14 @@ from ppstate.events import NULL_SINK, JsonlSink
 from ppstate.trace.run import ENGINE_FILE, new_run_dir, package_versions, write_header
 from ppstate.scheduler import RequestSpec, Scheduler, SchedulerConfig
 from runtime.config import EngineConfig
+from runtime.faults import ENGINE, REQUEST, RequestFailure, request_scope
 from runtime.launcher import WorkerPool
+from runtime.messages import NewRequestMsg, new_request_round_trip
 from runtime.model.detokenizer import IncrementalDetokenizer
 from runtime.model.tokenizer import Tokenizer, load_tokenizer
 from runtime.outputs import RequestOutput, TokenLogprob
 from runtime.request_stream import RequestStream
+from runtime.sampler import SamplingBatch
 from runtime.sampling_params import SamplingParams
 
 
@@ -117,24 +123,42 @@ class AsyncEngine:
             EngineDeadError: the engine is not running.
             RequestRejected: empty prompt, token id outside the vocabulary, prompt not shorter
                 than ``max_model_len``, duplicate id.
+            RequestFailure: the request's own admission work failed (stages ``sampling_params``,
+                ``encode``, ``stop_strings`` of :mod:`runtime.faults`); nothing was queued.
         """
         if not self.is_alive:
             raise EngineDeadError(self._error or "engine is shut down")
         req_id = req_id or uuid.uuid4().hex
         self._check_prompt(req_id, prompt_token_ids)
+        prompt = tuple(int(t) for t in prompt_token_ids)
+        sampling = self._admission_checks(req_id, prompt, params)
+        with request_scope(req_id, "stop_strings"):
+            detok = IncrementalDetokenizer(self.tokenizer, prompt, stop=params.stop)
         eos = self.tokenizer.eos_token_id
         spec = RequestSpec(
-            req_id=req_id, prompt_token_ids=tuple(int(t) for t in prompt_token_ids),
-            max_tokens=params.max_tokens,
+            req_id=req_id, prompt_token_ids=prompt, max_tokens=params.max_tokens,
             eos_token_ids=frozenset() if eos is None else frozenset({eos}),
             stop_token_ids=frozenset(params.stop_token_ids), ignore_eos=params.ignore_eos,
-            sampling=params.model_dump())
+            sampling=sampling)
         self.sched.add_request(spec)
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, stop=params.stop)
-        stream = RequestStream(req_id, params, len(prompt_token_ids), detok)
+        stream = RequestStream(req_id, params, len(prompt), detok)
         self._streams[req_id] = stream
         self._wake.set()
         return stream.iterate(self.abort)
+
+    def _admission_checks(self, req_id: str, prompt: tuple[int, ...], params: SamplingParams) -> dict:
+        """The request's sampling dict after the worker-message round trip, with the last rank's
+        own parameter build (``SamplingParams`` + a one-row ``SamplingBatch``) run on it here.
+
+        Raises:
+            RequestFailure: stage ``encode`` or ``sampling_params``.
+        """
+        with request_scope(req_id, "encode"):
+            wire = new_request_round_trip(NewRequestMsg(req_id, 0, list(prompt),
+                                                        self.config.max_model_len, params.model_dump()))
+        with request_scope(req_id, "sampling_params"):
+            SamplingBatch.build([SamplingParams(**wire.sampling)], [0], "cpu")
+        return dict(wire.sampling)
 
     def _check_prompt(self, req_id: str, ids: list[int]) -> None:
         if req_id in self._streams:
@@ -213,13 +237,28 @@ class AsyncEngine:
             if stream is None:
                 continue
             self._tokens_total += len(upd.token_ids)
-            lps = _logprobs_for(result, row_of, upd.req_id, upd.token_ids)
-            reason = stream.push_tokens(upd.token_ids, upd.finish_reason, lps)
+            try:
+                with request_scope(upd.req_id, "logprobs"):
+                    lps = _logprobs_for(result, row_of, upd.req_id, upd.token_ids)
+                with request_scope(upd.req_id, "detokenize"):
+                    reason = stream.push_tokens(upd.token_ids, upd.finish_reason, lps)
+            except RequestFailure as failure:
+                self._fail_request(failure)
+                continue
             if reason is not None:
                 if upd.finish_reason is None:  # stop string found by the detokenizer
                     self.sched.stop(upd.req_id)
                 self._streams.pop(upd.req_id, None)
         self._wake.set()
+
+    def _fail_request(self, failure: RequestFailure) -> None:
+        """End one request after a :class:`RequestFailure`: free its slot, close its stream with
+        ``error_kind`` ``"request"``; the engine and the other requests go on."""
+        stream = self._streams.pop(failure.req_id, None)
+        if self.sched.abort(failure.req_id):
+            self._wake.set()
+        if stream is not None:
+            stream.finish("abort", error=str(failure), error_kind=REQUEST)
 
     def _check_health(self) -> None:
         dead = self.pool.dead_ranks()
@@ -240,7 +279,7 @@ class AsyncEngine:
     def _fail_all(self, error: str | None) -> None:
         """End every live stream with finish_reason ``abort`` (and ``error`` when the engine died)."""
         for stream in list(self._streams.values()):
-            stream.finish("abort", error=error)
+            stream.finish("abort", error=error, error_kind=None if error is None else ENGINE)
         self._streams.clear()
 
     def _mark_idle(self) -> None:

@@ -175,6 +175,26 @@ def encode(msg: Message) -> bytes:
         raise TransportError(f"cannot encode {type(msg).__name__}: {e}") from e
 
 
+_NEW_REQUEST_DECODER = msgspec.msgpack.Decoder(NewRequestMsg)
+
+
+def new_request_round_trip(req: NewRequestMsg) -> NewRequestMsg:
+    """``req`` after the trip a step takes to a worker (msgpack encode, then decode).
+
+    The engine runs this once per request at admission, so a value that cannot travel (an integer
+    beyond 64 bits, a string that is not UTF-8, an unknown object) fails that request alone
+    instead of the step that would carry it.
+
+    Raises:
+        TransportError: ``req`` cannot be encoded or does not decode back.
+    """
+    try:
+        data = msgspec.msgpack.encode(req, enc_hook=_enc_hook)
+        return _NEW_REQUEST_DECODER.decode(data)
+    except (TypeError, NotImplementedError, OverflowError, UnicodeError, msgspec.DecodeError) as e:
+        raise TransportError(f"cannot encode request {req.req_id!r}: {type(e).__name__}: {e}") from e
+
+
 def decode(data: bytes | bytearray | memoryview) -> Message:
     """The message in ``data``. Raises TransportError (from msgspec.DecodeError) if malformed."""
     try:

@@ -26,7 +26,9 @@ class RequestOutput:
         num_prompt_tokens: prompt length (tokens).
         num_output_tokens: output tokens so far.
         logprobs: one entry per new token when requested.
-        error: message when the request failed because the engine failed.
+        error: message when the request failed (itself, or because the engine failed).
+        error_kind: ``"request"`` (only this request failed; the engine goes on) or ``"engine"``
+            (the engine stopped), see :mod:`runtime.faults`; None without an error.
     """
     req_id: str
     new_token_ids: list[int]
@@ -37,3 +39,4 @@ class RequestOutput:
     num_output_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    error_kind: str | None = None

@@ -57,12 +57,13 @@ class RequestStream:
                                 logprobs))
         return finish_reason
 
-    def finish(self, reason: str, error: str | None = None) -> None:
-        """Queue the final (token-less) increment: abort or engine failure."""
+    def finish(self, reason: str, error: str | None = None, error_kind: str | None = None) -> None:
+        """Queue the final (token-less) increment: abort, request failure or engine failure
+        (``error_kind`` ``"request"`` / ``"engine"``, see :mod:`runtime.faults`)."""
         if self.finished:
             return
         self._put(RequestOutput(self.req_id, [], "", True, reason, self.num_prompt_tokens,
-                                self.num_output_tokens, None, error))
+                                self.num_output_tokens, None, error, error_kind))
 
     def _put(self, out: RequestOutput) -> None:
         self.finished = out.finished

@@ -18,7 +18,14 @@ race over [R, V] noise costs ~80 ms per step at R=32, V=49152 on one CPU thread;
 Top-k / top-p work on the K most likely tokens only (`topk`, not a full sort): K = max top_k of
 the batch, or for top-p-only rows K = V on CUDA and 256 on CPU, where a row whose 256 candidates
 hold less than top_p of the mass is redone over the full vocabulary (exact either way).
-Logprobs are log_softmax of the raw (unscaled, unfiltered) logits, as vLLM returns by default.
+Logprobs are log_softmax of the raw (unscaled, unfiltered, unpenalised) logits, as vLLM returns by
+default.
+
+Penalties (rows that ask for any) come first, on the logits, before temperature and the cuts, in
+vLLM's order: repetition (transformers' ``RepetitionPenaltyLogitsProcessor``, from CTRL, Keskar et
+al. 2019: a logit of a token seen in the prompt or the output is divided by the penalty when
+positive, multiplied when negative), then OpenAI's ``logit -= frequency * count + presence * (count
+> 0)`` over the tokens generated so far (:mod:`runtime.penalties`).
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 import torch
+
+from runtime.penalties import TokenHistory, apply_penalties  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:  # duck-typed at runtime: the GPU box has no pydantic
     from runtime.sampling_params import SamplingParams
@@ -71,6 +80,8 @@ class SamplingBatch:
             but no top-k.
         max_num_logprobs: -1 if no row wants logprobs, else max(params.logprobs).
         num_greedy: number of greedy rows.
+        penalty_rows: int64 indices of the rows with any penalty (None when none).
+        presence / frequency / repetition: [P] fp32 penalties of ``penalty_rows``.
     """
     temperature: torch.Tensor
     top_k: torch.Tensor
@@ -83,6 +94,10 @@ class SamplingBatch:
     top_p_only: bool
     max_num_logprobs: int
     num_greedy: int
+    penalty_rows: torch.Tensor | None = None
+    presence: torch.Tensor | None = None
+    frequency: torch.Tensor | None = None
+    repetition: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -112,6 +127,14 @@ class SamplingBatch:
             if p.seed is not None:
                 uniform[i] = seeded_uniform(p.seed, int(o))
         lps = [p.logprobs for p in params if p.logprobs is not None]
+        pen = [(getattr(p, "presence_penalty", 0.0), getattr(p, "frequency_penalty", 0.0),
+                getattr(p, "repetition_penalty", 1.0)) for p in params]
+        pen_rows = [i for i, (a, b, c) in enumerate(pen) if a != 0.0 or b != 0.0 or c != 1.0]
+
+        def pen_col(j: int) -> torch.Tensor | None:
+            if not pen_rows:
+                return None
+            return torch.tensor([pen[i][j] for i in pen_rows], dtype=torch.float32, device=device)
         return cls(
             temperature=torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
                                      dtype=torch.float32, device=device),
@@ -125,6 +148,8 @@ class SamplingBatch:
             top_p_only=any(c and p.top_k <= 0 for p, c in zip(params, cut)),
             max_num_logprobs=max(lps, default=-1),
             num_greedy=sum(greedy),
+            penalty_rows=_rows([i in set(pen_rows) for i in range(len(params))], device),
+            presence=pen_col(0), frequency=pen_col(1), repetition=pen_col(2),
         )
 
 
@@ -202,16 +227,22 @@ def sample_cut(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, u
     return out
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+def sample(logits: torch.Tensor, batch: SamplingBatch, history: TokenHistory | None = None) -> SamplerOutput:
     """Sample one token per row.
 
-    Args: logits: [R, V] (any float dtype; computed in fp32); batch: this step's SamplingBatch.
-    Returns: SamplerOutput (token ids, and logprobs when any row asked).
-    Raises: ValueError if logits is not [R, V] with R == batch.num_rows.
+    Args: logits: [R, V] (any float dtype; computed in fp32); batch: this step's SamplingBatch;
+        history: token history of ``batch.penalty_rows`` (needed when any row is penalised).
+    Returns: SamplerOutput (token ids, and logprobs of the raw logits when any row asked).
+    Raises: ValueError if logits is not [R, V] with R == batch.num_rows, or a penalised batch
+        comes without history.
     """
     if logits.dim() != 2 or logits.shape[0] != batch.num_rows:
         raise ValueError(f"logits shape {tuple(logits.shape)} != [{batch.num_rows}, V]")
-    logits = logits.float()
+    raw = logits = logits.float()
+    if batch.penalty_rows is not None:
+        if history is None:
+            raise ValueError("penalised rows need their token history")
+        logits = apply_penalties(logits, batch, history)
     ids = logits.argmax(dim=-1) if batch.any_greedy else torch.zeros_like(batch.uniform, dtype=torch.int64)
     if batch.plain_rows is not None:
         r = batch.plain_rows
@@ -228,7 +259,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         ids[r] = sample_cut(scaled, batch.top_k[r], batch.top_p[r], batch.uniform[r], k)
     out = SamplerOutput(token_ids=ids)
     if batch.max_num_logprobs >= 0:
-        lp = logits.log_softmax(dim=-1)
+        lp = raw.log_softmax(dim=-1)
         out.logprobs = lp.gather(1, ids.unsqueeze(1)).squeeze(1)
         if batch.max_num_logprobs > 0:
             vals, top_ids = lp.topk(batch.max_num_logprobs, dim=-1)

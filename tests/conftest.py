@@ -30,3 +30,15 @@ def make_stages(model_weights):
         return [StageModel(cfg, r, weights, max_num_reqs=max_num_reqs, max_model_len=max_model_len,
                            dtype=torch.float32, device="cpu").eval() for r in ranges]
     return make
+
+
+@pytest.fixture(scope="session")
+def served_engine():
+    """One real engine (PP=2 worker processes, default model) with the server app in process,
+    shared by tests/test_server_isolation.py and tests/test_server_features.py (see app_harness)."""
+    from app_harness import AppEngine
+    from runtime.config import EngineConfig
+    eng = AppEngine(EngineConfig(pp_size=2, max_model_len=160, max_num_seqs=8, max_prefill_chunk=64,
+                                 max_num_batched_tokens=256, step_timeout_s=120.0))
+    yield eng
+    eng.close()

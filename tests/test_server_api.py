@@ -33,10 +33,20 @@ class FakeTokenizer:
     def decode(self, ids) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id])
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id == self.eos_token_id
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> list[int]:
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        if continue_final_message:
+            return self.encode(text)
         if messages[-1]["role"] == "assistant":
             raise ValueError("chat template render failed: the last message must not be the assistant's")
-        return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
+        return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
 
 
 class FakeEngine:

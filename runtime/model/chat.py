@@ -70,19 +70,32 @@ class ChatTemplate:
         self.special_tokens = dict(special_tokens or {})
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               **kwargs: Any) -> str:
+               continue_final_message: bool = False, **kwargs: Any) -> str:
         """The prompt text for a conversation.
 
         Args:
             messages: [{"role": "system"|"user"|"assistant"|..., "content": str, ...}, ...].
             add_generation_prompt: append the template's assistant header so the model answers.
+            continue_final_message: end the text right after the final message's content, so the
+                model continues it (assistant prefill); the rule of transformers'
+                ``apply_chat_template(continue_final_message=True)``: render with a marker
+                appended to the final content and cut at the marker (also dropping trailing
+                whitespace when the template trimmed the content).
             **kwargs: extra template variables (tools, documents, ...), as HF passes them.
         Raises:
-            ValueError: the messages are not a list of dicts, or rendering failed (the template
-                called raise_exception, e.g. roles not alternating, or hit an undefined value).
+            ValueError: the messages are not a list of dicts, rendering failed (the template
+                called raise_exception, e.g. roles not alternating, or hit an undefined value),
+                both flags are set, or the final message cannot be found in the rendered text.
         """
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise ValueError("chat messages must be a list of dicts with 'role' and 'content'")
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ValueError("continue_final_message and add_generation_prompt are not compatible")
+            return self._render_continued(messages, **kwargs)
+        return self._render(messages, add_generation_prompt, **kwargs)
+
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, **kwargs: Any) -> str:
         variables = {**self.special_tokens, **kwargs}
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
@@ -91,3 +104,24 @@ class ChatTemplate:
             raise ValueError(f"chat template render failed: {e}") from e
         except (TypeError, KeyError, AttributeError) as e:
             raise ValueError(f"chat template render failed: {type(e).__name__}: {e}") from e
+
+    def _render_continued(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+        if not messages or not isinstance(messages[-1].get("content"), str):
+            raise ValueError("continue_final_message needs a final message with text content")
+        if "content" not in self.source:
+            raise ValueError("continue_final_message: the chat template does not read 'content'")
+        final = messages[-1]["content"]
+        marked = [*messages[:-1], {**messages[-1], "content": final + _CONTINUE_MARK}]
+        text = self._render(marked, add_generation_prompt=False, **kwargs)
+        mark = _CONTINUE_MARK.strip()
+        if final.strip() not in text or mark not in text:
+            raise ValueError("continue_final_message: the final message does not appear in the "
+                             "rendered chat (the template changed it)")
+        at = text.rindex(mark)
+        if text[at:at + len(_CONTINUE_MARK)] == _CONTINUE_MARK:
+            return text[:at]
+        return text[:at].rstrip()  # the template trimmed the content's trailing whitespace
+
+
+#: appended to the final message to find where its content ends (the marker transformers uses)
+_CONTINUE_MARK = "CONTINUE_FINAL_MESSAGE_TAG "

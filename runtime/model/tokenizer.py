@@ -19,6 +19,24 @@ from runtime.model.chat import ChatTemplate
 from runtime.model.gguf_vocab import build_gguf_tokenizer, read_gguf_metadata
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the printable character standing for each byte
+    (printable Latin-1 bytes stand for themselves, the other 68 map to U+0100 and up, in byte
+    order) -> the byte. Facts from the GPT-2 tokenizer (Radford et al. 2019, ``bytes_to_unicode``)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
+
+
 class Tokenizer:
     """Text <-> token ids for one model, and its chat template.
 
@@ -40,6 +58,10 @@ class Tokenizer:
         specials = {name: (None if i is None else backend.id_to_token(i))
                     for name, i in (("bos_token", bos_token_id), ("eos_token", eos_token_id))}
         self._template = None if chat_template is None else ChatTemplate(chat_template, specials)
+        added = backend.get_added_tokens_decoder()
+        self._added = {int(i): t.content for i, t in added.items()}
+        self._special = frozenset(int(i) for i, t in added.items() if t.special)
+        self._byte_level = "ByteLevel" in repr(backend.decoder)
 
     @property
     def bos_token_id(self) -> int | None:
@@ -62,6 +84,23 @@ class Tokenizer:
         """The vocabulary entry (byte-level spelling, e.g. 'Ġthe') of an id; None if out of range."""
         return self.backend.id_to_token(token_id)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (a byte-level BPE piece of an emoji is partial
+        UTF-8, e.g. ``b"\\xf0\\x9f"``); an added/special token gives its text's UTF-8.
+        Concatenating the bytes of a sequence's tokens gives the bytes of its decoded text
+        (special tokens included). Without a byte-level vocabulary: the UTF-8 of ``decode``.
+
+        Raises: ValueError for an id outside the vocabulary.
+        """
+        if token_id in self._added:
+            return self._added[token_id].encode("utf-8")
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            raise ValueError(f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})")
+        if self._byte_level and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        return self.decode([token_id]).encode("utf-8")
+
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
@@ -75,20 +114,28 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:
-        """The prompt text the model's chat template makes of `messages`.
+                            continue_final_message: bool = False, **kwargs: Any) -> str:
+        """The prompt text the model's chat template makes of `messages`
+        (``continue_final_message``: see :meth:`ChatTemplate.render`).
 
         Raises: ValueError if the model has no chat template or rendering fails.
         """
         if self._template is None:
             raise ValueError(f"{self.source}: the model has no chat template")
-        return self._template.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        return self._template.render(messages, add_generation_prompt=add_generation_prompt,
+                                     continue_final_message=continue_final_message, **kwargs)
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    **kwargs: Any) -> list[int]:
+                    continue_final_message: bool = False, **kwargs: Any) -> list[int]:
         """Token ids of the rendered chat prompt (no BOS/EOS added: the template writes its own)."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                        continue_final_message=continue_final_message, **kwargs)
         return self.encode(text, add_special_tokens=False)
+
+    def is_special(self, token_id: int) -> bool:
+        """Whether ``token_id`` is a special token (left out of text decoded with
+        ``skip_special_tokens``)."""
+        return token_id in self._special
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

@@ -12,6 +12,7 @@ with the pydantic schemas; every failure is an OpenAI-style error (see ``errors`
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Any
 
@@ -30,13 +31,67 @@ from runtime.server.schemas import ChatCompletionRequest, CompletionRequest
 MAX_JSON_DEPTH_ERROR = "the JSON body is nested too deeply"
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text} does not fit a 64-bit float")
+    return value
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _path(parent: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{parent}[{key}]"
+    return f"{parent}.{key}" if parent else key
+
+
+def check_utf8(payload: Any) -> None:
+    """Every string of ``payload`` (object keys included) must be encodable as UTF-8.
+
+    JSON lets a body carry a lone UTF-16 surrogate (``"\\ud800"``); Python decodes it into a
+    ``str`` that the tokenizer, the engine's message encoder and the response encoder all reject.
+    Walks iteratively (the depth is bounded only by ``json.loads``).
+
+    Raises:
+        APIError: 400 naming the first offending field, e.g. ``messages[0].content``.
+    """
+    todo: list[tuple[str, Any]] = [("", payload)]
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError(f"Invalid value for '{path or 'body'}': the string is not valid UTF-8 "
+                               "(it holds a lone UTF-16 surrogate escape such as \\ud800).",
+                               param=path or None, code="invalid_value") from None
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                try:
+                    k.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise APIError(f"Invalid key in '{path or 'body'}': the name is not valid UTF-8.",
+                                   param=path or None, code="invalid_value") from None
+                todo.append((_path(path, k), v))
+        elif isinstance(value, list):
+            todo.extend((_path(path, i), v) for i, v in enumerate(value))
+
+
 async def read_json(request: Request) -> Any:
-    """The request body as JSON; APIError(400, param None) when it is not valid JSON."""
+    """The request body as a JSON object with UTF-8 strings and finite numbers only.
+
+    Raises:
+        APIError: 400, param None when the body is not JSON (NaN, Infinity and numbers beyond a
+            64-bit float count as not JSON), or naming the field of a string that is not UTF-8.
+    """
     raw = await request.body()
     if not raw.strip():
         raise APIError("The request body is empty; send a JSON object.", code="invalid_body")
     try:
-        payload = json.loads(raw)
+        payload = json.loads(raw, parse_float=_finite_float, parse_constant=_reject_constant)
     except RecursionError:
         raise APIError(f"We could not parse the JSON body of your request: {MAX_JSON_DEPTH_ERROR}.",
                        code="invalid_json") from None
@@ -45,6 +100,7 @@ async def read_json(request: Request) -> Any:
                        code="invalid_json") from None
     if not isinstance(payload, dict):
         raise APIError("The request body must be a JSON object.", code="invalid_body")
+    check_utf8(payload)
     return payload
 
 

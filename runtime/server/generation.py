@@ -19,6 +19,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from runtime.engine import EngineDeadError, RequestRejected
+from runtime.faults import REQUEST, RequestFailure
 from runtime.outputs import RequestOutput, TokenLogprob
 from runtime.sampling_params import SamplingParams
 from runtime.server.errors import APIError
@@ -66,6 +67,8 @@ class Generation:
                 field_name = self.prompt_field
             raise APIError(getattr(exc, "message", None) or str(exc), param=field_name,
                            code="invalid_value") from None
+        except RequestFailure as exc:
+            raise request_failed(str(exc)) from None
         except EngineDeadError as exc:
             raise APIError(f"The engine is not running: {exc}", status=503,
                            type="service_unavailable", code="engine_dead") from None
@@ -81,6 +84,8 @@ class Generation:
             if out.error is not None:
                 self._finished = True
                 self.metrics.finished.labels("abort").inc()
+                if out.error_kind == REQUEST:
+                    raise request_failed(out.error)
                 raise APIError(f"The engine failed while generating: {out.error}", status=500,
                                type="internal_server_error", code="engine_error")
             self.timer.on_tokens(len(out.new_token_ids))
@@ -158,6 +163,13 @@ class Generation:
                 except Exception:
                     logger.exception("abort of %s failed", self.req_id)
         await self._close_stream()
+
+
+def request_failed(message: str) -> APIError:
+    """HTTP 500 ``request_failed``: this request alone failed inside the server (see
+    :mod:`runtime.faults`); the engine and the other requests keep running."""
+    return APIError(f"{message} (only this request failed; the server keeps serving)", status=500,
+                    type="internal_server_error", code="request_failed")
 
 
 class GenerationStreamResponse(StreamingResponse):

@@ -3,6 +3,12 @@
 Length rules (tokens): a prompt must be shorter than ``max_model_len``; an explicit ``max_tokens``
 must fit in what is left (``prompt + max_tokens <= max_model_len``), else HTTP 400 naming the field.
 Without ``max_tokens`` a completion gets 16 tokens and a chat reply the rest of the context window.
+
+Value rules that need the model (docs/server.md has the full table): token ids (``prompt``,
+``stop_token_ids``) must be in ``[0, vocab_size)``; ``top_k`` of -1, 0 or >= ``vocab_size`` means no
+cut (clamped to -1, the engine's "off"); ``seed: -1`` means unseeded. Tokenizing (and rendering the
+chat template) runs in a request scope (:mod:`runtime.faults`): its failure is a 400 naming the
+field, never a server error.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from runtime.config import EngineConfig
+from runtime.faults import RequestFailure, request_scope
 from runtime.sampling_params import SamplingParams
 from runtime.server import responses as R
 from runtime.server.errors import APIError
@@ -75,9 +82,16 @@ class OpenAIHandlers:
                            "(the vocabulary size)", param=param,
                            code="invalid_value")
 
+    def top_k(self, top_k: int | None) -> int:
+        """The engine's top_k: -1 (no cut) for null, -1, 0 and anything >= the vocabulary size
+        (keeping every token is no cut, as in vLLM and OpenAI-style servers)."""
+        if top_k is None or top_k <= 0 or (self.vocab_size is not None and top_k >= self.vocab_size):
+            return -1
+        return top_k
+
     def sampling_params(self, req: GenerationRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """SamplingParams from the OpenAI fields (null means the OpenAI default; a temperature
-        below ``MIN_TEMPERATURE`` means greedy)."""
+        below ``MIN_TEMPERATURE`` means greedy; ``seed: -1`` means unseeded)."""
         stop_ids = req.stop_token_ids or []
         self.check_token_ids(stop_ids, "stop_token_ids")
         return SamplingParams(
@@ -85,9 +99,27 @@ class OpenAIHandlers:
             temperature=1.0 if req.temperature is None else
             (0.0 if req.temperature < MIN_TEMPERATURE else req.temperature),
             top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=-1 if req.top_k is None else req.top_k,
-            seed=req.seed, stop=req.stop_list, stop_token_ids=stop_ids,
-            ignore_eos=bool(req.ignore_eos), logprobs=logprobs)
+            top_k=self.top_k(req.top_k),
+            seed=None if req.seed in (None, -1) else req.seed, stop=req.stop_list, stop_token_ids=stop_ids,
+            ignore_eos=bool(req.ignore_eos), logprobs=logprobs,
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty)
+
+    async def tokenize(self, req_id: str, field: str, fn, *args, **kwargs) -> list[int]:
+        """``fn(*args, **kwargs)`` (a tokenizer call) in a worker thread and a request scope.
+
+        Raises:
+            APIError: 400 naming ``field`` when tokenizing or rendering the template fails.
+        """
+        try:
+            with request_scope(req_id, "tokenize"):
+                return await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
+        except RequestFailure as exc:
+            cause = exc.cause
+            detail = (str(cause) if isinstance(cause, ValueError) else
+                      f"tokenizing it failed: {type(cause).__name__}: {cause}")
+            raise APIError(f"Invalid value for '{field}': {detail}", param=field,
+                           code="invalid_value") from None
 
     def token_text(self, as_ids: bool):
         """Token id -> the string shown in logprobs (``token_id:N`` with return_tokens_as_token_ids)."""
@@ -96,19 +128,25 @@ class OpenAIHandlers:
         decode = self.engine.tokenizer.decode
         return lambda i: decode([i])
 
+    def text_offsets(self) -> R.TextOffsets:
+        """A fresh :class:`~runtime.server.responses.TextOffsets` for one response."""
+        tok = self.engine.tokenizer
+        return R.TextOffsets(tok.token_bytes, tok.is_special)
+
     # ---- endpoints ------------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, request: Request) -> Response:
         arrival = time.perf_counter()
         self.check_model(req.model)
+        req_id = f"cmpl-{uuid.uuid4().hex}"
         prompt = req.single_prompt
         if isinstance(prompt, str):
-            ids = await anyio.to_thread.run_sync(self.engine.tokenizer.encode, prompt)
+            ids = await self.tokenize(req_id, "prompt", self.engine.tokenizer.encode, prompt)
         else:
             ids = list(prompt)
             self.check_token_ids(ids, "prompt")
         limit = self.output_limit(req.max_tokens, DEFAULT_COMPLETION_TOKENS, len(ids), "prompt", "max_tokens")
         params = self.sampling_params(req, limit, req.logprobs)
-        gen = Generation(self.engine, self.metrics, f"cmpl-{uuid.uuid4().hex}", ids, params, "prompt", arrival)
+        gen = Generation(self.engine, self.metrics, req_id, ids, params, "prompt", arrival)
         gen.start()
         token_text = self.token_text(bool(req.return_tokens_as_token_ids))
         if req.stream:
@@ -118,7 +156,7 @@ class OpenAIHandlers:
             return Response(status_code=499)
         lp = None
         if req.logprobs is not None:
-            lp = R.completion_logprobs(res.logprobs, token_text, self.token_text(False), 0)
+            lp = R.completion_logprobs(res.logprobs, token_text, self.text_offsets(), len(res.text))
         body = R.CompletionResponse(
             id=gen.req_id, created=gen.created, model=self.model_name,
             choices=[R.CompletionChoice(text=res.text, logprobs=lp, finish_reason=res.finish_reason)],
@@ -126,12 +164,12 @@ class OpenAIHandlers:
         return JSONResponse(body.model_dump(mode="json"))
 
     async def _completion_sse(self, gen: Generation, req: CompletionRequest, token_text) -> AsyncIterator[str]:
-        offset, usage = 0, R.Usage.of(len(gen.prompt_ids), 0)
+        offset, usage, offsets = 0, R.Usage.of(len(gen.prompt_ids), 0), self.text_offsets()
         try:
             async for out in gen.outputs():
                 lp = None
                 if req.logprobs is not None and out.logprobs:
-                    lp = R.completion_logprobs(out.logprobs, token_text, self.token_text(False), offset)
+                    lp = R.completion_logprobs(out.logprobs, token_text, offsets, offset + len(out.new_text))
                 usage = R.Usage.of(out.num_prompt_tokens or len(gen.prompt_ids), out.num_output_tokens)
                 if out.new_text or lp is not None or out.finished:
                     choice = R.CompletionChoice(text=out.new_text, logprobs=lp,
@@ -151,18 +189,17 @@ class OpenAIHandlers:
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.perf_counter()
         self.check_model(req.model)
+        req_id = f"chatcmpl-{uuid.uuid4().hex}"
         messages = [m.as_template_dict() for m in req.messages]
-        try:
-            ids = await anyio.to_thread.run_sync(self.engine.tokenizer.encode_chat, messages)
-        except ValueError as exc:  # no chat template, or the template rejected the messages
-            raise APIError(f"Invalid value for 'messages': {exc}", param="messages",
-                           code="invalid_value") from None
+        # no chat template, or the template rejected the messages: 400 naming 'messages'
+        ids = await self.tokenize(req_id, "messages", self.engine.tokenizer.encode_chat, messages,
+                                  add_generation_prompt=req.generation_prompt,
+                                  continue_final_message=bool(req.continue_final_message))
         limit_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         limit = self.output_limit(req.output_limit, None, len(ids), "messages", limit_field)
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, limit, top_n)
-        gen = Generation(self.engine, self.metrics, f"chatcmpl-{uuid.uuid4().hex}", ids, params,
-                         "messages", arrival)
+        gen = Generation(self.engine, self.metrics, req_id, ids, params, "messages", arrival)
         gen.start()
         token_text = self.token_text(bool(req.return_tokens_as_token_ids))
         if req.stream:
@@ -170,7 +207,8 @@ class OpenAIHandlers:
         res = await gen.collect_unless_disconnected(request.receive)
         if res is None:
             return Response(status_code=499)
-        lp = R.chat_logprobs(res.logprobs, token_text, top_n) if top_n is not None else None
+        lp = (R.chat_logprobs(res.logprobs, token_text, self.engine.tokenizer.token_bytes, top_n)
+              if top_n is not None else None)
         body = R.ChatCompletionResponse(
             id=gen.req_id, created=gen.created, model=self.model_name,
             choices=[R.ChatChoice(message=R.AssistantMessage(content=res.text), logprobs=lp,
@@ -190,7 +228,8 @@ class OpenAIHandlers:
             yield chunk(R.Delta(role="assistant", content=""))
             async for out in gen.outputs():
                 usage = R.Usage.of(out.num_prompt_tokens or len(gen.prompt_ids), out.num_output_tokens)
-                lp = R.chat_logprobs(out.logprobs, token_text, top_n) if top_n is not None and out.logprobs else None
+                lp = (R.chat_logprobs(out.logprobs, token_text, self.engine.tokenizer.token_bytes, top_n)
+                      if top_n is not None and out.logprobs else None)
                 if out.new_text or lp is not None:
                     yield chunk(R.Delta(content=out.new_text), lp)
                 if out.finished:

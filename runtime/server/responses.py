@@ -7,6 +7,8 @@ token counts, and logprobs in the legacy (completions) or ``content`` list (chat
 
 from __future__ import annotations
 
+import codecs
+
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -132,33 +134,92 @@ class ChatCompletionChunk(BaseModel):
 
 
 TokenText = Callable[[int], str]
+TokenBytes = Callable[[int], bytes]
 
 
-def completion_logprobs(entries: Sequence[TokenLogprob], token_text: TokenText, decode: TokenText,
-                        text_offset: int) -> CompletionLogprobs:
+class TextOffsets:
+    """Where each output token starts in the returned text (characters), across stream chunks.
+
+    Tokens are fed in order; a token's offset is the number of characters its predecessors have
+    completed, decoded incrementally from their raw bytes, so a token that starts inside a
+    multi-byte character (a byte-level piece of an emoji) points at that character. Special tokens
+    (not part of the text) add nothing. Callers clamp offsets to the text actually returned (a stop
+    string cuts it).
+
+    Args:
+        token_bytes: token id -> its raw bytes (``Tokenizer.token_bytes``).
+        is_special: token id -> whether the text leaves it out.
+    """
+
+    def __init__(self, token_bytes: TokenBytes, is_special: Callable[[int], bool]) -> None:
+        self._bytes, self._special = token_bytes, is_special
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.chars = 0
+
+    def next(self, token_id: int) -> int:
+        """Offset of ``token_id`` (the next output token), in characters."""
+        at = self.chars
+        if not self._special(token_id):
+            self.chars += len(self._decoder.decode(self._bytes(token_id), final=False))
+        return at
+
+
+def top_logprob_keys(entry: TokenLogprob, token_text: TokenText) -> dict[str, float]:
+    """One legacy ``top_logprobs`` position: the sampled token and every alternative, most likely
+    first, keyed by their text.
+
+    Keys that would collide (two tokens with the same text, e.g. pieces of different emoji that
+    both show as U+FFFD) stay distinct: the sampled token keeps its text key, and every later
+    token whose text is taken is keyed ``token_id:N``, the spelling vLLM uses for token keys
+    (``return_tokens_as_token_ids``). So a position holds ``logprobs`` entries, plus the sampled
+    token when it is not among them, and the sampled token's value equals its ``token_logprobs``.
+    """
+    items = {entry.token_id: entry.logprob}
+    for tid, lp in entry.top.items():
+        items.setdefault(tid, lp)
+    keys: dict[int, str] = {}
+    taken: set[str] = set()
+    for tid in [entry.token_id, *sorted(entry.top, key=lambda t: -entry.top[t])]:
+        if tid in keys:
+            continue
+        key = token_text(tid)
+        if key in taken:
+            key = f"token_id:{tid}"
+        keys[tid] = key
+        taken.add(key)
+    return {keys[tid]: items[tid] for tid in sorted(items, key=lambda t: -items[t])}
+
+
+def completion_logprobs(entries: Sequence[TokenLogprob], token_text: TokenText, offsets: TextOffsets,
+                        text_end: int) -> CompletionLogprobs:
     """Legacy logprobs for sampled tokens.
 
-    ``token_text`` names tokens (possibly ``token_id:N``), ``decode`` gives their real text, and
-    ``text_offset`` is where the first token's text starts in the output (characters).
+    ``token_text`` names tokens (their text, or ``token_id:N``); ``offsets`` tracks where each
+    token starts in the output text; ``text_end`` is the length of the text returned so far
+    (this chunk included), to which offsets are clamped.
     """
     out = CompletionLogprobs()
     for e in entries:
         out.tokens.append(token_text(e.token_id))
         out.token_logprobs.append(e.logprob)
-        out.top_logprobs.append({token_text(t): lp for t, lp in e.top.items()})
-        out.text_offset.append(text_offset)
-        text_offset += len(decode(e.token_id))
+        out.top_logprobs.append(top_logprob_keys(e, token_text))
+        out.text_offset.append(min(offsets.next(e.token_id), text_end))
     return out
 
 
-def chat_logprobs(entries: Sequence[TokenLogprob], token_text: TokenText, top_n: int) -> ChatLogprobs:
-    """Chat logprobs: each sampled token with its ``top_n`` most likely alternatives."""
+def chat_logprobs(entries: Sequence[TokenLogprob], token_text: TokenText, token_bytes: TokenBytes,
+                  top_n: int) -> ChatLogprobs:
+    """Chat logprobs: each sampled token with its ``top_n`` most likely alternatives.
+
+    ``bytes`` is the token's own raw bytes (partial UTF-8 for a piece of a multi-byte character),
+    so the bytes of the content tokens concatenate to the content's UTF-8; ``token`` is its text
+    (U+FFFD for such a piece) or ``token_id:N``.
+    """
     content = []
     for e in entries:
-        tok = token_text(e.token_id)
         top = sorted(e.top.items(), key=lambda kv: -kv[1])[:top_n]
         content.append(ChatTokenLogprob(
-            token=tok, logprob=e.logprob, bytes=list(tok.encode("utf-8")),
-            top_logprobs=[TopLogprob(token=(t := token_text(i)), logprob=lp, bytes=list(t.encode("utf-8")))
+            token=token_text(e.token_id), logprob=e.logprob, bytes=list(token_bytes(e.token_id)),
+            top_logprobs=[TopLogprob(token=token_text(i), logprob=lp, bytes=list(token_bytes(i)))
                           for i, lp in top]))
     return ChatLogprobs(content=content)

@@ -3,8 +3,14 @@
 Strict mode rejects what OpenAI rejects: ``"5"`` for an integer, ``1`` for a boolean, ``5.0`` for
 ``max_tokens``. Unknown fields are rejected (OpenAI: "Unrecognized request argument supplied").
 OpenAI parameters this server does not implement are accepted only at their neutral value
-(``presence_penalty: 0``, ``echo: false``, ``best_of: 1``, ...), so a request is never silently
+(``echo: false``, ``best_of: 1``, ``logit_bias: {}``, ...), so a request is never silently
 served differently from what it asked for. ``null`` means "the default" for every optional field.
+
+Every integer field has a range that fits the engine's 64-bit message encoding and the workers'
+int64 tensors (the table in docs/server.md); what cannot be decided here (token ids against the
+vocabulary, lengths against ``max_model_len``, ``top_k`` clamping) is checked in ``handlers``.
+Strings are checked to be valid UTF-8 (no lone surrogates) for every field before this schema
+runs (``app.read_json``).
 """
 
 from __future__ import annotations
@@ -14,6 +20,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 MAX_STOP_STRINGS = 4
+INT64_MAX = 2**63 - 1
+#: |presence_penalty|, |frequency_penalty| at most (OpenAI's range)
+MAX_OPENAI_PENALTY = 2.0
+#: repetition_penalty at most (vLLM only asks > 0; beyond this every seen token is already ~banned)
+MAX_REPETITION_PENALTY = 10.0
 
 
 class StreamOptions(BaseModel):
@@ -26,12 +37,16 @@ class GenerationRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    #: optional, as in vLLM: a request without ``model`` is served by the one served model
     model: str | None = None
+    #: >= 1; an upper bound is the context left after the prompt (handlers: 400 above it)
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    #: -1 and 0 mean no cut; any value >= the vocabulary size also means no cut (clamped)
     top_k: int | None = Field(default=None, ge=-1)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    #: [0, 2**63 - 1]; -1 means unseeded (the legacy "random" value, as llama.cpp accepts)
+    seed: int | None = Field(default=None, ge=-1, le=INT64_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(default=None, max_length=64)
     n: int | None = None
@@ -39,8 +54,9 @@ class GenerationRequest(BaseModel):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(default=None, ge=-MAX_OPENAI_PENALTY, le=MAX_OPENAI_PENALTY)
+    frequency_penalty: float | None = Field(default=None, ge=-MAX_OPENAI_PENALTY, le=MAX_OPENAI_PENALTY)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=MAX_REPETITION_PENALTY)
     logit_bias: dict[str, float] | None = None
     return_tokens_as_token_ids: bool | None = None
 
@@ -65,13 +81,6 @@ class GenerationRequest(BaseModel):
             raise ValueError("only n=1 is supported")
         return v
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _check_penalty(cls, v: float | None) -> float | None:
-        if v not in (None, 0, 0.0):
-            raise ValueError("penalties are not supported; use 0")
-        return v
-
     @field_validator("logit_bias")
     @classmethod
     def _check_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
@@ -82,8 +91,8 @@ class GenerationRequest(BaseModel):
     @field_validator("stop_token_ids")
     @classmethod
     def _check_stop_ids(cls, v: list[int] | None) -> list[int] | None:
-        if v is not None and any(i < 0 for i in v):
-            raise ValueError("token ids must be >= 0")
+        if v is not None and any(not 0 <= i <= INT64_MAX for i in v):
+            raise ValueError("token ids must be >= 0 (and below the vocabulary size)")
         return v
 
     @field_validator("stream_options")
@@ -125,8 +134,8 @@ class CompletionRequest(GenerationRequest):
         if not isinstance(v, list) or not v:
             raise ValueError("must be a non-empty string or a non-empty list of token ids")
         if all(isinstance(t, int) and not isinstance(t, bool) for t in v):
-            if any(t < 0 for t in v):
-                raise ValueError("token ids must be >= 0")
+            if any(not 0 <= t <= INT64_MAX for t in v):
+                raise ValueError("token ids must be >= 0 (and below the vocabulary size)")
             return v
         if len(v) != 1:
             raise ValueError(f"batches of {len(v)} prompts are not supported; send one prompt")
@@ -196,6 +205,24 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    #: vLLM's extension: append the template's assistant header (default true)
+    add_generation_prompt: bool | None = None
+    #: vLLM's extension: continue the final (assistant) message instead of opening a new turn
+    continue_final_message: bool | None = None
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _check_continue(cls, v: bool | None, info: ValidationInfo) -> bool | None:
+        if not v:
+            return v
+        if info.data.get("add_generation_prompt") is not False:
+            raise ValueError("continue_final_message needs add_generation_prompt set to false "
+                             "(they are not compatible, as in vLLM and transformers)")
+        messages = info.data.get("messages")
+        if messages and messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs a conversation that ends with an "
+                             "assistant message")
+        return v
 
     @field_validator("top_logprobs")
     @classmethod
@@ -203,6 +230,11 @@ class ChatCompletionRequest(GenerationRequest):
         if v is not None and not info.data.get("logprobs"):
             raise ValueError("top_logprobs requires logprobs to be true")
         return v
+
+    @property
+    def generation_prompt(self) -> bool:
+        """Whether the rendered prompt ends with the template's assistant header."""
+        return self.add_generation_prompt is not False
 
     @property
     def output_limit(self) -> int | None:

@@ -21,7 +21,7 @@ from ppstate.batch import SchedulerOutput, StepResult
 from ppstate.events import NULL_SINK, EventSink
 from ppstate.pp_handler import PPHandler, need_sampled_mask
 from runtime.model.stage import BatchMeta, StageModel
-from runtime.sampler import SamplingBatch, sample
+from runtime.sampler import SamplingBatch, TokenHistory, sample
 from runtime.sampling_params import SamplingParams
 from runtime.worker.device_state import DeviceState
 from runtime.worker.groups import PPGroups
@@ -230,7 +230,12 @@ class StageRunner:
             out_idx = (out.start_positions[rows] + out.num_scheduled_tokens[rows] - prompt).tolist()
             batch = SamplingBatch.build(params, out_idx, self.device)
             rows_t = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
-            so = sample(logits.index_select(0, rows_t).float(), batch)
+            history = None
+            if batch.penalty_rows is not None:  # penalties read the slots' token history
+                slots_t = torch.as_tensor(out.slots[rows], dtype=torch.int64, device=self.device)
+                history = TokenHistory.gather(self.state.all_token_ids, self.state.prefill_len,
+                                              self.state.total_len, slots_t[batch.penalty_rows])
+            so = sample(logits.index_select(0, rows_t).float(), batch, history)
             payload[rows_t, 0] = so.token_ids
             payload[rows_t, w] = 1
             logprobs = _logprob_rows(so, rows, r, params)
