@@ -128,7 +128,8 @@ class StageRunner:
         slots = torch.as_tensor(out.slots, dtype=torch.int64, device=dev)
         starts = torch.as_tensor(out.start_positions, dtype=torch.int64, device=dev)
         qlens = torch.as_tensor(out.num_scheduled_tokens, dtype=torch.int64, device=dev)
-        meta = BatchMeta.build(slots, starts, qlens, dev)
+        meta = BatchMeta.build(out.slots, out.start_positions, out.num_scheduled_tokens, dev,
+                               self.stage.default_block_table, self.stage.block_size)
         hidden = self._forward(out, meta)
         self.state.apply_scheduled(slots, qlens, out.slots.astype(np.int64),
                                    out.num_scheduled_tokens.astype(np.int64))
