@@ -67,17 +67,20 @@ class StageModel(nn.Module):
         self.register_buffer("rope_sin", sin.to(device=device, dtype=dtype), persistent=False)
         self.block_size = block_size
         self.default_block_table = contiguous_block_table(max_num_reqs, max_model_len, block_size)
-        self.num_blocks = num_blocks or self.default_block_table.numel()
-        shape = (len(self.layers), 2, self.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.register_buffer("kv_cache", torch.zeros(shape, dtype=dtype, device=device),
-                             persistent=False)
+        self.register_buffer("kv_cache", torch.zeros(0), persistent=False)
+        self.allocate_kv_cache(num_blocks or self.default_block_table.numel(), dtype, device)
 
-    @staticmethod
-    def bytes_per_block(cfg: ModelConfig, num_local_layers: int, block_size: int,
-                        dtype: torch.dtype) -> int:
-        """KV-cache bytes one block takes on a stage of ``num_local_layers`` layers (K and V)."""
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        return num_local_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+    def allocate_kv_cache(self, num_blocks: int, dtype: torch.dtype | None = None,
+                          device: str | torch.device | None = None) -> None:
+        """(Re)allocate the zeroed cache with ``num_blocks`` blocks (a worker sizes it after the
+        weights are loaded, from the memory left). Shape: see the class attributes."""
+        dtype = dtype or self.kv_cache.dtype
+        device = device or self.kv_cache.device
+        cfg = self.cfg
+        self.kv_cache = torch.empty(0)  # free the old one first
+        shape = (len(self.layers), 2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_blocks = num_blocks
 
     @torch.inference_mode()
     def forward(self, meta: BatchMeta, input_ids: torch.Tensor | None = None,
