@@ -11,6 +11,7 @@ import random
 import pytest
 
 from runtime.config import EngineConfig
+from runtime.engine import RequestRejected
 from runtime.sampling_params import SamplingParams
 from engine_harness import EngineThread
 from reference import greedy_reference
@@ -66,11 +67,16 @@ def test_block_size_1_pp1_prefix_caching_off():
 def test_small_kv_budget_preempts_and_recomputes_pp3():
     # 2400KB holds 9-10 blocks of 16 tokens on a rank of 10-11 layers (fp32): six 20-60 token
     # prompts cannot all stay resident, so running requests are preempted and recomputed.
-    eng = _engine(pp_size=3, kv_cache_memory="2400KB", max_model_len=128)
+    eng = _engine(pp_size=3, kv_cache_memory="2400KB", max_model_len=256)
     try:
         got = _tokens(eng, MEDIUM, "pre-")
         stats = eng.engine.stats()
         _pool_is_whole(eng)
+        cap = stats["kv_blocks_total"] * 16
+        with pytest.raises(RequestRejected, match=rf"needs KV cache for 199 tokens; this "
+                                                  rf"server's KV cache holds {cap} tokens") as err:
+            eng.engine.add_request("too-long", [5] * 100, SamplingParams(max_tokens=100))
+        assert err.value.field == "max_tokens"
     finally:
         eng.close()
     assert stats["kv_blocks_total"] <= 10 and stats["num_preemptions"] > 0
