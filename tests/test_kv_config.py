@@ -58,3 +58,14 @@ def test_cli_flags_and_error_naming_the_flag(capsys):
     with pytest.raises(SystemExit):
         engine_config(p, p.parse_args(["--kv-cache-memory", "lots", "--pp", "1"]))
     assert "--kv-cache-memory" in capsys.readouterr().err
+
+
+def test_resource_check_uses_the_kv_budget():
+    from runtime.launcher import check_resources
+    huge = dict(max_num_seqs=4096, max_model_len=8192, device="cpu")
+    big = CFG.model_copy(update={"num_layers": 30, "max_position_embeddings": 8192})
+    with pytest.raises(ValueError, match="--max-model-len / --max-num-seqs"):
+        check_resources(EngineConfig(**huge), big)
+    check_resources(EngineConfig(kv_cache_memory="64MB", **huge), big)
+    with pytest.raises(ValueError, match=r"--kv-cache-memory: a fraction \(0\.5\) needs a CUDA"):
+        check_resources(EngineConfig(kv_cache_memory="0.5", device="cpu"), CFG)
