@@ -13,6 +13,7 @@ request with that error and stops all processes (never a hang).
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -31,6 +32,7 @@ from runtime.outputs import RequestOutput, TokenLogprob
 from runtime.request_stream import RequestStream
 from runtime.sampler import SamplingBatch
 from runtime.sampling_params import SamplingParams
+from runtime.worker.kv_capacity import capacity_summary
 
 
 class EngineDeadError(RuntimeError):
@@ -56,7 +58,7 @@ class AsyncEngine:
         self.model_name = config.served_model_name or pool.model_name
         self.sink = (JsonlSink(Path(config.trace_dir) / ENGINE_FILE, config.trace_prompts)
                      if config.trace_dir else NULL_SINK)
-        self.sched = Scheduler(scheduler_config(config), sink=self.sink)
+        self.sched = Scheduler(scheduler_config(config, pool.num_kv_blocks), sink=self.sink)
         self._streams: dict[str, RequestStream] = {}
         self._step_rows: dict[int, tuple[str, ...]] = {}
         self._wake = asyncio.Event()
@@ -90,6 +92,11 @@ class AsyncEngine:
                 raise EngineDeadError(f"engine failed to start: {exc}") from exc
             raise
         engine = cls(config, pool, tokenizer)
+        sc = engine.sched.config
+        if config.trace_dir:  # the header again, now with the KV block count the ranks reported
+            write_trace_header(Path(config.trace_dir), config, sc)
+        print(capacity_summary(sc.num_kv_blocks, sc.block_size, sc.max_model_len), file=sys.stderr,
+              flush=True)
         engine._tasks = [asyncio.create_task(engine._step_loop()),
                          asyncio.create_task(engine._result_loop())]
         return engine
@@ -130,6 +137,7 @@ class AsyncEngine:
             raise EngineDeadError(self._error or "engine is shut down")
         req_id = req_id or uuid.uuid4().hex
         self._check_prompt(req_id, prompt_token_ids)
+        self._check_kv_fit(len(prompt_token_ids), params.max_tokens)
         prompt = tuple(int(t) for t in prompt_token_ids)
         sampling = self._admission_checks(req_id, prompt, params)
         with request_scope(req_id, "stop_strings"):
@@ -173,6 +181,18 @@ class AsyncEngine:
         bad = next((t for t in ids if not 0 <= int(t) < vocab), None)
         if bad is not None:
             raise RequestRejected("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def _check_kv_fit(self, prompt_len: int, max_tokens: int) -> None:
+        """A request whose prompt + max_tokens can never fit the KV cache is rejected (400)."""
+        cap = self.sched.config.kv_capacity_tokens
+        need = prompt_len + min(max_tokens, self.config.max_model_len - prompt_len) - 1
+        if prompt_len > cap:
+            raise RequestRejected("prompt", f"the prompt has {prompt_len} tokens; this server's "
+                                  f"KV cache holds {cap} tokens")
+        if need > cap:
+            raise RequestRejected("max_tokens", f"prompt ({prompt_len} tokens) + max_tokens "
+                                  f"({max_tokens}) needs KV cache for {need} tokens; this "
+                                  f"server's KV cache holds {cap} tokens")
 
     async def abort(self, req_id: str) -> None:
         """Abort ``req_id`` (idempotent). Its stream ends with finish_reason ``abort`` and its slot
@@ -299,24 +319,33 @@ class AsyncEngine:
         bubble = max(0.0, 1.0 - sum(self._busy) / (pp * active)) if active > 0 else 0.0
         return {"num_running": self.sched.num_running, "num_waiting": self.sched.num_waiting,
                 "steps_total": self._steps_total, "generated_tokens_total": self._tokens_total,
-                "rank_busy_seconds": list(self._busy), "bubble_fraction": bubble, "pp_size": pp}
+                "rank_busy_seconds": list(self._busy), "bubble_fraction": bubble, "pp_size": pp,
+                **self.sched.kv_stats()}
 
 
-def scheduler_config(config: EngineConfig) -> SchedulerConfig:
-    """The scheduler's configuration derived from the engine's."""
+def scheduler_config(config: EngineConfig, num_kv_blocks: int | None = None) -> SchedulerConfig:
+    """The scheduler's configuration derived from the engine's; ``num_kv_blocks`` is the smallest
+    KV block count the ranks reported after loading (None before the workers started)."""
     return SchedulerConfig(
         pp_size=config.pp_size, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_prefill_chunk=config.max_prefill_chunk, max_model_len=config.max_model_len,
-        mode=config.pp_schedule)
+        mode=config.pp_schedule, block_size=config.block_size, num_kv_blocks=num_kv_blocks,
+        enable_prefix_caching=config.enable_prefix_caching)
 
 
 def start_trace_run(config: EngineConfig) -> Path:
     """Create a new run directory under ``config.trace_dir`` and write its header."""
     run_dir = new_run_dir(config.trace_dir)
-    write_header(run_dir, "engine", scheduler_config(config), config.model_dump(),
-                 trace_prompts=config.trace_prompts, versions=package_versions("torch"))
+    write_trace_header(run_dir, config, scheduler_config(config))
     return run_dir
+
+
+def write_trace_header(run_dir: Path, config: EngineConfig, sched: SchedulerConfig) -> None:
+    """(Re)write ``header.json`` of ``run_dir``; the scheduler's config must be the one replay
+    rebuilds the scheduler with (its KV block count is known only once the ranks loaded)."""
+    write_header(run_dir, "engine", sched, config.model_dump(),
+                 trace_prompts=config.trace_prompts, versions=package_versions("torch"))
 
 
 def _logprobs_for(result, row_of, req_id: str, token_ids: list[int]) -> list[TokenLogprob] | None:
