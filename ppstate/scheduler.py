@@ -20,6 +20,7 @@ from collections import deque
 
 import numpy as np
 
+from ppstate.blocks import block_hashes
 from ppstate.batch import FreedSlot, NewRequest, SchedulerOutput, StepResult
 from ppstate.budget import RequestArrays, SchedulerConfig, StepBudget
 from ppstate.errors import SchedulerError
@@ -113,7 +114,7 @@ class Scheduler:
         if spec.max_tokens < 1:
             raise SchedulerError(f"request {rid!r}: max_tokens must be >= 1, got {spec.max_tokens}")
         if self.sink.enabled:
-            self.sink.emit("arrival", step=self._next_step, **arrival_fields(spec, self.sink))
+            self.sink.emit("arrival", step=self._next_step, **arrival_fields(spec, self.sink, self.config))
         max_tokens = min(spec.max_tokens, self.config.max_model_len - plen)
         cap = self.config.kv_capacity_tokens
         if plen + max_tokens - 1 > cap:  # the last sampled token is never fed back
@@ -346,11 +347,15 @@ def finish_reason_of(state: str) -> str | None:
     return FINISH_REASONS.get(state)
 
 
-def arrival_fields(spec: RequestSpec, sink: EventSink) -> dict:
+def arrival_fields(spec: RequestSpec, sink: EventSink, config: SchedulerConfig) -> dict:
     """Fields of the ``arrival`` event of ``spec``: lengths and sampling parameters; prompt
-    token ids only when ``sink.trace_prompts``."""
+    token ids only when ``sink.trace_prompts``. Without them, and with prefix caching on, the
+    chained hashes of the prompt's full blocks (``prefix_hashes``) are recorded instead: they decide
+    prefix-cache hits, so replay needs them, and they do not reveal the prompt."""
+    ids = list(spec.prompt_token_ids) if sink.trace_prompts else None
+    hashes = (block_hashes(spec.prompt_token_ids, config.block_size)
+              if ids is None and config.enable_prefix_caching else None)
     return {"req_id": spec.req_id, "prompt_len": spec.prompt_len, "max_tokens": spec.max_tokens,
             "eos_token_ids": sorted(spec.eos_token_ids),
             "stop_token_ids": sorted(spec.stop_token_ids), "ignore_eos": spec.ignore_eos,
-            "sampling": dict(spec.sampling),
-            "prompt_token_ids": list(spec.prompt_token_ids) if sink.trace_prompts else None}
+            "sampling": dict(spec.sampling), "prompt_token_ids": ids, "prefix_hashes": hashes}

@@ -176,3 +176,24 @@ def test_sim_violation_trace_replays_the_violation(tmp_path, monkeypatch, capsys
     got = {(v["invariant"], v["step"]) for v in res.invariant_violations if v["invariant"] == 5}
     assert want and got == want
     assert res.first_divergence["step"] <= min(s for _, s in want)
+
+
+def test_prefix_cache_hits_replay_without_prompt_ids(tmp_path):
+    """Prompts are not recorded (no --trace-prompts), yet prefix-cache hits depend on them: the
+    arrival carries the chained block hashes, and replay rebuilds stand-in prompts with the same
+    block equalities, so every hit and every block-table delta replays exactly."""
+    from ppstate.sim_trace import record_sim
+    from ppstate.sim_workload import SimConfig
+    from ppstate.trace.run import load_run
+
+    cfg = SimConfig(pp_size=2, num_requests=12, seed=3, shared_prefix=48, block_size=16)
+    result, run_dir = record_sim(cfg, tmp_path)
+    assert result.num_violations == 0 and result.prefix_hit_tokens >= 48
+    run = load_run(run_dir)
+    arrivals = [e for e in run.engine if e["kind"] == "arrival"]
+    assert all(e["prompt_token_ids"] is None and len(e["prefix_hashes"]) >= 3 for e in arrivals)
+    cached = [n["num_cached_tokens"] for e in run.engine if e["kind"] == "schedule"
+              for n in e["output"]["new_requests"]]
+    assert max(cached) >= 48  # some request did hit the shared prefix
+    res = replay(run_dir)
+    assert res.ok and res.first_divergence is None, res.first_divergence

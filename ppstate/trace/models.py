@@ -38,6 +38,7 @@ class Arrival(_Ev):
     ignore_eos: bool = False
     sampling: dict[str, Any] = Field(default_factory=dict)
     prompt_token_ids: list[int] | None = None
+    prefix_hashes: list[int] | None = None  # chained hashes of full prompt blocks (no prompt ids)
 
 
 class Abort(_Ev):

@@ -21,20 +21,37 @@ from ppstate.errors import PPStateError
 from ppstate.events import RecordingSink
 from ppstate.request import RequestSpec
 from ppstate.scheduler import Scheduler
-from ppstate.trace.compare import Divergence, context_before, matches, normalise
+from ppstate.trace.compare import ANY, Divergence, context_before, matches, normalise
 from ppstate.trace.models import SCHEDULER_INPUTS
 from ppstate.trace.run import TraceRun
 
 SCHEDULER_KINDS = SCHEDULER_INPUTS | {"lifecycle", "schedule", "tokens"}
 
 
-def spec_of(ev: dict[str, Any]) -> RequestSpec:
-    """The RequestSpec of a recorded ``arrival`` (prompt ids: recorded ones, else zeros)."""
+def spec_of(ev: dict[str, Any], block_size: int) -> RequestSpec:
+    """The RequestSpec of a recorded ``arrival``. Prompt ids: the recorded ones; else stand-ins
+    built from the recorded ``prefix_hashes`` (see :func:`stand_in_prompt`); else zeros."""
     ids = ev.get("prompt_token_ids")
-    return RequestSpec(ev["req_id"], tuple(ids) if ids is not None else (0,) * ev["prompt_len"],
+    if ids is None:
+        ids = stand_in_prompt(ev["prompt_len"], ev.get("prefix_hashes") or [], block_size)
+    return RequestSpec(ev["req_id"], tuple(ids),
                        ev["max_tokens"], eos_token_ids=frozenset(ev.get("eos_token_ids", ())),
                        stop_token_ids=frozenset(ev.get("stop_token_ids", ())),
                        ignore_eos=ev.get("ignore_eos", False), sampling=ev.get("sampling", {}))
+
+
+def stand_in_prompt(prompt_len: int, prefix_hashes: list[int], block_size: int) -> list[int]:
+    """``prompt_len`` stand-in token ids whose full blocks are equal exactly where the recorded
+    prompts' blocks were (same chained hash), so the replayed prefix cache makes the recorded hits.
+
+    Block i's ``block_size`` tokens are derived from its recorded chain hash ``h_i`` (which covers
+    the whole prefix up to it); tokens past the hashed blocks are zeros (partial blocks are never
+    cached, so their contents decide nothing).
+    """
+    out: list[int] = []
+    for h in prefix_hashes:
+        out.extend(hash((h, j)) & 0x3FFFFFFF for j in range(block_size))
+    return out + [0] * (prompt_len - len(out))
 
 
 def result_of(ev: dict[str, Any]) -> StepResult:
@@ -78,6 +95,8 @@ class EngineReplay:
                 return self._diverge(i, ev, None)
             got = normalise(self.sink.events[self._j])
             self._j += 1
+            if got.get("kind") == "arrival" and ev.get("prompt_token_ids") is None:
+                got["prefix_hashes"] = ANY  # an input: replay hashed stand-in ids (spec_of)
             if not matches(got, ev):
                 return self._diverge(i, ev, got)
             if ev["kind"] == "schedule":
@@ -91,7 +110,7 @@ class EngineReplay:
         kind = ev["kind"]
         try:
             if kind == "arrival":
-                self.sched.add_request(spec_of(ev))
+                self.sched.add_request(spec_of(ev, self.sched.config.block_size))
             elif kind == "abort":
                 self.sched.abort(ev["req_id"])
             elif kind == "stop":
