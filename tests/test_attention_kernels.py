@@ -1,0 +1,109 @@
+"""Paged attention kernels (runtime/kernels/attention.py) against the torch reference.
+
+CPU: Triton's interpreter at small shapes (fp32). GPU (marked, skipped without CUDA): compiled
+kernels in bf16 at model shapes, with split-K. Batches are random: distinct shuffled blocks per
+row, decode rows (1 query) mixed with chunk rows (cached prefix + several queries), padding rows
+(slot -1, seq_len 0) like a CUDA graph's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.kernels.attention import choose_num_splits, paged_attention, write_kv
+from runtime.kernels.attention_ref import paged_attention_ref, write_kv_ref
+
+
+def random_batch(g: torch.Generator, *, rows: int, h: int, kvh: int, d: int, block_size: int,
+                 max_ctx: int, max_q: int, dtype: torch.dtype, device: str, pad_rows: int = 0):
+    """A random paged step. Returns (q, k, v, k_cache, v_cache, slot_mapping, block_tables,
+    seq_lens, query_start_loc, max_query_len); the cache already holds every row's prefix."""
+    qlens = [1 if torch.rand(1, generator=g).item() < 0.5 else
+             int(torch.randint(1, max_q + 1, (1,), generator=g)) for _ in range(rows)]
+    ctxs = [int(torch.randint(0, max_ctx, (1,), generator=g)) for _ in range(rows)]
+    mb = max(-(-(c + q) // block_size) for c, q in zip(ctxs, qlens))
+    num_blocks = rows * mb + 3
+    perm = torch.randperm(num_blocks, generator=g)
+    bt = perm[:rows * mb].view(rows, mb).to(torch.int32)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+    k_cache = rnd(num_blocks, block_size, kvh, d)
+    v_cache = rnd(num_blocks, block_size, kvh, d)
+    slots = []
+    for r, (c, q) in enumerate(zip(ctxs, qlens)):
+        pos = torch.arange(c, c + q)
+        slots.append(bt[r, pos // block_size].long() * block_size + pos % block_size)
+    qlens += [1] * pad_rows
+    seq_lens = [c + q for c, q in zip(ctxs, qlens)] + [0] * pad_rows
+    slots += [torch.full((1,), -1, dtype=torch.long)] * pad_rows
+    bt = torch.cat([bt, torch.zeros(pad_rows, mb, dtype=torch.int32)])
+    t = sum(qlens)
+    qsl = torch.tensor([0] + qlens).cumsum(0).to(torch.int32)
+    dev = lambda x: x.to(device)  # noqa: E731
+    return (dev(rnd(t, h, d)), dev(rnd(t, kvh, d)), dev(rnd(t, kvh, d)), dev(k_cache), dev(v_cache),
+            dev(torch.cat(slots)), dev(bt), dev(torch.tensor(seq_lens, dtype=torch.int32)), dev(qsl),
+            max(qlens))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def check_case(seed: int, device: str, dtype: torch.dtype, tol: float, num_splits: int = 1, **shape):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, kc, vc, sm, bt, sl, qsl, mq = random_batch(g, dtype=dtype, device=device, **shape)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    write_kv(k, v, kc, vc, sm, backend="triton")
+    write_kv_ref(k, v, kc_ref, vc_ref, sm)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)   # bitwise: a copy; -1 untouched
+    scale = q.shape[-1] ** -0.5
+    out = torch.full_like(q, float("nan"))                        # poison: every element written
+    paged_attention(q, kc, vc, bt, sl, qsl, mq, scale, num_splits=num_splits, out=out,
+                    backend="triton")
+    ref = paged_attention_ref(q, kc_ref, vc_ref, bt, sl, qsl, scale)
+    assert not out.isnan().any()
+    assert _rel(out, ref) < tol, (seed, _rel(out, ref))
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_interpreter_mixed_batch_matches_reference(seed, num_splits):
+    """Interpreter, fp32: decode + chunk + padding rows, GQA 4:2, block size 4 (tiles span blocks)."""
+    check_case(seed, "cpu", torch.float32, 1e-5, num_splits=num_splits, rows=4, h=4, kvh=2, d=16,
+               block_size=4, max_ctx=40, max_q=9, pad_rows=1)
+
+
+def test_write_kv_skips_minus_one_and_rejects_bad_shapes():
+    kc = torch.zeros(2, 4, 1, 16)
+    vc = torch.zeros(2, 4, 1, 16)
+    k = torch.ones(3, 1, 16)
+    write_kv(k, 2 * k, kc, vc, torch.tensor([5, -1, 0]), backend="triton")
+    assert kc.view(8, 16).sum(1).tolist() == [16, 0, 0, 0, 0, 16, 0, 0]
+    assert vc.view(8, 16).sum(1).tolist() == [32, 0, 0, 0, 0, 32, 0, 0]
+    with pytest.raises(ValueError, match="slot_mapping"):
+        write_kv(k, k, kc, vc, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="do not match"):
+        write_kv(torch.ones(3, 2, 16), torch.ones(3, 2, 16), kc, vc, torch.tensor([0, 1, 2]))
+
+
+def test_torch_backend_equals_reference_and_split_choice():
+    g = torch.Generator().manual_seed(7)
+    q, k, v, kc, vc, sm, bt, sl, qsl, mq = random_batch(
+        g, rows=3, h=6, kvh=2, d=8, block_size=4, max_ctx=20, max_q=5, dtype=torch.float32,
+        device="cpu")
+    out = paged_attention(q, kc, vc, bt, sl, qsl, mq, 0.3, backend="torch")
+    assert torch.equal(out, paged_attention_ref(q, kc, vc, bt, sl, qsl, 0.3))
+    assert choose_num_splits(256, 8, 4096) == 1          # enough programs already
+    assert choose_num_splits(1, 8, 4096) == 16           # one long row: split it
+    assert choose_num_splits(1, 8, 300) == 1             # short context: not worth it
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("shape", [dict(h=9, kvh=3, d=64), dict(h=32, kvh=8, d=128)])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_cuda_bf16_mixed_batches_match_reference(shape, num_splits):
+    """Compiled kernels, bf16, SmolLM2 and Llama-3-8B head shapes, block size 16."""
+    for seed in range(4):
+        check_case(seed, "cuda", torch.bfloat16, 2e-2, num_splits=num_splits, rows=12,
+                   block_size=16, max_ctx=700, max_q=70, pad_rows=3, **shape)
