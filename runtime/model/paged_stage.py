@@ -1,0 +1,138 @@
+"""GPU fast path of one pipeline stage: the stage's layers over a paged KV cache with the Triton
+attention kernels (:mod:`runtime.kernels.attention`), written so a decode step can be captured in a
+CUDA graph (no host sync, no data-dependent shapes; every size is fixed by the step's row count).
+
+It reuses a :class:`~runtime.model.stage.StageModel`'s parameters (embedding, fused QKV / gate-up,
+norms, LM head) and the same numerics as ``runtime.model.layers`` (fp32 RMSNorm, half-split RoPE,
+SwiGLU); only the KV cache layout and the attention differ. The CPU keeps the exact,
+batch-invariant reference path of ``StageModel.forward``; this module is for CUDA (it also runs on
+the CPU through the torch reference backend of the kernels, which tests use).
+
+Cache layout (shared with the paged KV cache work, ``docs/gpu.md``): ``kv_cache [L, 2, num_blocks,
+block_size, KVH, D]``; layer i uses ``kv_cache[i, 0]`` / ``kv_cache[i, 1]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from runtime.kernels.attention import choose_num_splits, paged_attention, write_kv
+from runtime.model.layers import apply_rope, rms_norm, rope_inv_freq, rope_tables
+from runtime.model.stage import StageModel
+
+
+@dataclass
+class PagedMeta:
+    """One step's attention metadata on the device (R rows, T tokens), shared by every layer.
+
+    Attributes:
+        positions: ``[T]`` int64 absolute position of each token.
+        slot_mapping: ``[T]`` int64 flat KV index (block * block_size + offset); -1 = no write.
+        block_tables: ``[R, MB]`` int32 block ids of each row.
+        seq_lens: ``[R]`` int32 keys of each row after this step (0 for padding rows).
+        query_start_loc: ``[R + 1]`` int32 cumulative query lengths.
+        logits_indices: ``[R]`` int64 index (into T) of each row's last token.
+        max_query_len: largest query length (Python int; 1 for decode-only steps).
+        num_splits: split-K partitions of the decode attention (Python int).
+    """
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    logits_indices: torch.Tensor
+    max_query_len: int
+    num_splits: int = 1
+
+    @staticmethod
+    def build(block_tables: np.ndarray, start_positions: np.ndarray, query_lens: np.ndarray,
+              block_size: int, device: torch.device, num_kv_heads: int = 1) -> "PagedMeta":
+        """Host-side construction (numpy), one copy per tensor to ``device``.
+
+        Args:
+            block_tables: ``[R, MB]`` int block ids (enough blocks for ``start + qlen`` tokens).
+            start_positions: ``[R]`` tokens already cached per row; query_lens: ``[R]`` >= 1.
+        Raises:
+            ValueError: a row needs more blocks than its table has.
+        """
+        start = np.asarray(start_positions, dtype=np.int64)
+        qlen = np.asarray(query_lens, dtype=np.int64)
+        bt = np.asarray(block_tables, dtype=np.int32)
+        seq = start + qlen
+        if int(seq.max()) > bt.shape[1] * block_size:
+            raise ValueError(f"a row needs {int(seq.max())} tokens but block_tables hold "
+                             f"{bt.shape[1]} blocks of {block_size}")
+        qsl = np.concatenate([[0], np.cumsum(qlen)])
+        row = np.repeat(np.arange(len(qlen)), qlen)
+        pos = start[row] + np.arange(qsl[-1]) - qsl[row]
+        slots = bt[row, pos // block_size].astype(np.int64) * block_size + pos % block_size
+        to = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a)).to(device, dt)  # noqa: E731
+        max_q = int(qlen.max())
+        splits = choose_num_splits(len(qlen), num_kv_heads, int(seq.max())) if max_q == 1 else 1
+        return PagedMeta(to(pos, torch.int64), to(slots, torch.int64), to(bt, torch.int32),
+                         to(seq, torch.int32), to(qsl, torch.int32), to(qsl[1:] - 1, torch.int64),
+                         max_q, splits)
+
+
+class PagedStage:
+    """The layers of ``stage`` over a paged KV cache (see module doc).
+
+    Args:
+        stage: a loaded :class:`StageModel` (its own slot cache is not used).
+        num_blocks, block_size: KV cache blocks and tokens per block.
+        max_model_len: longest context (tokens), for the RoPE tables.
+    Attributes:
+        kv_cache: ``[L, 2, num_blocks, block_size, KVH, D]`` in the model dtype (zeros).
+    """
+
+    def __init__(self, stage: StageModel, num_blocks: int, block_size: int, max_model_len: int) -> None:
+        self.stage, self.cfg = stage, stage.cfg
+        self.block_size, self.num_blocks = block_size, num_blocks
+        p = next(stage.parameters())
+        cos, sin = rope_tables(rope_inv_freq(self.cfg), max_model_len)
+        self.rope_cos, self.rope_sin = cos.to(p.device, p.dtype), sin.to(p.device, p.dtype)
+        c = self.cfg
+        self.kv_cache = torch.zeros(len(stage.layers), 2, num_blocks, block_size, c.num_kv_heads,
+                                    c.head_dim, dtype=p.dtype, device=p.device)
+
+    @torch.inference_mode()
+    def forward(self, meta: PagedMeta, input_ids: torch.Tensor | None = None,
+                hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+        """One step (T tokens, R rows); same inputs / outputs as ``StageModel.forward``:
+        first stage ``input_ids [T]``, later ones ``hidden, residual [T, H]``; returns
+        ``(hidden, residual)`` or, on the last stage, fp32 logits ``[R, V]``."""
+        st, cfg = self.stage, self.cfg
+        if st.is_first:
+            hidden, residual = F.embedding(input_ids, st.embed), None
+        cos = self.rope_cos.index_select(0, meta.positions)
+        sin = self.rope_sin.index_select(0, meta.positions)
+        for i, layer in enumerate(st.layers):
+            hidden, residual = self._layer(layer, hidden, residual, meta, cos, sin, self.kv_cache[i])
+        if not st.is_last:
+            return hidden, residual
+        last = hidden.index_select(0, meta.logits_indices)
+        if residual is not None:
+            last = last + residual.index_select(0, meta.logits_indices)
+        return F.linear(rms_norm(last, st.norm, cfg.rms_norm_eps), st.lm_head).float()
+
+    def _layer(self, layer, x, residual, meta: PagedMeta, cos, sin, kv):
+        cfg = self.cfg
+        h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        residual = x if residual is None else x + residual
+        qkv = F.linear(rms_norm(residual, layer.ln1, cfg.rms_norm_eps), layer.qkv)
+        q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+        t = x.shape[0]
+        q = apply_rope(q.view(t, h, d), cos, sin)
+        k = apply_rope(k.view(t, kvh, d), cos, sin)
+        write_kv(k, v.view(t, kvh, d), kv[0], kv[1], meta.slot_mapping)
+        attn = paged_attention(q, kv[0], kv[1], meta.block_tables, meta.seq_lens,
+                               meta.query_start_loc, meta.max_query_len, d ** -0.5,
+                               num_splits=meta.num_splits)
+        residual = F.linear(attn.view(t, h * d), layer.o) + residual
+        gate, up = F.linear(rms_norm(residual, layer.ln2, cfg.rms_norm_eps), layer.gate_up).chunk(2, -1)
+        return F.linear(F.silu(gate) * up, layer.down), residual
