@@ -107,3 +107,45 @@ def test_cuda_bf16_mixed_batches_match_reference(shape, num_splits):
     for seed in range(4):
         check_case(seed, "cuda", torch.bfloat16, 2e-2, num_splits=num_splits, rows=12,
                    block_size=16, max_ctx=700, max_q=70, pad_rows=3, **shape)
+
+
+def check_fused(device: str, dtype: torch.dtype, t: int, h: int, kvh: int, d: int, n: int, i: int,
+                atol: float):
+    """Fused kernels (Triton) == their torch fallbacks (the layers' own code)."""
+    from runtime.kernels.fused import add_rms_norm, rope_write_kv, silu_mul
+    from runtime.model.layers import rope_tables
+    g = torch.Generator().manual_seed(t)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(device, dtype)  # noqa: E731
+    x, res, w = rnd(t, n), rnd(t, n), rnd(n)
+    for r in (res, None):
+        got = add_rms_norm(x, r, w, 1e-5, backend="triton")
+        ref = add_rms_norm(x, r, w, 1e-5, backend="torch")
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, atol=atol, rtol=atol)
+    gu = rnd(t, 2 * i)
+    torch.testing.assert_close(silu_mul(gu, backend="triton"), silu_mul(gu, backend="torch"),
+                               atol=atol, rtol=atol)
+    cos, sin = (c.to(device, dtype) for c in rope_tables(1.0 / (1e4 ** (torch.arange(0, d, 2) / d)), 64))
+    qkv = rnd(t, (h + 2 * kvh) * d)
+    pos = torch.randint(0, 64, (t,), generator=g).to(device)
+    slots = torch.randperm(4 * 8, generator=g)[:t].to(device)
+    slots[0] = -1
+    caches = [rnd(4, 8, kvh, d) for _ in range(2)]
+    ref_caches = [c.clone() for c in caches]
+    q = rope_write_kv(qkv, cos, sin, pos, slots, *caches, h, backend="triton")
+    q_ref = rope_write_kv(qkv, cos, sin, pos, slots, *ref_caches, h, backend="torch")
+    torch.testing.assert_close(q, q_ref, atol=atol, rtol=atol)
+    for c, cr in zip(caches, ref_caches):
+        torch.testing.assert_close(c, cr, atol=atol, rtol=atol)
+
+
+def test_interpreter_fused_kernels_match_torch():
+    check_fused("cpu", torch.float32, t=5, h=4, kvh=2, d=16, n=48, i=40, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_fused_kernels_match_torch_bf16():
+    """bf16 at the SmolLM2 and Llama-3-8B widths: equal up to one bf16 rounding step."""
+    check_fused("cuda", torch.bfloat16, t=17, h=9, kvh=3, d=64, n=576, i=1536, atol=1.6e-2)
+    check_fused("cuda", torch.bfloat16, t=9, h=32, kvh=8, d=128, n=4096, i=14336, atol=1.6e-2)

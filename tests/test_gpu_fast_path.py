@@ -28,8 +28,12 @@ def test_bucket_sizes():
     assert bucket_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
 
 
-def test_paged_stage_matches_transformers_on_cpu():
-    """Prefill of 3 rows (shuffled blocks of 4 tokens) + 3 decode steps == HF logits (fp32)."""
+@pytest.mark.parametrize("kernels", ["torch", "triton-interpreter"])
+def test_paged_stage_matches_transformers_on_cpu(kernels, monkeypatch):
+    """Prefill of 3 rows (shuffled blocks of 4 tokens) + 3 decode steps == HF logits (fp32), with
+    the torch fallbacks and with every Triton kernel under the interpreter."""
+    if kernels == "triton-interpreter":
+        monkeypatch.setenv("PPSTATE_TRITON_INTERPRET", "1")
     dev = torch.device("cpu")
     stage, hf = random_stage("tiny", None, dev, torch.float32), hf_model("tiny", dev, torch.float32)
     model = PagedStage(stage, num_blocks=24, block_size=4, max_model_len=64)

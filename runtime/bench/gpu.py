@@ -77,6 +77,9 @@ def bench_shape(shape: str, args, dev: torch.device) -> dict:
            "pp1": [], "eager": [], "prefill": {}}
     fast, eager = GreedyLoop(model, graphs), GreedyLoop(model, None)
     hf = hf_model(shape, dev) if not args.no_hf else None
+    pp1_run(fast, 4, args.prompt_len, 8, cfg.vocab_size)    # warm-up: Triton compiles, allocator
+    pp1_run(eager, 4, args.prompt_len, 8, cfg.vocab_size)
+    static_batches = args.static_batches if shape in args.static_shapes.split(",") else []
     for b in args.batches:
         r = pp1_run(fast, b, args.prompt_len, args.new_tokens, cfg.vocab_size)
         row = {"model": shape, "batch_size": b, **r}
@@ -88,7 +91,7 @@ def bench_shape(shape: str, args, dev: torch.device) -> dict:
             from runtime.bench.gpu_hf import generate_tokens_per_s
             row["transformers_default_tokens_per_s"] = generate_tokens_per_s(
                 hf, b, args.prompt_len, args.new_tokens, static=False)
-            if b in args.static_batches:
+            if b in static_batches:
                 row["transformers_static_tokens_per_s"] = generate_tokens_per_s(
                     hf, b, args.prompt_len, args.new_tokens, static=True)
         print(json.dumps(row), flush=True)
@@ -155,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=_ints, default=[1, 32, 128, 256])
     p.add_argument("--eager-batches", type=_ints, default=[1, 128])
     p.add_argument("--static-batches", type=_ints, default=[32, 128, 256])
+    p.add_argument("--static-shapes", default="smollm2-135m",
+                   help="shapes for which transformers' static cache is measured (compiles per batch)")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--prefill-prompts", type=int, default=8)

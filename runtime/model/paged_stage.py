@@ -20,8 +20,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from runtime.kernels.attention import choose_num_splits, paged_attention, write_kv
-from runtime.model.layers import apply_rope, rms_norm, rope_inv_freq, rope_tables
+from runtime.kernels.attention import choose_num_splits, paged_attention
+from runtime.kernels.fused import add_rms_norm, rope_write_kv, silu_mul
+from runtime.model.layers import rms_norm, rope_inv_freq, rope_tables
 from runtime.model.stage import StageModel
 
 
@@ -109,10 +110,8 @@ class PagedStage:
         st, cfg = self.stage, self.cfg
         if st.is_first:
             hidden, residual = F.embedding(input_ids, st.embed), None
-        cos = self.rope_cos.index_select(0, meta.positions)
-        sin = self.rope_sin.index_select(0, meta.positions)
         for i, layer in enumerate(st.layers):
-            hidden, residual = self._layer(layer, hidden, residual, meta, cos, sin, self.kv_cache[i])
+            hidden, residual = self._layer(layer, hidden, residual, meta, self.kv_cache[i])
         if not st.is_last:
             return hidden, residual
         last = hidden.index_select(0, meta.logits_indices)
@@ -120,19 +119,18 @@ class PagedStage:
             last = last + residual.index_select(0, meta.logits_indices)
         return F.linear(rms_norm(last, st.norm, cfg.rms_norm_eps), st.lm_head).float()
 
-    def _layer(self, layer, x, residual, meta: PagedMeta, cos, sin, kv):
+    def _layer(self, layer, x, residual, meta: PagedMeta, kv):
+        """One decoder layer in 9 launches: add+norm, QKV GEMM, RoPE+KV write, attention, O GEMM
+        (+ residual), add+norm, gate/up GEMM, SiLU*up, down GEMM."""
         cfg = self.cfg
-        h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        residual = x if residual is None else x + residual
-        qkv = F.linear(rms_norm(residual, layer.ln1, cfg.rms_norm_eps), layer.qkv)
-        q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
-        t = x.shape[0]
-        q = apply_rope(q.view(t, h, d), cos, sin)
-        k = apply_rope(k.view(t, kvh, d), cos, sin)
-        write_kv(k, v.view(t, kvh, d), kv[0], kv[1], meta.slot_mapping)
+        h, d = cfg.num_heads, cfg.head_dim
+        normed, residual = add_rms_norm(x, residual, layer.ln1, cfg.rms_norm_eps)
+        qkv = F.linear(normed, layer.qkv)
+        q = rope_write_kv(qkv, self.rope_cos, self.rope_sin, meta.positions, meta.slot_mapping,
+                          kv[0], kv[1], h)
         attn = paged_attention(q, kv[0], kv[1], meta.block_tables, meta.seq_lens,
                                meta.query_start_loc, meta.max_query_len, d ** -0.5,
                                num_splits=meta.num_splits)
-        residual = F.linear(attn.view(t, h * d), layer.o) + residual
-        gate, up = F.linear(rms_norm(residual, layer.ln2, cfg.rms_norm_eps), layer.gate_up).chunk(2, -1)
-        return F.linear(F.silu(gate) * up, layer.down), residual
+        normed, residual = add_rms_norm(F.linear(attn.view(-1, h * d), layer.o), residual,
+                                        layer.ln2, cfg.rms_norm_eps)
+        return F.linear(silu_mul(F.linear(normed, layer.gate_up)), layer.down), residual
