@@ -67,7 +67,10 @@ def bench_shape(shape: str, args, dev: torch.device) -> dict:
                   args.prefill_len + 1) + BLOCK
     mb = -(-max_len // BLOCK)
     max_rows = max(args.batches + [args.pp_batch])
-    num_blocks = max(max_rows * mb, args.prefill_prompts * mb) + 8
+    per_row = lambda tokens: -(-tokens // BLOCK)  # noqa: E731
+    num_blocks = max(max(args.batches) * per_row(args.prompt_len + args.new_tokens),
+                     args.pp_batch * per_row(args.pp_prompt_len + args.pp_new_tokens),
+                     args.prefill_prompts * mb) + 8
     model = PagedStage(stage, num_blocks, BLOCK, max_len)
     graphs = DecodeGraphs(model, max_rows, mb, max_len)
     rep = graphs.capture(progress=True)
