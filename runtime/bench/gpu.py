@@ -59,6 +59,23 @@ def pp1_run(loop: GreedyLoop, batch: int, plen: int, new: int, vocab: int, seed:
             "prefill_s": t_prefill}
 
 
+def validation_run(loop: GreedyLoop, batch: int, plen: int, new: int, vocab: int) -> dict:
+    """Decode tokens/s with the per-slot state driven every step and mirror validation off,
+    synchronous (host sync each step) and async (pinned snapshot, compared a step later)."""
+    dev = loop.model.kv_cache.device
+    res = {"batch_size": batch}
+    for mode in ("off", "sync", "async", "off"):   # "off" twice: the spread of the figure
+        lane = make_lane(batch, -(-(plen + new) // BLOCK), 0, dev, seed=9)
+        prompts = np.random.default_rng(9).integers(100, vocab - 1, (batch, plen))
+        loop.prefill(lane, prompts)
+        d = loop.decode(lane, new - 1, validate=mode)
+        tps = batch * (new - 1) / d["wall_s"]
+        res[f"{mode}_tokens_per_s"] = max(tps, res.get(f"{mode}_tokens_per_s", 0.0))
+    res["async_cost"] = 1 - res["async_tokens_per_s"] / res["off_tokens_per_s"]
+    res["sync_cost"] = 1 - res["sync_tokens_per_s"] / res["off_tokens_per_s"]
+    return res
+
+
 def bench_shape(shape: str, args, dev: torch.device) -> dict:
     """Every PP=1 figure of one shape (see module doc)."""
     cfg = model_config(shape)
@@ -99,6 +116,10 @@ def bench_shape(shape: str, args, dev: torch.device) -> dict:
                     hf, b, args.prompt_len, args.new_tokens, static=True)
         print(json.dumps(row), flush=True)
         out["pp1"].append(row)
+    # mirror validation: per-slot state + mirrors every step, validation off / sync / async
+    out["validation"] = validation_run(fast, args.validate_batch, args.prompt_len, args.new_tokens,
+                                       cfg.vocab_size)
+    print(json.dumps({"validation": out["validation"]}), flush=True)
     # prefill
     lane = make_lane(args.prefill_prompts, mb, 0, dev, seed=5)
     prompts = np.random.default_rng(5).integers(100, cfg.vocab_size - 1,
@@ -163,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--static-batches", type=_ints, default=[32, 128, 256])
     p.add_argument("--static-shapes", default="smollm2-135m",
                    help="shapes for which transformers' static cache is measured (compiles per batch)")
+    p.add_argument("--validate-batch", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--prefill-prompts", type=int, default=8)
@@ -198,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
         res["pp1"] += r["pp1"]
         res["prefill"].append(r["prefill"])
         res["capture"][shape] = r["capture"]
+        res.setdefault("validation", {})[shape] = r["validation"]
+        if res["validate_mirrors_cost"] is None:           # the first shape's (SmolLM2's) figure
+            res["validate_mirrors_cost"] = r["validation"]["async_cost"]
         if args.pp == 2:
             res["pp2"] += bench_pp2(shape, args, r["pp1_decode_heavy"]["tokens_per_s"])
         out_path.parent.mkdir(parents=True, exist_ok=True)

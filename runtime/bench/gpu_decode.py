@@ -92,9 +92,21 @@ class GreedyLoop:
         lane.positions = torch.full_like(lane.positions, plen)
         lane.seq_lens = torch.full_like(lane.seq_lens, plen + 1)
 
-    def decode(self, lane: LaneState, steps: int, keep_tokens: bool = False) -> dict:
-        """Run ``steps`` decode steps; returns wall seconds and host seconds spent issuing."""
+    def decode(self, lane: LaneState, steps: int, keep_tokens: bool = False,
+               validate: str | None = None) -> dict:
+        """Run ``steps`` decode steps; returns wall seconds and host seconds spent issuing.
+
+        ``validate``: None (no per-slot state), or drive a real :class:`DeviceState` (post-update
+        kernel + CPU mirror every step) with mirror validation ``"off"``, ``"sync"`` (the
+        blocking ``DeviceState.validate``) or ``"async"`` (:class:`AsyncMirrorCheck`).
+        """
         n = lane.positions.shape[0]
+        state = check = None
+        if validate is not None:
+            state, check = _device_state(n, lane.positions.device, validate)
+            slots_np, ones_np = np.arange(n), np.ones(n, dtype=np.int64)
+            slots_t = torch.arange(n, device=state.device)
+            ones_t = torch.ones(n, dtype=torch.int64, device=state.device)
         pinned = [torch.empty(n, dtype=torch.int64).pin_memory() for _ in range(2)]
         events = [torch.cuda.Event() for _ in range(2)]
         torch.cuda.synchronize()
@@ -111,6 +123,12 @@ class GreedyLoop:
             pinned[s % 2].copy_(lane.ids, non_blocking=True)
             events[s % 2].record()
             lane.advance()
+            if state is not None:
+                state.apply_scheduled(slots_t, ones_t, slots_np, ones_np)
+                if validate == "sync":
+                    state.validate(s)
+                elif validate == "async":
+                    check.snapshot(s)
             issue += time.perf_counter() - ti
             if s > 0:                                  # engine-facing wait, one step behind
                 events[(s - 1) % 2].synchronize()
@@ -119,5 +137,19 @@ class GreedyLoop:
         events[(steps - 1) % 2].synchronize()
         if keep_tokens:
             lane.tokens.append(pinned[(steps - 1) % 2].clone())
+        if check is not None:
+            check.poll(block=True)
         wall = time.perf_counter() - t0
         return {"wall_s": wall, "issue_s": issue, "steps": steps, "rows": n}
+
+
+def _device_state(n: int, device, validate: str):
+    """A DeviceState with ``n`` live requests (slots 0..n-1) and, for ``"async"``, its checker."""
+    from ppstate.batch import NewRequest
+    from runtime.worker.device_state import DeviceState
+    from runtime.worker.mirror_check import AsyncMirrorCheck
+    if validate not in ("off", "sync", "async"):
+        raise ValueError(f"validate must be off, sync or async, got {validate!r}")
+    state = DeviceState(n, 8, 1, device, rank=0)
+    state.add_requests([NewRequest(f"r{i}", i, (1, 2, 3), 1 << 30) for i in range(n)])
+    return state, (AsyncMirrorCheck(state) if validate == "async" else None)

@@ -34,7 +34,12 @@ def markdown(res: dict) -> str:
                 f"| {r['model']} | {r['workload']} | {_f(o)} | {_f(r.get('sync_tokens_per_s'))} | "
                 f"{_f(r.get('throughput_ratio'), '{:.2f}')} | {_f(r.get('ttft_ratio'), '{:.2f}')} | "
                 f"{_f(p1)} | {_f(o / p1 if o and p1 else None, '{:.2f}')} |")
-    if res.get("validate_mirrors_cost") is not None:
-        lines += ["", f"Mirror validation every step costs {100 * res['validate_mirrors_cost']:.1f}% "
-                  "of throughput."]
+    for shape, v in (res.get("validation") or {}).items():
+        lines += ["", f"{shape}, batch {v['batch_size']}, per-slot state + mirrors every step: "
+                  f"validation off {_f(v['off_tokens_per_s'])} tok/s, async {_f(v['async_tokens_per_s'])} "
+                  f"(cost {100 * v['async_cost']:.1f}%), synchronous {_f(v['sync_tokens_per_s'])} "
+                  f"(cost {100 * v['sync_cost']:.1f}%)."]
+    for shape, c in (res.get("capture") or {}).items():
+        lines += [f"{shape}: {len(c['buckets'])} CUDA graphs captured in {c['seconds']:.1f} s, "
+                  f"{c['bytes'] / 2**20:.0f} MiB."]
     return "\n".join(lines)

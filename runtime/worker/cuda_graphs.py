@@ -80,9 +80,10 @@ class DecodeGraphs:
 
     def capture(self, progress: bool = True) -> CaptureReport:
         """Capture every bucket (largest first). Padding rows only: nothing is written to the
-        cache. Returns the wall seconds and the memory the graphs' pool holds."""
+        cache. Returns the wall seconds and the device memory taken meanwhile (free memory
+        before minus after, so it includes Triton's compiled kernels and cuBLAS workspaces)."""
         torch.cuda.synchronize()
-        before = torch.cuda.memory_reserved()
+        before = torch.cuda.mem_get_info()[0]
         t0 = time.perf_counter()
         self.slot_mapping.fill_(-1)
         self.seq_lens.zero_()
@@ -103,7 +104,7 @@ class DecodeGraphs:
             self.graphs[b] = g
         torch.cuda.synchronize()
         return CaptureReport(sorted(self.buckets), time.perf_counter() - t0,
-                             torch.cuda.memory_reserved() - before)
+                             before - torch.cuda.mem_get_info()[0])
 
     def bucket_for(self, rows: int) -> int | None:
         """Smallest captured bucket holding ``rows`` rows, or None (run eagerly)."""
