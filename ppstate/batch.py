@@ -19,23 +19,30 @@ class NewRequest:
     Attributes:
         req_id: request id.
         slot: slot (``req_idx``) it occupies.
-        prompt_token_ids: prompt tokens (``prefill_len`` of them).
+        prompt_token_ids: tokens to prefill (``prefill_len`` of them): the prompt, followed by
+            the ``num_output_tokens`` tokens it already received when re-admitted after preemption.
         max_seq_len: prompt length + max new tokens (tokens), already capped by max_model_len.
         sampling: opaque runtime sampling parameters (temperature, top_p, seed, ...).
+        num_cached_tokens: leading tokens already in the KV cache (prefix-cache hit); the first
+            chunk starts there.
+        num_output_tokens: output tokens included at the end of ``prompt_token_ids`` (the next
+            sampled token is output number ``num_output_tokens``, 0-based).
     """
     req_id: str
     slot: int
     prompt_token_ids: tuple[int, ...]
     max_seq_len: int
     sampling: dict[str, Any] = field(default_factory=dict)
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
 
 
 @dataclass(frozen=True)
 class FreedSlot:
-    """A request that left the engine; workers free ``slot`` (bumping its generation)."""
+    """A request that left its slot; workers free ``slot`` (bumping its generation)."""
     req_id: str
     slot: int
-    reason: str  # finished state name, e.g. "finished_stopped", "finished_aborted"
+    reason: str  # finished state name ("finished_stopped", ...) or "preempted"
 
 
 @dataclass(frozen=True)
@@ -52,7 +59,12 @@ class SchedulerOutput:
         is_final_chunk: ``[num_rows]`` bool; True for decode rows and final prefill chunks, i.e.
             the rows whose sampled token someone needs (the need-sampled mask).
         new_requests: requests admitted in this step (initialise their slots first).
-        freed: requests that finished or were aborted since the previous step (free first).
+        freed: requests that finished, were aborted or preempted since the previous step (free
+            first).
+        block_table_slots, block_table_cols, block_table_ids: ``[U]`` int32 block-table deltas,
+            applied after ``freed`` and ``new_requests``: ``block_table[slot, col] = id``. A
+            slot's row starts empty on admission; every rank applies the same deltas, so all
+            hold identical tables (invariant 9).
     """
     step: int
     req_ids: tuple[str, ...]
@@ -62,6 +74,9 @@ class SchedulerOutput:
     is_final_chunk: np.ndarray
     new_requests: tuple[NewRequest, ...] = ()
     freed: tuple[FreedSlot, ...] = ()
+    block_table_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    block_table_cols: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    block_table_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
 
     @property
     def num_rows(self) -> int:

@@ -27,6 +27,10 @@ class SchedulerConfig:
         max_prefill_chunk: tokens per prefill chunk at most (>= 1).
         max_model_len: prompt + generated tokens at most (>= 2).
         mode: "overlapped" (pp_size + 1 batches in flight) or "sync" (one batch, the baseline).
+        block_size: tokens per KV-cache block (>= 1).
+        num_kv_blocks: KV blocks per rank; None = room for ``max_model_len`` tokens in every slot
+            (``max_num_seqs * ceil(max_model_len / block_size)``, the old slot cache's capacity).
+        enable_prefix_caching: reuse cached full prompt blocks across requests.
 
     Raises:
         SchedulerError: a field out of range; the message names the field.
@@ -37,16 +41,33 @@ class SchedulerConfig:
     max_prefill_chunk: int = 64
     max_model_len: int = 2048
     mode: Literal["overlapped", "sync"] = "overlapped"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
+        if self.num_kv_blocks is None and isinstance(self.block_size, int) and self.block_size > 0:
+            per_req = -(-self.max_model_len // self.block_size)
+            object.__setattr__(self, "num_kv_blocks", self.max_num_seqs * per_req)
         for name, low in (("pp_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1),
-                          ("max_prefill_chunk", 1), ("max_model_len", 2)):
+                          ("max_prefill_chunk", 1), ("max_model_len", 2), ("block_size", 1),
+                          ("num_kv_blocks", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise SchedulerError(f"SchedulerConfig.{name} must be an int >= {low}, got {value!r}")
         if self.mode not in ("overlapped", "sync"):
             raise SchedulerError(f"SchedulerConfig.mode must be 'overlapped' or 'sync', "
                                  f"got {self.mode!r}")
+
+    @property
+    def watermark_blocks(self) -> int:
+        """Blocks an admission must leave free for running requests (1%, vLLM's default)."""
+        return self.num_kv_blocks // 100
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the KV cache holds in all (``num_kv_blocks * block_size``)."""
+        return self.num_kv_blocks * self.block_size
 
     @property
     def in_flight_limit(self) -> int:
@@ -102,13 +123,19 @@ class RequestArrays:
         self.num_output_tokens = np.zeros(max_num_reqs, dtype=np.int64)    # [max_num_reqs]
         self.next_eligible_step = np.zeros(max_num_reqs, dtype=np.int64)   # [max_num_reqs]
 
-    def reset(self, slot: int, prefill_len: int, max_tokens: int, step: int) -> None:
-        """Initialise ``slot`` for a request admitted at ``step``."""
+    def reset(self, slot: int, prefill_len: int, max_tokens: int, step: int,
+              num_cached: int = 0, num_output: int = 0) -> None:
+        """Initialise ``slot`` for a request admitted at ``step`` whose first ``num_cached``
+        prefill tokens are prefix-cache hits and which already received ``num_output`` tokens
+        (re-admission after preemption: they are part of its ``prefill_len``)."""
         for name in self.FIELDS:
             getattr(self, name)[slot] = 0
         self.prefill_len[slot] = prefill_len
         self.max_tokens[slot] = max_tokens
         self.next_eligible_step[slot] = step
+        self.num_computed_tokens[slot] = num_cached
+        self.num_output_tokens[slot] = num_output
+        self.num_sampling_rows[slot] = num_output
 
 
 class StepBudget:

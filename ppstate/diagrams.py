@@ -20,7 +20,7 @@ from pathlib import Path
 from ppstate.spec import SAME, SPECS_DIR, MachineSpec, TransitionSpec, load_spec
 
 #: The machine tables that get a diagram (file stems in ``specs/``).
-SPEC_NAMES = ("request", "slot", "pp_handler")
+SPEC_NAMES = ("request", "slot", "pp_handler", "block")
 
 
 def edge_label(t: TransitionSpec) -> str:

@@ -42,3 +42,7 @@ class MirrorDivergence(PPStateError):
 
 class SchedulerError(PPStateError):
     """Invalid request or scheduler call (e.g. prompt longer than max_model_len, unknown req_id)."""
+
+
+class BlockError(PPStateError):
+    """Illegal use of the KV block pool (not enough blocks, double free, illegal block transition)."""

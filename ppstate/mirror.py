@@ -16,11 +16,13 @@ import numpy as np
 
 from ppstate.errors import MirrorDivergence
 
-MIRROR_FIELDS = ("num_computed_tokens", "prefill_len", "num_computed_prefill_tokens", "max_seq_len")
+MIRROR_FIELDS = ("num_computed_tokens", "prefill_len", "num_computed_prefill_tokens", "max_seq_len",
+                 "num_blocks")
 
 
 class CpuMirror:
-    """The four mirror arrays, each ``[max_num_reqs]`` int64, indexed by slot.
+    """The mirror arrays, each ``[max_num_reqs]`` int64, indexed by slot (``num_blocks``: KV blocks
+    in the slot's block-table row, from the scheduler's deltas).
 
     Args:
         max_num_reqs: number of slots.
@@ -33,17 +35,43 @@ class CpuMirror:
         self.prefill_len_np = np.zeros(max_num_reqs, dtype=np.int64)                  # [max_num_reqs]
         self.num_computed_prefill_tokens_np = np.zeros(max_num_reqs, dtype=np.int64)  # [max_num_reqs]
         self.max_seq_len_np = np.zeros(max_num_reqs, dtype=np.int64)                  # [max_num_reqs]
+        self.num_blocks_np = np.zeros(max_num_reqs, dtype=np.int64)                   # [max_num_reqs]
 
     def array(self, field: str) -> np.ndarray:
         """The mirror array for ``field`` (one of :data:`MIRROR_FIELDS`)."""
         return getattr(self, f"{field}_np")
 
-    def add_request(self, slot: int, prefill_len: int, max_seq_len: int) -> None:
-        """Initialise a newly allocated slot (tokens: prompt length, prompt + max_tokens)."""
-        self.num_computed_tokens_np[slot] = 0
-        self.num_computed_prefill_tokens_np[slot] = 0
+    def add_request(self, slot: int, prefill_len: int, max_seq_len: int,
+                    num_cached: int = 0) -> None:
+        """Initialise a newly allocated slot (tokens: prefill length, prompt + max_tokens, and the
+        prefix-cache hit the first chunk starts after); its block-table row starts empty."""
+        self.num_computed_tokens_np[slot] = num_cached
+        self.num_computed_prefill_tokens_np[slot] = num_cached
         self.prefill_len_np[slot] = prefill_len
         self.max_seq_len_np[slot] = max_seq_len
+        self.num_blocks_np[slot] = 0
+
+    def apply_block_updates(self, slots: np.ndarray, cols: np.ndarray) -> None:
+        """Block-table deltas: ``num_blocks[slot] = max(num_blocks[slot], col + 1)`` (``[U]``)."""
+        np.maximum.at(self.num_blocks_np, slots.astype(np.int64), cols.astype(np.int64) + 1)
+
+    def validate_blocks(self, block_size: int, live_slots: np.ndarray, step: int,
+                        owners: Sequence[str | None] | None = None) -> None:
+        """KV completeness on the CPU: after a step every live slot holds exactly
+        ``ceil(num_computed_tokens / block_size)`` blocks (the scheduler allocates a row's blocks
+        in the step that computes its tokens, never more).
+
+        Raises:
+            MirrorDivergence: field ``num_blocks``, ``cpu`` = blocks held, ``device`` = needed.
+        """
+        need = -(-self.num_computed_tokens_np[live_slots] // block_size)
+        held = self.num_blocks_np[live_slots]
+        bad = np.nonzero(need != held)[0]
+        if bad.size:
+            slot = int(live_slots[bad[0]])
+            raise MirrorDivergence(step=step, slot=slot, field="num_blocks (vs ceil(num_computed_tokens / block_size))",
+                                   req_id=owners[slot] if owners is not None else None,
+                                   cpu=int(held[bad[0]]), device=int(need[bad[0]]), rank=self.rank)
 
     def apply_scheduled(self, slots: np.ndarray, num_tokens: np.ndarray) -> None:
         """Immediate update after a forward: ``num_computed_tokens += query length``.

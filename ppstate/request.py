@@ -85,6 +85,11 @@ class Request:
         self.order = order
         self.slot = -1
         self._arrays = arrays
+        self.output_token_ids: list[int] = []   # received tokens (kept across preemption)
+        self.prefill_tokens: tuple[int, ...] = spec.prompt_token_ids  # prompt + outputs at admission
+        self.block_hashes: list[int] = []       # chained hashes of prefill_tokens' full blocks
+        self.num_registered = 0                 # leading blocks registered in the prefix cache
+        self.epoch = 0                          # admissions so far (rows of older ones are stale)
 
     @property
     def prompt_len(self) -> int:
@@ -95,9 +100,10 @@ class Request:
         return self.slot >= 0
 
     def prefill_fully_scheduled(self) -> bool:
-        """Guard of ``complete_prefill``: every prompt token is in a scheduled chunk."""
+        """Guard of ``complete_prefill``: every prefill token (prompt, plus the outputs kept
+        across a preemption) is in a scheduled chunk."""
         return self.has_slot() and \
-            int(self._arrays.num_computed_tokens[self.slot]) >= self.prompt_len
+            int(self._arrays.num_computed_tokens[self.slot]) >= len(self.prefill_tokens)
 
     def __repr__(self) -> str:
         return f"Request({self.req_id!r}, state={getattr(self, 'state', '?')}, slot={self.slot})"

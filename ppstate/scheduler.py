@@ -8,7 +8,9 @@ balanced-admission row cap. Its only output is a :class:`~ppstate.batch.Schedule
 Results come back in step order through :meth:`Scheduler.on_step_result`.
 
 Lifecycle edges go through :class:`~ppstate.lifecycle.Lifecycle`; per-token counters live in
-:class:`~ppstate.budget.RequestArrays`. Sources: vLLM V1 ``core/sched/scheduler.py`` +
+:class:`~ppstate.budget.RequestArrays`; KV blocks in :class:`~ppstate.kv_manager.KVManager` (taken
+when a row is scheduled; when a running request cannot get one, the youngest running request is
+preempted and later recomputed). Sources: vLLM V1 ``core/sched/scheduler.py`` +
 ``async_scheduler.py`` (PP throttle) and Model Runner V2 "Avoid pipeline parallel bubbles".
 """
 
@@ -22,6 +24,7 @@ from ppstate.batch import FreedSlot, NewRequest, SchedulerOutput, StepResult
 from ppstate.budget import RequestArrays, SchedulerConfig, StepBudget
 from ppstate.errors import SchedulerError
 from ppstate.events import NULL_SINK, EventSink
+from ppstate.kv_manager import KVManager
 from ppstate.lifecycle import Lifecycle
 from ppstate.request import FINISH_REASONS, Request, RequestSpec, TokenUpdate
 from ppstate.scheduler_rows import RowBuilder
@@ -43,12 +46,15 @@ class Scheduler:
         self.slots = SlotTable(config.max_num_seqs)
         self.arrays = RequestArrays(config.max_num_seqs)
         self.lifecycle = Lifecycle()
+        self.kv = KVManager(config)
+        self.num_preemptions = 0
         self._waiting: deque[Request] = deque()
         self._running: dict[str, Request] = {}          # admission order
         self._live: dict[str, Request] = {}             # waiting + running, by id
         self._finished: dict[str, str] = {}             # req_id -> final state
         self._freed: list[FreedSlot] = []               # delivered with the next output
         self._in_flight: deque[SchedulerOutput] = deque()
+        self._in_flight_epochs: deque[list[int]] = deque()  # per row: the request's epoch
         self._next_step = 0
         self._order = 0
 
@@ -89,7 +95,8 @@ class Scheduler:
         """Queue ``spec`` (FCFS).
 
         Raises:
-            SchedulerError: duplicate id, empty prompt, prompt_len >= max_model_len, max_tokens < 1.
+            SchedulerError: duplicate id, empty prompt, prompt_len >= max_model_len, max_tokens < 1,
+                or prompt + max_tokens needing more KV blocks than the cache has (names both).
         """
         rid, plen = spec.req_id, spec.prompt_len
         if rid in self._finished or rid in self._live:
@@ -102,6 +109,11 @@ class Scheduler:
         if spec.max_tokens < 1:
             raise SchedulerError(f"request {rid!r}: max_tokens must be >= 1, got {spec.max_tokens}")
         max_tokens = min(spec.max_tokens, self.config.max_model_len - plen)
+        cap = self.config.kv_capacity_tokens
+        if plen + max_tokens - 1 > cap:  # the last sampled token is never fed back
+            raise SchedulerError(f"request {rid!r}: prompt of {plen} tokens + max_tokens "
+                                 f"{max_tokens} needs KV cache for {plen + max_tokens - 1} tokens; "
+                                 f"the cache holds {cap}")
         req = Request(spec, max_tokens, self.arrays, self._order)
         self._order += 1
         self.lifecycle.add(req)
@@ -154,10 +166,11 @@ class Scheduler:
         rows.add_decodes()
         rows.add_continuing_prefills()
         rows.admit_waiting()
-        out = rows.build(tuple(self._freed))
+        out = rows.build(tuple(self._freed), self.kv.take_deltas())
         self._freed = []
         self._next_step += 1
         self._in_flight.append(out)
+        self._in_flight_epochs.append(rows.epochs)
         if self.sink.enabled:
             self.sink.emit("schedule", step=step, req_ids=list(out.req_ids),
                            slots=out.slots.tolist(), num_tokens=out.num_scheduled_tokens.tolist(),
@@ -172,6 +185,15 @@ class Scheduler:
         a = self.arrays
         return all(r.state == "decoding" and a.num_sampling_rows[r.slot] >= a.max_tokens[r.slot]
                    for r in self._running.values())
+
+    def kv_stats(self) -> dict[str, float | int]:
+        """KV-cache counters: blocks (total / free incl. cached / cached), prefix-cache lookups
+        and hits (tokens), hit rate, preemptions so far."""
+        pool = self.kv.pool
+        return {"kv_blocks_total": pool.num_blocks, "kv_blocks_free": pool.num_free,
+                "kv_blocks_cached": pool.num_cached, "prefix_cache_query_tokens": pool.query_tokens,
+                "prefix_cache_hit_tokens": pool.hit_tokens, "prefix_cache_hit_rate": pool.hit_rate,
+                "num_preemptions": self.num_preemptions}
 
     def row_cap(self) -> int:
         """Rows allowed in the next step: the balanced share of the live load.
@@ -199,8 +221,9 @@ class Scheduler:
     def on_step_result(self, result: StepResult) -> list[TokenUpdate]:
         """Apply the last rank's output of the oldest in-flight step.
 
-        Rows of requests no longer live (finished at an earlier step, aborted) and rows that are
-        non-final prefill chunks are ignored. A request stops at the first EOS (unless ignore_eos)
+        Rows of requests no longer live (finished at an earlier step, aborted), rows scheduled
+        before a preemption of their request, and rows that are non-final prefill chunks are
+        ignored. A request stops at the first EOS (unless ignore_eos)
         or stop token id, or when it has max_tokens tokens; its slot is freed then.
 
         Returns:
@@ -218,12 +241,13 @@ class Scheduler:
             raise SchedulerError(f"step {result.step}: result has {len(result.num_sampled)} rows, "
                                  f"the step had {out.num_rows}")
         self._in_flight.popleft()
+        epochs = self._in_flight_epochs.popleft()
         updates = []
         for i, req_id in enumerate(out.req_ids):
             req = self._running.get(req_id)
             n = int(result.num_sampled[i])
-            if req is None or n <= 0 or not out.is_final_chunk[i]:
-                continue
+            if req is None or n <= 0 or not out.is_final_chunk[i] or req.epoch != epochs[i]:
+                continue  # gone, not sampling, or a row of an admission ended by preemption
             updates.append(self._append_tokens(req, result.sampled_token_ids[i, :n]))
         return updates
 
@@ -231,6 +255,7 @@ class Scheduler:
         slot, taken, reason = req.slot, [], None
         for tok in tokens.tolist():
             taken.append(int(tok))
+            req.output_token_ids.append(int(tok))
             self.arrays.num_output_tokens[slot] += 1
             reason = req.spec.stop_reason(int(tok))
             if reason is None and self.arrays.num_output_tokens[slot] >= req.max_tokens:
@@ -244,6 +269,7 @@ class Scheduler:
     def _finish(self, req: Request, trigger: str) -> None:
         self.fire(req, trigger)
         if req.slot >= 0:
+            self.kv.free(req)
             self.slots.free(req.req_id)
             self._freed.append(FreedSlot(req.req_id, req.slot, req.state))
             del self._running[req.req_id]
@@ -260,14 +286,43 @@ class Scheduler:
         """Oldest waiting request (FCFS), or None."""
         return self._waiting.popleft() if self._waiting else None
 
-    def place(self, req: Request, step: int) -> NewRequest:
-        """Allocate a slot for ``req``, fire ``admit`` and initialise its progress arrays."""
+    def peek_waiting(self) -> Request | None:
+        """Oldest waiting request without removing it."""
+        return self._waiting[0] if self._waiting else None
+
+    def youngest_running(self, exclude: set[str]) -> Request | None:
+        """The most recently admitted running request not in ``exclude`` (preemption victim)."""
+        for req in reversed(self._running.values()):
+            if req.req_id not in exclude:
+                return req
+        return None
+
+    def preempt(self, req: Request) -> None:
+        """Preempt ``req`` (recompute): blocks and slot freed (FreedSlot in this step's output,
+        so workers bump the slot generation and drop its deferred rows), back to the head of
+        the waiting queue with its received tokens kept."""
+        self.fire(req, "preempt")
+        self.kv.free(req)
+        slot = self.slots.free(req.req_id)
+        self._freed.append(FreedSlot(req.req_id, slot, "preempted"))
+        del self._running[req.req_id]
+        req.slot = -1
+        req.prefill_tokens = req.spec.prompt_token_ids + tuple(req.output_token_ids)
+        self._waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def place(self, req: Request, step: int, hit: list[int]) -> NewRequest:
+        """Allocate a slot for ``req``, fire ``admit``, give it its prefix-hit blocks ``hit`` and
+        initialise its progress arrays (re-admission: prompt + received tokens are prefilled)."""
         req.slot = self.slots.allocate(req.req_id)
+        req.epoch += 1
         self.fire(req, "admit")
-        self.arrays.reset(req.slot, req.prompt_len, req.max_tokens, step)
+        cached = self.kv.start(req, hit)
+        n_out = len(req.output_token_ids)
+        self.arrays.reset(req.slot, len(req.prefill_tokens), req.max_tokens, step, cached, n_out)
         self._running[req.req_id] = req
-        return NewRequest(req.req_id, req.slot, tuple(req.spec.prompt_token_ids),
-                          req.prompt_len + req.max_tokens, dict(req.spec.sampling))
+        return NewRequest(req.req_id, req.slot, req.prefill_tokens,
+                          req.prompt_len + req.max_tokens, dict(req.spec.sampling), cached, n_out)
 
 
 def finish_reason_of(state: str) -> str | None:

@@ -3,7 +3,10 @@
 Order of priority inside a step: eligible decode rows (oldest eligibility first), then continuing
 prefill chunks, then FCFS admission of waiting requests while slots, tokens and the row cap allow.
 Every row updates the slot-indexed progress arrays at once (optimistic scheduling: the step's
-result is not needed to schedule the next rows of a request).
+result is not needed to schedule the next rows of a request), and takes the KV blocks for the
+tokens it computes. A decode or continuing chunk that finds no free block preempts the youngest
+running request without a row in this step (possibly itself); after a preemption no request is
+admitted in the same step. Admission keeps ``watermark_blocks`` free.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ class RowBuilder:
         self.starts: list[int] = []
         self.final: list[bool] = []
         self.new: list[NewRequest] = []
+        self.epochs: list[int] = []          # [num_rows] admission epoch of each row's request
+        self.kv = sched.kv
+        self.preempted = False
 
     def _row(self, req: Request, num_tokens: int, final: bool, counts_row: bool = True) -> None:
         a, slot = self.arrays, req.slot
@@ -47,7 +53,10 @@ class RowBuilder:
         self.num_tokens.append(num_tokens)
         self.starts.append(int(a.num_computed_tokens[slot]))
         self.final.append(final)
+        self.epochs.append(req.epoch)
         a.num_computed_tokens[slot] += num_tokens
+        self.kv.grow(req, int(a.num_computed_tokens[slot]))
+        self.kv.register_full(req, int(a.num_computed_tokens[slot]))
         if final:
             a.num_sampling_rows[slot] += 1
             a.next_eligible_step[slot] = self.step + self.cadence
@@ -65,12 +74,31 @@ class RowBuilder:
         for req in eligible:
             if not self.budget.can_add():
                 return
-            self._row(req, 1, True)
+            if req.slot >= 0 and self._room(req, 1) == 1:  # slot < 0: preempted in this loop
+                self._row(req, 1, True)
 
-    def _add_chunk(self, req: Request, counts_row: bool) -> None:
+    def _room(self, req: Request, want: int) -> int:
+        """Tokens (<= want, >= 1 unless 0) of ``req``'s next row the KV blocks can hold, preempting
+        the youngest running request without a row in this step while none fit (0: ``req``
+        itself was preempted or no victim is left)."""
+        computed = int(self.arrays.num_computed_tokens[req.slot])
+        while (fit := self.kv.tokens_fit(req, computed, want)) < 1:
+            victim = self.sched.youngest_running(set(self.req_ids))
+            if victim is None:
+                return 0
+            self.sched.preempt(victim)
+            self.preempted = True
+            if victim is req:
+                return 0
+        return fit
+
+    def _add_chunk(self, req: Request, counts_row: bool, fit: int | None = None) -> None:
         a, slot = self.arrays, req.slot
         remaining = int(a.prefill_len[slot] - a.num_computed_tokens[slot])
         chunk = min(remaining, self.sched.config.max_prefill_chunk, self.budget.tokens)
+        chunk = self._room(req, chunk) if fit is None else min(chunk, fit)
+        if chunk < 1:
+            return
         final = chunk == remaining
         self._row(req, chunk, final, counts_row)
         if final:
@@ -84,26 +112,38 @@ class RowBuilder:
         chunk).
         """
         for req in self.sched.running_requests():
-            if req.state == "prefilling" and self.arrays.next_eligible_step[req.slot] <= self.step:
+            if req.slot >= 0 and req.state == "prefilling" and \
+                    self.arrays.next_eligible_step[req.slot] <= self.step:
                 if self.budget.tokens <= 0:
                     return
                 self._add_chunk(req, counts_row=False)
 
     def admit_waiting(self) -> None:
-        """FCFS admission into free slots; each admitted request's first chunk goes in this step."""
-        while self.budget.can_add() and self.sched.slots.num_free > 0:
-            req = self.sched.pop_waiting()
+        """FCFS admission into free slots while the first chunk fits the free KV blocks (minus the
+        watermark); a prefix-cache hit starts the chunk at the first uncached token. Nothing is
+        admitted in a step that preempted."""
+        while not self.preempted and self.budget.can_add() and self.sched.slots.num_free > 0:
+            req = self.sched.peek_waiting()
             if req is None:
                 return
-            self.new.append(self.sched.place(req, self.step))
-            self._add_chunk(req, counts_row=True)
+            hit = self.kv.prefix_hit(req)
+            remaining = len(req.prefill_tokens) - len(hit) * self.kv.block_size
+            chunk = min(remaining, self.sched.config.max_prefill_chunk, self.budget.tokens)
+            fit = self.kv.admissible_tokens(hit, chunk)
+            if fit < 1:
+                return  # FCFS: the head waits for blocks
+            self.sched.pop_waiting()
+            self.new.append(self.sched.place(req, self.step, hit))
+            self._add_chunk(req, counts_row=True, fit=fit)
 
-    def build(self, freed: tuple[FreedSlot, ...]) -> SchedulerOutput:
-        """The step's SchedulerOutput (arrays ``[num_rows]``)."""
+    def build(self, freed: tuple[FreedSlot, ...],
+              deltas: tuple[np.ndarray, np.ndarray, np.ndarray]) -> SchedulerOutput:
+        """The step's SchedulerOutput (arrays ``[num_rows]``; block-table deltas ``[U]``)."""
         return SchedulerOutput(
             step=self.step, req_ids=tuple(self.req_ids),
             slots=np.array(self.slots, dtype=np.int32),                 # [num_rows]
             num_scheduled_tokens=np.array(self.num_tokens, dtype=np.int32),  # [num_rows]
             start_positions=np.array(self.starts, dtype=np.int32),      # [num_rows]
             is_final_chunk=np.array(self.final, dtype=bool),            # [num_rows]
-            new_requests=tuple(self.new), freed=freed)
+            new_requests=tuple(self.new), freed=freed, block_table_slots=deltas[0],
+            block_table_cols=deltas[1], block_table_ids=deltas[2])

@@ -18,7 +18,8 @@ ENGINE_FLAGS = {
     "--device": "device", "--dtype": "dtype", "--torch-threads": "torch_threads",
     "--step-timeout": "step_timeout_s", "--trace-dir": "trace_dir",
     "--served-model-name": "served_model_name", "--launcher": "launcher",
-    "--engine-port": "engine_port",
+    "--engine-port": "engine_port", "--block-size": "block_size",
+    "--kv-cache-memory": "kv_cache_memory", "--enable-prefix-caching": "enable_prefix_caching",
 }
 
 
@@ -48,6 +49,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    "torchrun's processes (auto: torchrun when RANK, WORLD_SIZE, ... are set)")
     g.add_argument("--engine-port", type=int, default=d.engine_port, help="torchrun: the engine's "
                    "TCP ports on the rank-0 host are PORT .. PORT + pp (see docs/torchrun.md)")
+    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV-cache block")
+    g.add_argument("--kv-cache-memory", default=None, help="KV cache per rank: bytes with an "
+                   "optional KB/MB/GB suffix (e.g. 24MB), or a fraction of the free device memory "
+                   "after loading weights (CUDA, e.g. 0.9); default: max_model_len tokens per slot")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=d.enable_prefix_caching, help="reuse KV blocks of shared prompt prefixes")
 
 
 def engine_config(p: argparse.ArgumentParser, args: argparse.Namespace) -> EngineConfig:

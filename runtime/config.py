@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -32,6 +33,12 @@ class EngineConfig(BaseModel):
             :mod:`runtime.torchrun`).
         engine_port: torchrun only: the engine's TCP ports on the rank-0 host are
             ``engine_port`` (results) and ``engine_port + 1 + rank`` (steps of each rank).
+        block_size: tokens per KV-cache block.
+        kv_cache_memory: KV-cache memory per rank: bytes with an optional KB/MB/GB suffix
+            (powers of 1024, e.g. ``24MB``), or a fraction in (0, 1] of the device memory free
+            after the weights are loaded (CUDA only). None: room for ``max_model_len`` tokens in
+            every slot (``max_num_seqs * ceil(max_model_len / block_size)`` blocks).
+        enable_prefix_caching: reuse the KV blocks of identical prompt prefixes across requests.
     """
     model_config = ConfigDict(extra="forbid")
 
@@ -52,6 +59,16 @@ class EngineConfig(BaseModel):
     served_model_name: str | None = None
     launcher: Literal["spawn", "torchrun"] = "spawn"
     engine_port: int = Field(default=29600, ge=1, le=65535 - 65)
+    block_size: int = Field(default=16, ge=1, le=1024)
+    kv_cache_memory: str | None = None
+    enable_prefix_caching: bool = True
+
+    @field_validator("kv_cache_memory")
+    @classmethod
+    def _check_kv_memory(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_kv_memory(v)
+        return v
 
     @field_validator("validate_mirrors")
     @classmethod
@@ -72,3 +89,26 @@ class EngineConfig(BaseModel):
         if self.validate_mirrors == "off":
             return 0
         return 1 if self.validate_mirrors == "every" else int(self.validate_mirrors)
+
+
+_UNITS = {"": 1, "B": 1, "KB": 2**10, "MB": 2**20, "GB": 2**30, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def parse_kv_memory(text: str) -> tuple[int | None, float | None]:
+    """``(bytes, None)`` for ``"24MB"`` / ``"1048576"``, ``(None, fraction)`` for ``"0.9"``.
+
+    Raises:
+        ValueError: not a positive size with an optional KB/MB/GB suffix nor a fraction in (0, 1].
+    """
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?B?)\s*", text.upper())
+    if m is None:
+        raise ValueError(f"{text!r} is neither a size like 24MB / 1073741824 nor a fraction in (0, 1]")
+    value, unit = float(m.group(1)), m.group(2)
+    if unit == "" and "." in m.group(1):
+        if not 0 < value <= 1:
+            raise ValueError(f"fraction {text!r} must be in (0, 1]")
+        return None, value
+    size = int(value * _UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"{text!r} must be a positive size")
+    return size, None

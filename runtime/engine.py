@@ -10,6 +10,7 @@ fails every in-flight request with that error and stops all processes (never a h
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,6 +25,7 @@ from runtime.model.tokenizer import Tokenizer, load_tokenizer
 from runtime.outputs import RequestOutput, TokenLogprob
 from runtime.request_stream import RequestStream
 from runtime.sampling_params import SamplingParams
+from runtime.worker.kv_capacity import capacity_summary
 
 
 class EngineDeadError(RuntimeError):
@@ -53,7 +55,9 @@ class AsyncEngine:
             pp_size=config.pp_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_prefill_chunk=config.max_prefill_chunk, max_model_len=config.max_model_len,
-            mode=config.pp_schedule), sink=self.sink)
+            mode=config.pp_schedule, block_size=config.block_size,
+            num_kv_blocks=pool.num_kv_blocks, enable_prefix_caching=config.enable_prefix_caching),
+            sink=self.sink)
         self._streams: dict[str, RequestStream] = {}
         self._step_rows: dict[int, tuple[str, ...]] = {}
         self._wake = asyncio.Event()
@@ -85,6 +89,9 @@ class AsyncEngine:
                 raise EngineDeadError(f"engine failed to start: {exc}") from exc
             raise
         engine = cls(config, pool, tokenizer)
+        sc = engine.sched.config
+        print(capacity_summary(sc.num_kv_blocks, sc.block_size, sc.max_model_len), file=sys.stderr,
+              flush=True)
         engine._tasks = [asyncio.create_task(engine._step_loop()),
                          asyncio.create_task(engine._result_loop())]
         return engine
@@ -123,6 +130,7 @@ class AsyncEngine:
             raise EngineDeadError(self._error or "engine is shut down")
         req_id = req_id or uuid.uuid4().hex
         self._check_prompt(req_id, prompt_token_ids)
+        self._check_kv_fit(len(prompt_token_ids), params.max_tokens)
         eos = self.tokenizer.eos_token_id
         spec = RequestSpec(
             req_id=req_id, prompt_token_ids=tuple(int(t) for t in prompt_token_ids),
@@ -150,6 +158,18 @@ class AsyncEngine:
         bad = next((t for t in ids if not 0 <= int(t) < vocab), None)
         if bad is not None:
             raise RequestRejected("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def _check_kv_fit(self, prompt_len: int, max_tokens: int) -> None:
+        """A request whose prompt + max_tokens can never fit the KV cache is rejected (400)."""
+        cap = self.sched.config.kv_capacity_tokens
+        need = prompt_len + min(max_tokens, self.config.max_model_len - prompt_len) - 1
+        if prompt_len > cap:
+            raise RequestRejected("prompt", f"the prompt has {prompt_len} tokens; this server's "
+                                  f"KV cache holds {cap} tokens")
+        if need > cap:
+            raise RequestRejected("max_tokens", f"prompt ({prompt_len} tokens) + max_tokens "
+                                  f"({max_tokens}) needs KV cache for {need} tokens; this "
+                                  f"server's KV cache holds {cap} tokens")
 
     async def abort(self, req_id: str) -> None:
         """Abort ``req_id`` (idempotent). Its stream ends with finish_reason ``abort`` and its slot
@@ -261,7 +281,8 @@ class AsyncEngine:
         bubble = max(0.0, 1.0 - sum(self._busy) / (pp * active)) if active > 0 else 0.0
         return {"num_running": self.sched.num_running, "num_waiting": self.sched.num_waiting,
                 "steps_total": self._steps_total, "generated_tokens_total": self._tokens_total,
-                "rank_busy_seconds": list(self._busy), "bubble_fraction": bubble, "pp_size": pp}
+                "rank_busy_seconds": list(self._busy), "bubble_fraction": bubble, "pp_size": pp,
+                **self.sched.kv_stats()}
 
 
 def _logprobs_for(result, row_of, req_id: str, token_ids: list[int]) -> list[TokenLogprob] | None:

@@ -119,6 +119,7 @@ class WorkerPool:
         self._pull: zmq.asyncio.Socket | None = None
         self._heartbeat: asyncio.Task | None = None
         self._shutdown_task: asyncio.Task | None = None
+        self.num_kv_blocks: int | None = None  # smallest KV block count the ranks reported
 
     def _addresses(self) -> tuple[str, list[str], str]:
         """(result bind address, step bind address per rank, rendezvous URL)."""
@@ -182,6 +183,9 @@ class WorkerPool:
                 raise RuntimeError(f"rank {msg.rank}: {msg.error_type}: {msg.message}")
             if msg.kind == "ready":
                 ready.add(msg.rank)
+                blocks = msg.info.get("num_kv_blocks")
+                if blocks is not None:
+                    self.num_kv_blocks = min(self.num_kv_blocks or blocks, int(blocks))
 
     def send_step(self, out: SchedulerOutput) -> None:
         """Send one step to every rank (same bytes to all: the replicated decision input).

@@ -66,6 +66,8 @@ class NewRequestMsg(msgspec.Struct, array_like=True):
     prompt_token_ids: list[int]
     max_seq_len: int
     sampling: dict[str, Any] = {}
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
 
 
 class FreedSlotMsg(msgspec.Struct, array_like=True):
@@ -85,6 +87,7 @@ class StepMsg(_Msg, tag="step"):
     is_final_chunk: NdArray
     new_requests: list[NewRequestMsg] = []
     freed: list[FreedSlotMsg] = []
+    block_table: NdArray | None = None  # [3, U] int32: slots, cols, block ids (KV deltas)
 
 
 class ResultMsg(_Msg, tag="result"):
@@ -198,8 +201,11 @@ def from_scheduler_output(out: SchedulerOutput,
         num_scheduled_tokens=NdArray.of(out.num_scheduled_tokens),
         start_positions=NdArray.of(out.start_positions), is_final_chunk=NdArray.of(out.is_final_chunk),
         new_requests=[NewRequestMsg(nr.req_id, int(nr.slot), [int(t) for t in nr.prompt_token_ids],
-                                    int(nr.max_seq_len), params(nr)) for nr in out.new_requests],
-        freed=[FreedSlotMsg(f.req_id, int(f.slot), f.reason) for f in out.freed])
+                                    int(nr.max_seq_len), params(nr), int(nr.num_cached_tokens),
+                                    int(nr.num_output_tokens)) for nr in out.new_requests],
+        freed=[FreedSlotMsg(f.req_id, int(f.slot), f.reason) for f in out.freed],
+        block_table=NdArray.of(np.stack([out.block_table_slots, out.block_table_cols,
+                                         out.block_table_ids]).astype(np.int32)))
 
 
 def to_scheduler_output(msg: StepMsg) -> SchedulerOutput:
@@ -210,11 +216,15 @@ def to_scheduler_output(msg: StepMsg) -> SchedulerOutput:
     if any(a.shape != (rows,) for a in arrays):
         raise TransportError(f"step {msg.step}: row arrays {[a.shape for a in arrays]} do not "
                              f"match {rows} req_ids")
+    bt = (msg.block_table.to_numpy() if msg.block_table is not None
+          else np.zeros((3, 0), dtype=np.int32))
     return SchedulerOutput(
         msg.step, tuple(msg.req_ids), *arrays,
         new_requests=tuple(NewRequest(n.req_id, n.slot, tuple(n.prompt_token_ids), n.max_seq_len,
-                                      dict(n.sampling)) for n in msg.new_requests),
-        freed=tuple(FreedSlot(f.req_id, f.slot, f.reason) for f in msg.freed))
+                                      dict(n.sampling), n.num_cached_tokens, n.num_output_tokens)
+                           for n in msg.new_requests),
+        freed=tuple(FreedSlot(f.req_id, f.slot, f.reason) for f in msg.freed),
+        block_table_slots=bt[0], block_table_cols=bt[1], block_table_ids=bt[2])
 
 
 def from_step_result(res: StepResult, rank: int, busy_s: float = 0.0,

@@ -81,8 +81,8 @@ def test_illegal_pair_raises_naming_request_state_trigger(trigger, state):
 
 
 def test_illegal_pairs_count():
-    # 6 states x 5 triggers = 30 pairs, 7 legal edges.
-    assert (len(ILLEGAL), len(LEGAL)) == (23, 7)
+    # 6 states x 6 triggers = 36 pairs, 9 legal edges (preempt from prefilling and decoding).
+    assert (len(ILLEGAL), len(LEGAL)) == (27, 9)
 
 
 def test_unknown_trigger_raises():

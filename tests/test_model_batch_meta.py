@@ -9,6 +9,7 @@ import torch
 from runtime.model.batch_meta import KV_ALIGN, BatchMeta
 from runtime.model.config import ModelConfig
 from runtime.model.layers import attend, linear
+from runtime.model.paged_attention import paged_attention_reference
 from runtime.model.stage import StageModel
 from runtime.model.weights import stage_tensor_names, expected_shape
 
@@ -36,6 +37,21 @@ def test_build_exact_values():
     assert prefill.mask[0, 0].sum(-1).tolist() == [1, 2, 3]
 
 
+def test_build_paged_fields_through_a_block_table():
+    # block_size 4; slot 0 -> blocks [7, 2], slot 1 -> [5, 0, 3]
+    table = torch.tensor([[7, 2, 0], [5, 0, 3]])
+    meta = BatchMeta.build([1, 0], [9, 2], [1, 3], block_table=table, block_size=4)
+    assert meta.slot_mapping.tolist() == [3 * 4 + 1, 7 * 4 + 2, 7 * 4 + 3, 2 * 4 + 0]
+    assert meta.block_tables.tolist() == [[5, 0, 3], [7, 2, 0]]
+    assert meta.block_tables.dtype == torch.int32 and meta.seq_lens.tolist() == [10, 5]
+    assert meta.query_start_loc.tolist() == [0, 1, 4]
+    assert (meta.max_query_len, meta.max_seq_len, meta.block_bounds) == (3, 10, (0, 7))
+    decode = meta.groups[0]
+    assert decode.kv_index.tolist()[:12] == [20, 21, 22, 23, 0, 1, 2, 3, 12, 13, 14, 15]
+    with pytest.raises(ValueError, match="needs 4 blocks of 4; the block table holds 3"):
+        BatchMeta.build([0], [12], [1], block_table=table, block_size=4)
+
+
 def test_build_rejects_bad_input():
     with pytest.raises(ValueError, match="R >= 1"):
         BatchMeta.build(torch.tensor([], dtype=torch.long), torch.tensor([]), torch.tensor([]))
@@ -56,22 +72,33 @@ def reference_attention(q, k, v):
     return torch.einsum("hqk,khd->qhd", probs, v.double()).reshape(q.shape[0], -1)
 
 
+@pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("invariant", [True, False], ids=["matmul", "sdpa"])
-def test_attend_mixed_batch_matches_per_row_reference(invariant):
+def test_attend_mixed_batch_matches_per_row_reference(invariant, block_size):
     g = torch.Generator().manual_seed(0)
     slots, starts, qlens = [3, 0, 5, 1], [7, 0, 30, 4], [1, 6, 1, 9]
-    k_cache, v_cache = torch.randn(6, 2, 48, 8, generator=g), torch.randn(6, 2, 48, 8, generator=g)
+    width = -(-48 // block_size)
+    table = torch.randperm(6 * width, generator=g).view(6, width)  # scattered blocks per slot
+    k_cache, v_cache = (torch.randn(6 * width, block_size, 2, 8, generator=g) for _ in range(2))
     history_k, history_v = k_cache.clone(), v_cache.clone()
+
+    def rows_of(cache, s, a, b):  # positions [a, b) of slot s through its block table
+        pos = torch.arange(a, b)
+        return cache.view(-1, 2, 8)[table[s][pos // block_size] * block_size + pos % block_size]
     t = sum(qlens)
     q, k, v = (torch.randn(t, n, 8, generator=g) for n in (6, 2, 2))
-    out = attend(q, k, v, BatchMeta.build(slots, starts, qlens), k_cache, v_cache, invariant)
+    meta = BatchMeta.build(slots, starts, qlens, block_table=table, block_size=block_size)
+    out = attend(q, k, v, meta, k_cache, v_cache, invariant)
+    ref = paged_attention_reference(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                    meta.query_start_loc, meta.max_query_len, 8 ** -0.5)
+    torch.testing.assert_close(out, ref.reshape(t, -1), atol=1e-5, rtol=0)
     off = 0
     for s, p, n in zip(slots, starts, qlens):
-        keys = torch.cat([history_k[s, :, :p].transpose(0, 1), k[off:off + n]])
-        vals = torch.cat([history_v[s, :, :p].transpose(0, 1), v[off:off + n]])
+        keys = torch.cat([rows_of(history_k, s, 0, p), k[off:off + n]])
+        vals = torch.cat([rows_of(history_v, s, 0, p), v[off:off + n]])
         torch.testing.assert_close(out[off:off + n].double(), reference_attention(q[off:off + n], keys, vals),
                                    atol=1e-5, rtol=0)
-        assert torch.equal(k_cache[s, :, p:p + n].transpose(0, 1), k[off:off + n])  # written in place
+        assert torch.equal(rows_of(k_cache, s, p, p + n), k[off:off + n])  # written in place
         off += n
 
 
@@ -92,7 +119,7 @@ def tiny_stage(rng=(0, 2), **kw) -> StageModel:
 
 def test_stage_validates_inputs():
     first, last = tiny_stage((0, 1)), tiny_stage((1, 2))
-    assert first.k_cache.shape == (1, 2, 2, 32, 4)  # max_model_len 20 rounded up to KV_ALIGN
+    assert first.kv_cache.shape == (1, 2, 4, 16, 2, 4)  # 2 slots x ceil(20 / 16) blocks
     meta = BatchMeta.build([1], [0], [3])
     with pytest.raises(ValueError, match="needs input_ids"):
         first(meta, hidden=torch.zeros(3, 16))
@@ -115,7 +142,7 @@ def test_bfloat16_stage_tracks_float32(invariant):
     meta, ids = BatchMeta.build([0, 1], [0, 0], [5, 3]), torch.tensor([1, 2, 3, 4, 5, 6, 7, 8])
     stages = [StageModel(cfg, (0, 2), weights, max_num_reqs=2, max_model_len=20, dtype=dt,
                          device="cpu", batch_invariant=invariant) for dt in (torch.float32, torch.bfloat16)]
-    assert stages[1].k_cache.dtype == torch.bfloat16 and stages[1].layers[0].qkv.dtype == torch.bfloat16
+    assert stages[1].kv_cache.dtype == torch.bfloat16 and stages[1].layers[0].qkv.dtype == torch.bfloat16
     ref, got = (st(meta, input_ids=ids) for st in stages)
     assert got.dtype == torch.float32 and got.shape == (2, 32)
     assert ((got - ref).norm() / ref.norm()).item() < 0.03  # bf16 weights alone cost ~1% here

@@ -80,7 +80,7 @@ def test_stage_reads_only_its_tensors(monkeypatch, model_weights, make_stages):
     last = load_stage("default", (28, 30), max_num_reqs=2, max_model_len=32, progress=False)
     assert read == stage_tensor_names(cfg, (28, 30)) and EMBED in read and len(read) == 2 * 9 + 2
     assert (last.is_first, last.is_last, last.layer_start, last.layer_end) == (False, True, 28, 30)
-    assert last.k_cache.shape == (2, 2, 3, 32, 64)
+    assert last.kv_cache.shape == (2, 2, 4, 16, 3, 64)
     assert torch.equal(last.lm_head, weights[EMBED])
     front = make_stages([(0, 28)], max_num_reqs=2, max_model_len=32)[0]
     whole = make_stages([(0, 30)], max_num_reqs=2, max_model_len=32)[0]

@@ -1,5 +1,5 @@
-"""One pipeline stage: a contiguous range of decoder layers, its KV cache, and (first stage) the
-embedding / (last stage) final norm + LM head. :func:`load_stage` reads only that stage's tensors.
+"""One pipeline stage: a contiguous range of decoder layers, its paged KV cache, and (first stage)
+the embedding / (last stage) final norm + LM head. :func:`load_stage` reads only that stage's tensors.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from runtime.model.batch_meta import KV_ALIGN, BatchMeta
+from runtime.model.batch_meta import BatchMeta, contiguous_block_table
 from runtime.model.config import ModelConfig
 from runtime.model.errors import PartitionError
 from runtime.model.layers import DecoderLayer, linear, rms_norm, rope_inv_freq, rope_tables
@@ -23,15 +23,18 @@ INVARIANT_ROWS = 16  # GEMM rows below which CPU sgemm changes kernel (see layer
 
 
 class StageModel(nn.Module):
-    """Layers ``[layer_start, layer_end)`` of a Llama model plus their slot-contiguous KV cache.
+    """Layers ``[layer_start, layer_end)`` of a Llama model plus their paged KV cache.
 
     Built from a dict of canonical-name tensors (see ``weights.stage_tensor_names``); tensors are
     moved/cast to ``device`` / ``dtype`` when they differ. Use :func:`load_stage` to read them.
 
     Attributes:
-        k_cache, v_cache: ``[num_local_layers, max_num_reqs, num_kv_heads, max_len, head_dim]``
-            in the model dtype, allocated once (zeros); ``max_len`` is ``max_model_len`` rounded up
-            to ``KV_ALIGN``.
+        kv_cache: ``[num_local_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` in the
+            model dtype, allocated once (zeros); layer i reads ``kv_cache[i, 0]`` (K) and
+            ``kv_cache[i, 1]`` (V). ``num_blocks`` defaults to room for ``max_model_len`` tokens
+            in every slot (``max_num_reqs * ceil(max_model_len / block_size)``).
+        default_block_table: ``[max_num_reqs, ceil(max_model_len / block_size)]`` contiguous
+            table used for a :class:`BatchMeta` built without one (``meta.own_layout``).
         embed: ``[V, H]`` (first stage); norm ``[H]`` and lm_head ``[V, H]`` (last stage).
         min_rows: GEMM inputs are padded to this many rows (16 with ``batch_invariant`` on the
             CPU, else 0), and attention uses explicit matmuls instead of SDPA: a row's result then
@@ -41,7 +44,8 @@ class StageModel(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_range: tuple[int, int], weights: dict[str, torch.Tensor],
                  *, max_num_reqs: int, max_model_len: int, dtype: torch.dtype,
                  device: str | torch.device, freq_factors: torch.Tensor | None = None,
-                 batch_invariant: bool = True) -> None:
+                 batch_invariant: bool = True, block_size: int = 16,
+                 num_blocks: int | None = None) -> None:
         super().__init__()
         weights = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}  # no-op if so
         self.cfg, (self.layer_start, self.layer_end) = cfg, layer_range
@@ -61,10 +65,22 @@ class StageModel(nn.Module):
         cos, sin = rope_tables(rope_inv_freq(cfg, freq_factors), max_model_len)
         self.register_buffer("rope_cos", cos.to(device=device, dtype=dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(device=device, dtype=dtype), persistent=False)
-        cache_len = -(-max_model_len // KV_ALIGN) * KV_ALIGN
-        shape = (len(self.layers), max_num_reqs, cfg.num_kv_heads, cache_len, cfg.head_dim)
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.block_size = block_size
+        self.default_block_table = contiguous_block_table(max_num_reqs, max_model_len, block_size)
+        self.register_buffer("kv_cache", torch.zeros(0), persistent=False)
+        self.allocate_kv_cache(num_blocks or self.default_block_table.numel(), dtype, device)
+
+    def allocate_kv_cache(self, num_blocks: int, dtype: torch.dtype | None = None,
+                          device: str | torch.device | None = None) -> None:
+        """(Re)allocate the zeroed cache with ``num_blocks`` blocks (a worker sizes it after the
+        weights are loaded, from the memory left). Shape: see the class attributes."""
+        dtype = dtype or self.kv_cache.dtype
+        device = device or self.kv_cache.device
+        cfg = self.cfg
+        self.kv_cache = torch.empty(0)  # free the old one first
+        shape = (len(self.layers), 2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_blocks = num_blocks
 
     @torch.inference_mode()
     def forward(self, meta: BatchMeta, input_ids: torch.Tensor | None = None,
@@ -80,16 +96,20 @@ class StageModel(nn.Module):
             non-last stage: ``(hidden, residual)`` each ``[T, H]`` in the model dtype;
             last stage: fp32 logits ``[R, V]`` at each row's last token.
         Raises:
-            ValueError: wrong inputs for the stage kind, or a position beyond ``max_model_len``
-                or a slot beyond ``max_num_reqs``.
+            ValueError: wrong inputs for the stage kind, or a position beyond ``max_model_len``,
+                a slot beyond ``max_num_reqs`` or a block id beyond ``num_blocks``.
         """
+        if meta.own_layout:
+            meta = BatchMeta.build(meta.slots.cpu(), meta.start_positions.cpu(), meta.query_lens.cpu(),
+                                   self.kv_cache.device, self.default_block_table, self.block_size)
         self._check(meta, input_ids, hidden)
         if self.is_first:
             hidden, residual = self.embed[input_ids], None
         cos = self.rope_cos.index_select(0, meta.positions)
         sin = self.rope_sin.index_select(0, meta.positions)
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer(hidden, residual, meta, cos, sin, self.k_cache[i], self.v_cache[i])
+            hidden, residual = layer(hidden, residual, meta, cos, sin, self.kv_cache[i, 0],
+                                     self.kv_cache[i, 1])
         if not self.is_last:
             return hidden, residual
         last = hidden.index_select(0, meta.last_token)
@@ -108,6 +128,10 @@ class StageModel(nn.Module):
             raise ValueError(f"context {meta.max_context} exceeds max_model_len {self.max_model_len}")
         if meta.slot_bounds[0] < 0 or meta.slot_bounds[1] >= self.max_num_reqs:
             raise ValueError(f"slot out of range [0, {self.max_num_reqs}): {meta.slots.tolist()}")
+        if meta.block_bounds[0] < 0 or meta.block_bounds[1] >= self.num_blocks:
+            raise ValueError(f"block id out of range [0, {self.num_blocks}): {meta.block_bounds}")
+        if meta.block_size != self.block_size:
+            raise ValueError(f"step built for block_size {meta.block_size}, cache has {self.block_size}")
 
 
 def load_model_config(model: str | Path) -> ModelConfig:
@@ -119,14 +143,16 @@ def load_model_config(model: str | Path) -> ModelConfig:
 def load_stage(model: str | Path, layer_range: tuple[int, int], *, max_num_reqs: int,
                max_model_len: int, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", progress: bool = True,
-               batch_invariant: bool = True) -> StageModel:
+               batch_invariant: bool = True, block_size: int = 16,
+               num_blocks: int | None = None) -> StageModel:
     """Load the stage owning layers ``[start, end)``: only its tensors are read and dequantized.
 
     Args:
         model: ``default``, a .gguf file or an HF folder.
         layer_range: ``(start, end)`` with ``0 <= start < end <= num_layers``; the stage is first
             when ``start == 0`` and last when ``end == num_layers``.
-        max_num_reqs, max_model_len: KV cache slots and tokens per slot.
+        max_num_reqs, max_model_len: slots and tokens per request.
+        block_size, num_blocks: paged KV cache geometry (see :class:`StageModel`).
         progress: show a tqdm bar while reading tensors.
         batch_invariant: pad small GEMMs (CPU) so results do not depend on batch composition or
             prefill chunking (one torch thread); costs up to ~2x matmul time for batches < 16 tokens.
@@ -144,4 +170,5 @@ def load_stage(model: str | Path, layer_range: tuple[int, int], *, max_num_reqs:
     factors = ckpt.rope_freq_factors()
     return StageModel(cfg, (start, end), weights, max_num_reqs=max_num_reqs,
                       max_model_len=max_model_len, dtype=dtype, device=device,
-                      freq_factors=factors, batch_invariant=batch_invariant).eval()
+                      freq_factors=factors, batch_invariant=batch_invariant,
+                      block_size=block_size, num_blocks=num_blocks).eval()

@@ -61,6 +61,28 @@ class EngineCollector(Collector):
         yield GaugeMetricFamily(PREFIX + "pipeline_bubble_fraction",
                                 "Fraction of rank time idle while work existed (cumulative)",
                                 value=float(s["bubble_fraction"]))
+        yield from _kv_metrics(s)
+
+
+def _kv_metrics(s: dict[str, Any]) -> Iterator[Metric]:
+    """KV-cache block usage, prefix-cache hits and preemptions (issue #18), when reported."""
+    if "kv_blocks_total" not in s:
+        return
+    yield GaugeMetricFamily(PREFIX + "kv_cache_blocks_total", "KV-cache blocks per rank",
+                            value=s["kv_blocks_total"])
+    yield GaugeMetricFamily(PREFIX + "kv_cache_blocks_free",
+                            "KV-cache blocks free or cached-evictable", value=s["kv_blocks_free"])
+    yield CounterMetricFamily(PREFIX + "prefix_cache_queries",
+                              "Prompt tokens looked up in the prefix cache",
+                              value=s["prefix_cache_query_tokens"])
+    yield CounterMetricFamily(PREFIX + "prefix_cache_hits",
+                              "Prompt tokens served from cached KV blocks",
+                              value=s["prefix_cache_hit_tokens"])
+    yield GaugeMetricFamily(PREFIX + "prefix_cache_hit_rate",
+                            "Prefix-cache hits / queries (tokens, cumulative)",
+                            value=float(s["prefix_cache_hit_rate"]))
+    yield CounterMetricFamily(PREFIX + "num_preemptions", "Requests preempted for KV blocks",
+                              value=s["num_preemptions"])
 
 
 class ServerMetrics:

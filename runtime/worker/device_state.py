@@ -1,4 +1,4 @@
-"""Device-side per-slot state of one rank, plus its CPU mirrors.
+"""Device-side per-slot state of one rank, plus its CPU mirrors and the KV block table.
 
 All tensors are indexed by slot (``req_idx``) and allocated once. The post-update kernels
 (:mod:`runtime.kernels.post_update`) are the only writers after admission: the immediate phase
@@ -27,11 +27,21 @@ class DeviceState:
         width: sampled ids per row in the broadcast (1 + speculative tokens; 1 now).
         device: compute device.
         rank: PP rank (named in mirror divergences).
+        block_size: tokens per KV block; the block table has ``ceil(max_model_len / block_size)``
+            columns per slot.
     """
 
     def __init__(self, max_num_reqs: int, max_model_len: int, width: int, device: torch.device,
-                 rank: int) -> None:
+                 rank: int, block_size: int = 16) -> None:
         self.device, self.width, self.max_model_len = device, width, max_model_len
+        self.block_size = block_size
+        cols = -(-max_model_len // block_size)
+        # Block table: the CPU copy feeds the step metadata (no device sync); the device copy is
+        # what kernels read. Both change only through apply_block_updates / add_requests.
+        self.block_table_np = np.zeros((max_num_reqs, cols), dtype=np.int32)  # [max_num_reqs, cols]
+        self.block_table = torch.zeros(max_num_reqs, cols, dtype=torch.int32, device=device)
+        self.num_blocks = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)  # [max_num_reqs]
+        self.output_offset_np = np.zeros(max_num_reqs, dtype=np.int64)  # [max_num_reqs] outputs prefilled
         i64 = dict(dtype=torch.int64, device=device)
         self.num_computed_tokens = torch.zeros(max_num_reqs, **i64)            # [max_num_reqs]
         self.num_computed_prefill_tokens = torch.zeros(max_num_reqs, **i64)    # [max_num_reqs]
@@ -52,11 +62,28 @@ class DeviceState:
             self.total_len[s] = n
             self.prefill_len[s] = n
             self.max_seq_len[s] = req.max_seq_len
-            self.num_computed_tokens[s] = 0
-            self.num_computed_prefill_tokens[s] = 0
+            self.num_computed_tokens[s] = req.num_cached_tokens
+            self.num_computed_prefill_tokens[s] = req.num_cached_tokens
             self.owner[s] = req.req_id
             self.sampling[s] = req.sampling
-            self.mirror.add_request(s, n, req.max_seq_len)
+            self.block_table_np[s] = 0
+            self.block_table[s] = 0
+            self.num_blocks[s] = 0
+            self.output_offset_np[s] = req.num_output_tokens
+            self.mirror.add_request(s, n, req.max_seq_len, req.num_cached_tokens)
+
+    def apply_block_updates(self, slots: np.ndarray, cols: np.ndarray, ids: np.ndarray) -> None:
+        """Scheduler block-table deltas (``[U]`` each): ``block_table[slot, col] = id`` on the CPU
+        copy and the device, ``num_blocks[slot] = max(num_blocks[slot], col + 1)`` on device and
+        mirror."""
+        if slots.size == 0:
+            return
+        self.block_table_np[slots, cols] = ids
+        s = torch.as_tensor(slots.astype(np.int64), device=self.device)
+        c = torch.as_tensor(cols.astype(np.int64), device=self.device)
+        self.block_table[s, c] = torch.as_tensor(ids, dtype=torch.int32, device=self.device)
+        self.num_blocks.scatter_reduce_(0, s, c + 1, reduce="amax")
+        self.mirror.apply_block_updates(slots, cols)
 
     def free(self, slot: int) -> None:
         """Forget the slot's owner (its tensors are re-initialised on the next admission)."""
@@ -96,7 +123,8 @@ class DeviceState:
         return np.fromiter((i for i, o in enumerate(self.owner) if o is not None), dtype=np.int64)
 
     def validate(self, step: int) -> None:
-        """Compare mirrors with device tensors on live slots (invariant 4).
+        """Compare mirrors with device tensors on live slots (invariant 4), and the block count
+        of each live slot with what its computed tokens need (invariant 9).
 
         Raises:
             MirrorDivergence: naming rank, step, slot, request, field and both values.
@@ -106,6 +134,7 @@ class DeviceState:
             return
         dev = {f: getattr(self, f).cpu().numpy() for f in MIRROR_FIELDS}
         self.mirror.validate(dev, live, step, owners=self.owner)
+        self.mirror.validate_blocks(self.block_size, live, step, owners=self.owner)
 
     def corrupt(self, slot: int, field: str, delta: int) -> None:
         """Test hook: add ``delta`` to one device value (mirror untouched) to plant a divergence."""

@@ -22,6 +22,7 @@ from runtime.config import EngineConfig
 from runtime.model.stage import load_stage
 from runtime.worker.device_state import DeviceState
 from runtime.worker.groups import destroy_groups, init_groups
+from runtime.worker.kv_capacity import rank_num_blocks
 from runtime.worker.runner import StageRunner
 
 
@@ -57,10 +58,16 @@ class _Worker:
             torch.cuda.set_device(device)
         self.groups = init_groups(self.rank, cfg.pp_size, self.args.init_method, device,
                                   cfg.step_timeout_s)
-        stage = load_stage(self.args.model_path, self.args.layer_range, dtype=pick_dtype(cfg, device),
+        dtype = pick_dtype(cfg, device)
+        stage = load_stage(self.args.model_path, self.args.layer_range, dtype=dtype,
                            device=device, max_num_reqs=cfg.max_num_seqs,
-                           max_model_len=cfg.max_model_len, progress=(self.rank == 0))
-        state = DeviceState(cfg.max_num_seqs, cfg.max_model_len, 1, device, self.rank)
+                           max_model_len=cfg.max_model_len, progress=(self.rank == 0),
+                           block_size=cfg.block_size, num_blocks=1)
+        start, end = self.args.layer_range
+        self.num_kv_blocks = rank_num_blocks(cfg, stage.cfg, end - start, dtype, device)
+        stage.allocate_kv_cache(self.num_kv_blocks)
+        state = DeviceState(cfg.max_num_seqs, cfg.max_model_len, 1, device, self.rank,
+                            cfg.block_size)
         sink = NULL_SINK
         if cfg.trace_dir:
             sink = JsonlSink(os.path.join(cfg.trace_dir, f"rank{self.rank}.jsonl"))
@@ -139,7 +146,8 @@ def run_worker(args) -> int:
     status = 0
     try:
         w.setup()
-        push.send(tp.encode(tp.ReadyMsg(rank=args.rank, info={"layers": list(args.layer_range)})))
+        push.send(tp.encode(tp.ReadyMsg(rank=args.rank, info={"layers": list(args.layer_range),
+                                                              "num_kv_blocks": w.num_kv_blocks})))
         w.serve(pull)
     except BaseException as exc:  # noqa: BLE001 - report everything to the engine
         w.report(exc)

@@ -78,6 +78,8 @@ class StageRunner:
             if self.handler is not None:
                 self.handler.on_slot_freed(f.slot)
         self.state.add_requests(out.new_requests)
+        self.state.apply_block_updates(out.block_table_slots, out.block_table_cols,
+                                       out.block_table_ids)
         if self.g.is_last:
             for r in out.new_requests:
                 self._params[r.slot] = SamplingParams(**r.sampling)
@@ -128,7 +130,8 @@ class StageRunner:
         slots = torch.as_tensor(out.slots, dtype=torch.int64, device=dev)
         starts = torch.as_tensor(out.start_positions, dtype=torch.int64, device=dev)
         qlens = torch.as_tensor(out.num_scheduled_tokens, dtype=torch.int64, device=dev)
-        meta = BatchMeta.build(slots, starts, qlens, dev)
+        meta = BatchMeta.build(out.slots, out.start_positions, out.num_scheduled_tokens, dev,
+                               torch.from_numpy(self.state.block_table_np), self.state.block_size)
         hidden = self._forward(out, meta)
         self.state.apply_scheduled(slots, qlens, out.slots.astype(np.int64),
                                    out.num_scheduled_tokens.astype(np.int64))
@@ -184,7 +187,8 @@ class StageRunner:
         if mask is not None:
             rows = np.nonzero(mask)[0]
             params = [self._params[int(out.slots[i])] for i in rows]
-            prompt = self.state.mirror.prefill_len_np[out.slots[rows]]
+            s = out.slots[rows]
+            prompt = self.state.mirror.prefill_len_np[s] - self.state.output_offset_np[s]
             out_idx = (out.start_positions[rows] + out.num_scheduled_tokens[rows] - prompt).tolist()
             batch = SamplingBatch.build(params, out_idx, self.device)
             rows_t = torch.as_tensor(rows, dtype=torch.int64, device=self.device)

@@ -1,0 +1,85 @@
+"""KV block state machine built from ``specs/block.yaml``, applied to arrays of blocks at once.
+
+A ``transitions.Machine`` is built from the table (as :mod:`ppstate.lifecycle` does for requests);
+from its events we derive, per trigger, a boolean "allowed source" vector and a destination vector
+indexed by state code. :meth:`BlockStates.fire` then moves a whole numpy array of block ids along
+one edge with two vectorised lookups, raising :class:`~ppstate.errors.BlockError` if any block is
+in a state that has no such edge. Guards (``is_hashed``) are checked by the caller
+(:class:`ppstate.blocks.BlockPool`), which owns the hashes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from transitions import Machine
+
+from ppstate.errors import BlockError
+from ppstate.spec import MachineSpec, load_spec
+
+FREE, ALLOCATED, CACHED = 0, 1, 2
+STATE_NAMES = ("free", "allocated", "cached")
+
+
+def _machine(spec: MachineSpec) -> Machine:
+    """The transitions machine of the table (``model=None``: used as a validated edge table)."""
+    return Machine(model=None, states=spec.state_names, initial=spec.initial,
+                   transitions=[{"trigger": t.trigger, "source": list(t.source),
+                                 "dest": None if t.dest == "=" else t.dest}
+                                for t in spec.transitions],
+                   auto_transitions=False, ignore_invalid_triggers=False)
+
+
+class BlockStates:
+    """State code per block (``[num_blocks]`` int8: 0 free, 1 allocated, 2 cached) and the edges.
+
+    Args:
+        num_blocks: blocks in the pool.
+        spec: the machine table; defaults to ``specs/block.yaml``.
+    Raises:
+        BlockError: the table's states differ from ``free / allocated / cached``.
+    """
+
+    def __init__(self, num_blocks: int, spec: MachineSpec | None = None) -> None:
+        self.spec = spec or load_spec("block")
+        if tuple(self.spec.state_names) != STATE_NAMES:
+            raise BlockError(f"specs/block.yaml must have states {STATE_NAMES}, "
+                             f"got {self.spec.state_names}")
+        self.machine = _machine(self.spec)
+        self.code = np.full(num_blocks, FREE, dtype=np.int8)  # [num_blocks]
+        self._allowed: dict[str, np.ndarray] = {}
+        self._dest: dict[str, np.ndarray] = {}
+        for trigger, event in self.machine.events.items():
+            allowed = np.zeros(len(STATE_NAMES), dtype=bool)   # [num_states]
+            dest = np.arange(len(STATE_NAMES), dtype=np.int8)  # [num_states]
+            for source, edges in event.transitions.items():
+                i = STATE_NAMES.index(source)
+                allowed[i] = True
+                dest[i] = STATE_NAMES.index(edges[0].dest or source)
+            self._allowed[trigger], self._dest[trigger] = allowed, dest
+
+    @property
+    def triggers(self) -> tuple[str, ...]:
+        return tuple(self._allowed)
+
+    def fire(self, blocks: np.ndarray | list[int], trigger: str) -> None:
+        """Move every block of ``blocks`` (``[n]`` ids) along ``trigger``.
+
+        Raises:
+            BlockError: unknown trigger, or some block's state has no ``trigger`` edge (names the
+                first such block and its state); no block is changed then.
+        """
+        allowed = self._allowed.get(trigger)
+        if allowed is None:
+            raise BlockError(f"unknown block trigger {trigger!r}; known: {self.triggers}")
+        ids = np.asarray(blocks, dtype=np.int64)
+        cur = self.code[ids]
+        bad = ~allowed[cur]
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise BlockError(f"block {int(ids[i])} in state {STATE_NAMES[cur[i]]!r} cannot take "
+                             f"trigger {trigger!r}")
+        self.code[ids] = self._dest[trigger][cur]
+
+    def count(self, state: int) -> int:
+        """Blocks currently in ``state`` (a state code)."""
+        return int(np.count_nonzero(self.code == state))
