@@ -35,8 +35,9 @@ def test_paged_stage_matches_transformers_on_cpu(kernels, monkeypatch):
     if kernels == "triton-interpreter":
         monkeypatch.setenv("PPSTATE_TRITON_INTERPRET", "1")
     dev = torch.device("cpu")
-    stage, hf = random_stage("tiny", None, dev, torch.float32), hf_model("tiny", dev, torch.float32)
-    model = PagedStage(stage, num_blocks=24, block_size=4, max_model_len=64)
+    stage = random_stage("tiny", None, dev, torch.float32, block_size=4)
+    hf = hf_model("tiny", dev, torch.float32)
+    model = PagedStage(stage, num_blocks=24, max_model_len=64)
     bt = np.random.default_rng(0).permutation(24)[:18].reshape(3, 6)
     ids = torch.randint(0, 512, (3, 9), generator=torch.Generator().manual_seed(0))
     logits = model.forward(PagedMeta.build(bt, [0] * 3, [9] * 3, 4, dev, 2), input_ids=ids.reshape(-1))
@@ -69,7 +70,7 @@ def test_graphs_on_off_and_transformers_agree():
     dev = torch.device("cuda", 0)
     shape, plen, new, rows = "smollm2-135m", 16, 24, 5
     vocab = model_config(shape).vocab_size
-    model = PagedStage(random_stage(shape, None, dev), num_blocks=64, block_size=16, max_model_len=64)
+    model = PagedStage(random_stage(shape, None, dev), num_blocks=64, max_model_len=64)
     graphs = DecodeGraphs(model, 8, 4, 64)
     graphs.capture(progress=False)
     prompts = np.random.default_rng(0).integers(100, vocab - 1, (rows, plen))
@@ -105,8 +106,7 @@ def test_pp2_nccl_sync_equals_pp1_and_overlapped_close_and_broadcast_order():
     dev = torch.device("cuda", 0)
     vocab = model_config(shape).vocab_size
     max_len = plen + new + 17                           # as gpu_pp.pp_worker sizes it
-    model = PagedStage(random_stage(shape, None, dev), num_blocks=64, block_size=16,
-                       max_model_len=max_len)
+    model = PagedStage(random_stage(shape, None, dev), num_blocks=64, max_model_len=max_len)
     graphs = DecodeGraphs(model, batch, -(-max_len // 16), max_len)
     graphs.capture(progress=False)
     prompts = np.random.default_rng(1).integers(100, vocab - 1, (batch, plen))

@@ -17,8 +17,10 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def _state(device: str) -> DeviceState:
-    st = DeviceState(8, 64, 1, torch.device(device), rank=1)
+    st = DeviceState(8, 64, 1, torch.device(device), rank=1, block_size=64)
     st.add_requests([NewRequest(f"r{s}", s, tuple(range(5 + s)), 40) for s in (1, 3, 6)])
+    slots = np.array([1, 3, 6])
+    st.apply_block_updates(slots, np.zeros(3, dtype=np.int64), np.array([5, 2, 7]))  # 1 block each
     return st
 
 

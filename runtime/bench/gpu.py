@@ -88,7 +88,7 @@ def bench_shape(shape: str, args, dev: torch.device) -> dict:
     num_blocks = max(max(args.batches) * per_row(args.prompt_len + args.new_tokens),
                      args.pp_batch * per_row(args.pp_prompt_len + args.pp_new_tokens),
                      args.prefill_prompts * mb) + 8
-    model = PagedStage(stage, num_blocks, BLOCK, max_len)
+    model = PagedStage(stage, num_blocks, max_len)
     graphs = DecodeGraphs(model, max_rows, mb, max_len)
     rep = graphs.capture(progress=True)
     print(f"[{shape}] captured {len(rep.buckets)} CUDA graphs in {rep.seconds:.1f} s, "

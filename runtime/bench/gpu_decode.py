@@ -150,6 +150,7 @@ def _device_state(n: int, device, validate: str):
     from runtime.worker.mirror_check import AsyncMirrorCheck
     if validate not in ("off", "sync", "async"):
         raise ValueError(f"validate must be off, sync or async, got {validate!r}")
-    state = DeviceState(n, 8, 1, device, rank=0)
+    state = DeviceState(n, 8, 1, device, rank=0, block_size=1 << 20)   # one block per request
     state.add_requests([NewRequest(f"r{i}", i, (1, 2, 3), 1 << 30) for i in range(n)])
+    state.apply_block_updates(np.arange(n), np.zeros(n, dtype=np.int64), np.arange(n))
     return state, (AsyncMirrorCheck(state) if validate == "async" else None)

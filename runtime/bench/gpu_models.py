@@ -51,15 +51,16 @@ def random_tensor(cfg: ModelConfig, name: str, device: torch.device, dtype: torc
 
 
 def random_stage(shape: str, layer_range: tuple[int, int] | None, device: torch.device,
-                 dtype: torch.dtype = torch.bfloat16) -> StageModel:
+                 dtype: torch.dtype = torch.bfloat16, block_size: int = 16) -> StageModel:
     """A :class:`StageModel` of ``layer_range`` (default: all layers) with the benchmark weights.
-    Its own slot cache is minimal (1 slot, 16 tokens): the paged cache of ``PagedStage`` is used."""
+    Its paged cache starts with one block (``PagedStage(num_blocks=...)`` sizes it)."""
     cfg = model_config(shape)
     rng = layer_range or (0, cfg.num_layers)
     names = stage_tensor_names(cfg, rng)
     weights = {n: random_tensor(cfg, n, device, dtype) for n in names}
     return StageModel(cfg, rng, weights, max_num_reqs=1, max_model_len=16, dtype=dtype,
-                      device=device, batch_invariant=False).eval()
+                      device=device, batch_invariant=False, block_size=block_size,
+                      num_blocks=1).eval()
 
 
 def hf_model(shape: str, device: torch.device, dtype: torch.dtype = torch.bfloat16):

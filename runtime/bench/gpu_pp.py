@@ -174,7 +174,7 @@ def pp_worker(rank: int, shape: str, port: int, jobs: list[dict], queue) -> None
         stage = random_stage(shape, (0, half) if rank == 0 else (half, cfg.num_layers), dev)
         max_len = max(j.get("plen", 0) + j.get("new", 0) for j in jobs) + BLOCK + 1
         num_blocks = max(j.get("batch", j.get("n", 1)) * (-(-max_len // BLOCK)) for j in jobs) + 8
-        model = PagedStage(stage, num_blocks, BLOCK, max_len)
+        model = PagedStage(stage, num_blocks, max_len)
         graphs = DecodeGraphs(model, max(j.get("batch", 1) for j in jobs), -(-max_len // BLOCK),
                               max_len)
         rep = graphs.capture(progress=False)

@@ -78,27 +78,47 @@ class PagedMeta:
                          to(seq, torch.int32), to(qsl, torch.int32), to(qsl[1:] - 1, torch.int64),
                          max_q, splits)
 
+    @staticmethod
+    def from_batch(meta, num_kv_heads: int) -> "PagedMeta":
+        """The paged fields of a :class:`~runtime.model.batch_meta.BatchMeta` (already on the
+        device; nothing is copied)."""
+        splits = (choose_num_splits(meta.num_rows, num_kv_heads, meta.max_seq_len)
+                  if meta.max_query_len == 1 else 1)
+        return PagedMeta(meta.positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                         meta.query_start_loc, meta.last_token, meta.max_query_len, splits)
+
 
 class PagedStage:
-    """The layers of ``stage`` over a paged KV cache (see module doc).
+    """The layers of ``stage`` over its paged KV cache (see module doc).
 
     Args:
-        stage: a loaded :class:`StageModel` (its own slot cache is not used).
-        num_blocks, block_size: KV cache blocks and tokens per block.
-        max_model_len: longest context (tokens), for the RoPE tables.
+        stage: a loaded :class:`StageModel`; its ``kv_cache`` is the cache used (shared).
+        num_blocks: if given, (re)allocate the stage's cache with this many blocks first.
+        max_model_len: longest context (tokens) for the RoPE tables; default: the stage's.
     Attributes:
-        kv_cache: ``[L, 2, num_blocks, block_size, KVH, D]`` in the model dtype (zeros).
+        kv_cache: the stage's ``[L, 2, num_blocks, block_size, KVH, D]`` cache.
     """
 
-    def __init__(self, stage: StageModel, num_blocks: int, block_size: int, max_model_len: int) -> None:
+    def __init__(self, stage: StageModel, num_blocks: int | None = None,
+                 max_model_len: int | None = None) -> None:
         self.stage, self.cfg = stage, stage.cfg
-        self.block_size, self.num_blocks = block_size, num_blocks
+        if num_blocks is not None:
+            stage.allocate_kv_cache(num_blocks)
+        self.block_size = stage.block_size
         p = next(stage.parameters())
-        cos, sin = rope_tables(rope_inv_freq(self.cfg), max_model_len)
-        self.rope_cos, self.rope_sin = cos.to(p.device, p.dtype), sin.to(p.device, p.dtype)
-        c = self.cfg
-        self.kv_cache = torch.zeros(len(stage.layers), 2, num_blocks, block_size, c.num_kv_heads,
-                                    c.head_dim, dtype=p.dtype, device=p.device)
+        if max_model_len is None or max_model_len <= stage.rope_cos.shape[0]:
+            self.rope_cos, self.rope_sin = stage.rope_cos, stage.rope_sin
+        else:
+            cos, sin = rope_tables(rope_inv_freq(self.cfg), max_model_len)
+            self.rope_cos, self.rope_sin = cos.to(p.device, p.dtype), sin.to(p.device, p.dtype)
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        return self.stage.kv_cache
+
+    @property
+    def num_blocks(self) -> int:
+        return self.stage.num_blocks
 
     @torch.inference_mode()
     def forward(self, meta: PagedMeta, input_ids: torch.Tensor | None = None,
