@@ -199,9 +199,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/gpu-DATE.json)")
     p.add_argument("--table", default=None, help="print the Markdown table of an existing JSON")
+    p.add_argument("--make-folder", default=None, metavar="PATH",
+                   help="only save the first --shapes model as an HF folder at PATH (random bf16 "
+                   "weights, word-level tokenizer) for the engine benchmark, and exit")
     args = p.parse_args(argv)
     if args.table:
         print(markdown(json.loads(Path(args.table).read_text())))
+        return 0
+    if args.make_folder:
+        from runtime.bench.gpu_models import make_folder
+        make_folder(args.shapes.split(",")[0], args.make_folder,
+                    torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        print(f"wrote {args.make_folder}")
         return 0
     if not torch.cuda.is_available():
         p.error("python -m runtime.bench gpu needs a CUDA device")

@@ -43,9 +43,9 @@ def prefill_tokens_per_s(model, n: int, prompt_len: int) -> float:
     return n * prompt_len / (time.perf_counter() - t0)
 
 
-def greedy_ids(model, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """``[new_tokens]`` greedy ids after ``prompt [P]`` (default cache), and the per-step logits
-    margins are not needed: callers compare ids with a near-tie tolerance of their own."""
+def greedy_ids(model, prompt: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy continuation of ``prompt [P]`` (default cache): ``(ids [new_tokens], scores
+    [new_tokens, V] fp32)``; callers judge a differing id by its score margin (near-ties)."""
     with torch.inference_mode():
         out = model.generate(prompt[None], max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                              do_sample=False, pad_token_id=0,

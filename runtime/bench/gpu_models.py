@@ -76,3 +76,21 @@ def hf_model(shape: str, device: torch.device, dtype: torch.dtype = torch.bfloat
     model.load_state_dict(state, strict=False)   # tied lm_head follows the embedding
     del state
     return model.to(dtype).eval()
+
+
+def make_folder(shape: str, path, device: torch.device, dtype: torch.dtype = torch.bfloat16):
+    """Save the benchmark model of ``shape`` as an HF folder at ``path`` (safetensors +
+    config.json) with a word-level tokenizer over its vocabulary (``t0`` .. ``tN``; bos ``t1``,
+    eos ``t2``): what the engine needs to serve it by token ids. Returns the transformers model."""
+    import json
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    path = Path(path)
+    hf = hf_model(shape, device, dtype)
+    hf.save_pretrained(path)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(hf.config.vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "t1", "eos_token": "t2"}))
+    return hf
