@@ -96,9 +96,15 @@ def bench_shape(shape: str, args, dev: torch.device) -> dict:
     out = {"capture": {"buckets": rep.buckets, "seconds": rep.seconds, "bytes": rep.bytes},
            "pp1": [], "eager": [], "prefill": {}}
     fast, eager = GreedyLoop(model, graphs), GreedyLoop(model, None)
-    hf = hf_model(shape, dev) if not args.no_hf else None
+    hf = hf_model(shape, dev) if not (args.no_hf or args.pp2_only) else None
     pp1_run(fast, 4, args.prompt_len, 8, cfg.vocab_size)    # warm-up: Triton compiles, allocator
     pp1_run(eager, 4, args.prompt_len, 8, cfg.vocab_size)
+    if args.pp2_only:   # only the PP=1 reference of the PP=2 workload
+        out["pp1_decode_heavy"] = pp1_run(fast, args.pp_batch, args.pp_prompt_len,
+                                          args.pp_new_tokens, cfg.vocab_size)
+        del hf, fast, eager, graphs, model, stage
+        torch.cuda.empty_cache()
+        return out
     static_batches = args.static_batches if shape in args.static_shapes.split(",") else []
     for b in args.batches:
         r = pp1_run(fast, b, args.prompt_len, args.new_tokens, cfg.vocab_size)
@@ -197,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttft-prompts", type=int, default=8)
     p.add_argument("--ttft-len", type=int, default=4096)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
+    p.add_argument("--pp2-only", action="store_true",
+                   help="with --pp 2: only the PP=2 rows and their PP=1 reference")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/gpu-DATE.json)")
     p.add_argument("--table", default=None, help="print the Markdown table of an existing JSON")
     p.add_argument("--make-folder", default=None, metavar="PATH",
@@ -227,11 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     for shape in args.shapes.split(","):
         r = bench_shape(shape, args, dev)
         res["pp1"] += r["pp1"]
-        res["prefill"].append(r["prefill"])
         res["capture"][shape] = r["capture"]
-        res.setdefault("validation", {})[shape] = r["validation"]
-        if res["validate_mirrors_cost"] is None:           # the first shape's (SmolLM2's) figure
-            res["validate_mirrors_cost"] = r["validation"]["async_cost"]
+        if not args.pp2_only:
+            res["prefill"].append(r["prefill"])
+            res.setdefault("validation", {})[shape] = r["validation"]
+            if res["validate_mirrors_cost"] is None:       # the first shape's (SmolLM2's) figure
+                res["validate_mirrors_cost"] = r["validation"]["async_cost"]
         if args.pp == 2:
             res["pp2"] += bench_pp2(shape, args, r["pp1_decode_heavy"]["tokens_per_s"])
         out_path.parent.mkdir(parents=True, exist_ok=True)

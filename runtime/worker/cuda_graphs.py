@@ -83,6 +83,7 @@ class DecodeGraphs:
         cache. Returns the wall seconds and the device memory taken meanwhile (free memory
         before minus after, so it includes Triton's compiled kernels and cuBLAS workspaces)."""
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()          # so freed cached blocks do not count as capture memory
         before = torch.cuda.mem_get_info()[0]
         t0 = time.perf_counter()
         self.slot_mapping.fill_(-1)
