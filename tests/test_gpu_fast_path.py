@@ -124,3 +124,22 @@ def test_pp2_nccl_sync_equals_pp1_and_overlapped_close_and_broadcast_order():
     assert got[0]["tokens"] == pp1(np.arange(batch))
     assert got[1]["tokens"] == pp1(np.arange(batch // 2)) + pp1(np.arange(batch // 2, batch))
     assert got[2]["wrong_steps"] == 0
+
+
+def test_batch_meta_without_groups_keeps_the_paged_fields():
+    """The fast path skips the CPU attention groups; every paged field stays as built with them
+    and the block bounds are those of the blocks the rows really read (mixed decode and chunk
+    rows, shuffled table; the CPU path also reads padded, masked key positions)."""
+    from runtime.model.batch_meta import BatchMeta
+    rng = np.random.default_rng(3)
+    table = torch.from_numpy(rng.permutation(40 * 8).reshape(40, 8).astype(np.int32))
+    slots, starts = rng.permutation(40)[:9], rng.integers(0, 90, 9)
+    qlens = np.where(rng.random(9) < 0.5, 1, rng.integers(1, 30, 9))
+    a = BatchMeta.build(slots, starts, qlens, "cpu", table, 16)
+    b = BatchMeta.build(slots, starts, qlens, "cpu", table, 16, attention_groups=False)
+    read = np.concatenate([table[s, :-(-(st + q) // 16)].numpy()
+                           for s, st, q in zip(slots, starts, qlens)])
+    assert b.groups == () and b.block_bounds == (int(read.min()), int(read.max()))
+    assert a.block_bounds[0] <= b.block_bounds[0] and b.block_bounds[1] <= a.block_bounds[1]
+    for f in ("positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc", "last_token"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f

@@ -146,7 +146,8 @@ class StageRunner:
         starts = torch.as_tensor(out.start_positions, dtype=torch.int64, device=dev)
         qlens = torch.as_tensor(out.num_scheduled_tokens, dtype=torch.int64, device=dev)
         meta = BatchMeta.build(out.slots, out.start_positions, out.num_scheduled_tokens, dev,
-                               torch.from_numpy(self.state.block_table_np), self.state.block_size)
+                               torch.from_numpy(self.state.block_table_np), self.state.block_size,
+                               attention_groups=self.fast is None)
         hidden = self._forward(out, meta)
         self.state.apply_scheduled(slots, qlens, out.slots.astype(np.int64),
                                    out.num_scheduled_tokens.astype(np.int64))
