@@ -149,3 +149,20 @@ def test_cuda_fused_kernels_match_torch_bf16():
     """bf16 at the SmolLM2 and Llama-3-8B widths: equal up to one bf16 rounding step."""
     check_fused("cuda", torch.bfloat16, t=17, h=9, kvh=3, d=64, n=576, i=1536, atol=1.6e-2)
     check_fused("cuda", torch.bfloat16, t=9, h=32, kvh=8, d=128, n=4096, i=14336, atol=1.6e-2)
+
+
+def test_interpreter_matches_the_model_reference_of_the_paged_cache():
+    """Also against #18's reference (``runtime.model.paged_attention``), the CPU path's own."""
+    from runtime.model.paged_attention import paged_attention_reference
+    from runtime.model.paged_attention import write_kv as model_write_kv
+    g = torch.Generator().manual_seed(11)
+    q, k, v, kc, vc, sm, bt, sl, qsl, mq = random_batch(
+        g, rows=5, h=6, kvh=2, d=16, block_size=4, max_ctx=30, max_q=7, dtype=torch.float32,
+        device="cpu")
+    kc2, vc2 = kc.clone(), vc.clone()
+    write_kv(k, v, kc, vc, sm, backend="triton")
+    model_write_kv(k, v, kc2, vc2, sm)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    out = paged_attention(q, kc, vc, bt, sl, qsl, mq, 0.25, backend="triton")
+    ref = paged_attention_reference(q, kc2, vc2, bt, sl, qsl, mq, 0.25)
+    assert _rel(out, ref) < 1e-5
