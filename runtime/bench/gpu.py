@@ -23,6 +23,7 @@ import datetime as _dt
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +44,6 @@ def _ints(s: str) -> list[int]:
 
 def pp1_run(loop: GreedyLoop, batch: int, plen: int, new: int, vocab: int, seed: int = 0) -> dict:
     """Prefill + ``new - 1`` decode steps of ``batch`` rows; output tokens/s and step figures."""
-    import time
     dev = loop.model.kv_cache.device
     lane = make_lane(batch, -(-(plen + new) // BLOCK), 0, dev, seed=seed)
     prompts = np.random.default_rng(seed).integers(100, vocab - 1, (batch, plen))
@@ -130,7 +130,6 @@ def bench_shape(shape: str, args, dev: torch.device) -> dict:
     lane = make_lane(args.prefill_prompts, mb, 0, dev, seed=5)
     prompts = np.random.default_rng(5).integers(100, cfg.vocab_size - 1,
                                                 (args.prefill_prompts, args.prefill_len))
-    import time
     for _ in range(2):
         torch.cuda.synchronize()
         t0 = time.perf_counter()

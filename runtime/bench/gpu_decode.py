@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from runtime.kernels.attention import choose_num_splits
 from runtime.model.paged_stage import PagedMeta, PagedStage
 from runtime.worker.cuda_graphs import DecodeGraphs
 
@@ -36,7 +37,6 @@ class LaneState:
         blk = self.block_tables.gather(1, (self.positions // block_size)[:, None])[:, 0]
         slots = blk.long() * block_size + self.positions % block_size
         ar = torch.arange(n + 1, dtype=torch.int32, device=self.positions.device)
-        from runtime.kernels.attention import choose_num_splits
         return PagedMeta(self.positions, slots, self.block_tables, self.seq_lens, ar,
                          ar[:-1].long(), max_query_len=1,
                          num_splits=choose_num_splits(n, num_kv_heads, self.block_tables.shape[1] * block_size))
