@@ -48,6 +48,7 @@ class Scheduler:
         self.lifecycle = Lifecycle()
         self.kv = KVManager(config)
         self.num_preemptions = 0
+        self.num_prefill_tokens = 0   # prefill tokens scheduled (computed), prefix hits excluded
         self._waiting: deque[Request] = deque()
         self._running: dict[str, Request] = {}          # admission order
         self._live: dict[str, Request] = {}             # waiting + running, by id
@@ -188,12 +189,13 @@ class Scheduler:
 
     def kv_stats(self) -> dict[str, float | int]:
         """KV-cache counters: blocks (total / free incl. cached / cached), prefix-cache lookups
-        and hits (tokens), hit rate, preemptions so far."""
+        and hits (tokens), hit rate, preemptions and prefill tokens computed so far."""
         pool = self.kv.pool
         return {"kv_blocks_total": pool.num_blocks, "kv_blocks_free": pool.num_free,
                 "kv_blocks_cached": pool.num_cached, "prefix_cache_query_tokens": pool.query_tokens,
                 "prefix_cache_hit_tokens": pool.hit_tokens, "prefix_cache_hit_rate": pool.hit_rate,
-                "num_preemptions": self.num_preemptions}
+                "num_preemptions": self.num_preemptions,
+                "prefill_tokens_computed": self.num_prefill_tokens}
 
     def row_cap(self) -> int:
         """Rows allowed in the next step: the balanced share of the live load.

@@ -54,6 +54,8 @@ class RowBuilder:
         self.starts.append(int(a.num_computed_tokens[slot]))
         self.final.append(final)
         self.epochs.append(req.epoch)
+        if req.state == "prefilling":
+            self.sched.num_prefill_tokens += num_tokens
         a.num_computed_tokens[slot] += num_tokens
         self.kv.grow(req, int(a.num_computed_tokens[slot]))
         self.kv.register_full(req, int(a.num_computed_tokens[slot]))

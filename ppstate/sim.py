@@ -34,6 +34,8 @@ class SimResult:
     output_tokens: int
     throughput_tokens_per_tick: float
     bubble_fraction: float
+    preemptions: int = 0
+    prefix_hit_tokens: int = 0
     invariant_violations: list[dict] = field(default_factory=list)
     num_violations: int = 0
     seed: int = 0
@@ -48,14 +50,16 @@ class Simulator:
         self.sched = Scheduler(SchedulerConfig(
             pp_size=cfg.pp_size, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_prefill_chunk=cfg.chunk,
-            max_model_len=cfg.max_model_len, mode=cfg.mode))
+            max_model_len=cfg.max_model_len, mode=cfg.mode, block_size=cfg.block_size,
+            num_kv_blocks=cfg.num_kv_blocks, enable_prefix_caching=cfg.enable_prefix_caching))
         self.requests = make_workload(cfg)
         self.arrivals = sorted(self.requests, key=lambda r: r.arrival)
         self.aborts = sorted((r.abort_at, r.req_id) for r in self.requests if r.abort_at >= 0)
         self.checker = InvariantChecker(self.requests, self.sched)
         depth = cfg.pp_size if cfg.mode == "overlapped" else 1
         self.depth = depth
-        self.ranks = [SimRank(r, cfg.pp_size, depth, cfg.max_num_seqs, self.checker)
+        kv = (cfg.max_model_len, self.sched.config.num_kv_blocks, cfg.block_size)
+        self.ranks = [SimRank(r, cfg.pp_size, depth, cfg.max_num_seqs, self.checker, kv)
                       for r in range(cfg.pp_size)]
         self.wire = Wire()
         self.outputs = self.wire.outputs
@@ -181,6 +185,8 @@ class Simulator:
             aborted=self.num_aborted, output_tokens=self.output_tokens,
             throughput_tokens_per_tick=round(self.output_tokens / ticks, 6),
             bubble_fraction=round(1.0 - busy / (self.cfg.pp_size * ticks), 6),
+            preemptions=self.sched.num_preemptions,
+            prefix_hit_tokens=self.sched.kv.pool.hit_tokens,
             invariant_violations=[v.as_dict() for v in self.checker.violations],
             num_violations=self.checker.num_violations, seed=self.cfg.seed,
             repro=repro_command(self.cfg))
@@ -200,7 +206,10 @@ def repro_command(cfg: SimConfig) -> str:
             f"--max-num-seqs {cfg.max_num_seqs} --max-num-batched-tokens "
             f"{cfg.max_num_batched_tokens} --eos-prob {cfg.eos_prob} --stage-cost "
             f"{cfg.stage_base}:{cfg.stage_per_token} --p2p-ticks {cfg.p2p_ticks} --broadcast-ticks "
-            f"{cfg.broadcast_ticks} --json")
+            f"{cfg.broadcast_ticks} --block-size {cfg.block_size}"
+            + (f" --kv-blocks {cfg.num_kv_blocks}" if cfg.num_kv_blocks else "")
+            + f" --shared-prefix {cfg.shared_prefix}"
+            + ("" if cfg.enable_prefix_caching else " --no-prefix-caching") + " --json")
 
 
 def main(argv: list[str] | None = None) -> int:

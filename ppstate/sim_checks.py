@@ -47,10 +47,15 @@ class InvariantChecker:
         self.cadence = self.cfg.pp_size if self.cfg.mode == "overlapped" else 1
         self.prompt_len = {r.req_id: len(r.prompt) for r in requests}
         self.expected = {r.req_id: expected_output(r, self.cfg.max_model_len) for r in requests}
+        self._truth = {r.req_id: np.array(r.prompt + tuple(self.expected[r.req_id].tokens),
+                                          dtype=np.int64) for r in requests}
+        # (step, req_id) -> (admission step, prefill length, outputs kept) of the row's admission
+        self.admission: dict[str, tuple[int, int, int]] = {}
+        self.row_admission: dict[tuple[int, str], tuple[int, int, int]] = {}
         self.violations: list[Violation] = []
         self.num_violations = 0
         self.sampling_steps: dict[str, list[int]] = defaultdict(list)
-        self.sampled_by_last: dict[str, list[int]] = defaultdict(list)
+        self.sampled_by_last: dict[str, dict[int, int]] = defaultdict(dict)  # output index -> id
         self.received: dict[str, list[int]] = defaultdict(list)
         self.closed: dict[str, str] = {}     # req_id -> finish reason seen by the client
         self._posts: dict[int, dict[int, bool]] = defaultdict(dict)
@@ -62,24 +67,51 @@ class InvariantChecker:
         if len(self.violations) < MAX_REPORTED:
             self.violations.append(Violation(invariant, step, rank, message))
 
-    # ---------------------------------------------------------- scheduler side (5, 7)
+    def true_sequence(self, req_id: str) -> np.ndarray:
+        """``[prompt + expected outputs]`` token ids of ``req_id`` (what its KV cache holds)."""
+        return self._truth[req_id]
+
+    def _head_fits(self) -> bool:
+        """The oldest waiting request's first token would fit the free KV blocks now."""
+        head, kv = self.sched.peek_waiting(), self.sched.kv
+        return head is not None and kv.admissible_tokens(kv.prefix_hit(head), 1) >= 1
+
+    def _row_info(self, step: int, rid: str) -> tuple[int, int, int]:
+        return self.row_admission.get((step, rid), (0, self.prompt_len[rid], 0))
+
+    # ---------------------------------------------------------- scheduler side (5, 7, 9)
     def on_issue(self, out: SchedulerOutput) -> None:
-        """Cadence (5) and budgets / balance (7) of a freshly issued step."""
+        """Cadence (5), budgets / balance (7) and the KV block pool (9) of a freshly issued step.
+        Rows are judged against their own admission (a preempted request is re-admitted with its
+        kept outputs as part of the prefill)."""
         cfg, s = self.cfg, out.step
+        for n in out.new_requests:
+            self.admission[n.req_id] = (s, len(n.prompt_token_ids), n.num_output_tokens)
+        for rid in out.req_ids:
+            self.row_admission[(s, rid)] = self.admission[rid]
+        try:
+            self.sched.kv.pool.check_invariants()
+        except Exception as exc:  # noqa: BLE001 - any BlockError is a violation
+            self.violation(9, s, None, f"block pool: {exc}")
         if out.total_tokens > cfg.max_num_batched_tokens:
             self.violation(7, s, None, f"{out.total_tokens} tokens > max_num_batched_tokens")
         if self.sched.slots.num_allocated > cfg.max_num_seqs:
             self.violation(7, s, None, f"{self.sched.slots.num_allocated} live > max_num_seqs")
+        new = {n.req_id for n in out.new_requests}
         capped = sum(1 for i, rid in enumerate(out.req_ids)   # continuing chunks are exempt
-                     if out.start_positions[i] == 0 or out.start_positions[i] >= self.prompt_len[rid])
+                     if rid in new or out.start_positions[i] >= self._row_info(s, rid)[1])
         if capped > cfg.max_rows_per_step:
             self.violation(7, s, None, f"{capped} rows > balanced cap {cfg.max_rows_per_step}")
-        if out.num_rows == 0 and self.sched.num_waiting and self.sched.slots.num_free:
-            self.violation(7, s, None, "empty batch while requests wait and slots are free")
+        preempted = any(f.reason == "preempted" for f in out.freed)  # no admission then
+        if out.num_rows == 0 and self.sched.num_waiting and self.sched.slots.num_free and \
+                not preempted and self._head_fits():
+            self.violation(7, s, None, "empty batch while requests wait and slots and KV "
+                           "blocks are free")
         for i, rid in enumerate(out.req_ids):
             steps = self.sampling_steps[rid]
-            is_decode = int(out.start_positions[i]) >= self.prompt_len[rid]
-            if is_decode and steps and s - steps[-1] < self.cadence:
+            admitted, prefill, _ = self._row_info(s, rid)
+            is_decode = int(out.start_positions[i]) >= prefill
+            if is_decode and steps and steps[-1] >= admitted and s - steps[-1] < self.cadence:
                 self.violation(5, s, None, f"request {rid} decodes at step {s}, "
                                f"{s - steps[-1]} steps after step {steps[-1]} (< {self.cadence})")
             if out.is_final_chunk[i]:
@@ -118,20 +150,26 @@ class InvariantChecker:
                 self.violation(2, out.step, rank, f"row {rid} runs on slot {slot} owned by "
                                f"{owner[slot]}")
                 continue
-            if int(out.start_positions[i]) < self.prompt_len[rid]:
+            admitted, prefill, kept = self._row_info(out.step, rid)
+            if int(out.start_positions[i]) < prefill:
                 continue
-            n_prev = bisect_left(self.sampling_steps[rid], out.step)
+            steps = self.sampling_steps[rid]
+            n_prev = kept + bisect_left(steps, out.step) - bisect_left(steps, admitted)
             hist = history[slot]
             truth = self.sampled_by_last[rid]
-            if len(hist) != n_prev or not hist or hist[-1] != truth[n_prev - 1]:
+            if len(hist) != n_prev or not hist or hist[-1] != truth.get(n_prev - 1):
                 self.violation(3, out.step, rank, f"decode input of {rid}: device has "
                                f"{len(hist)} sampled ids ending {hist[-1:]}, last rank sampled "
-                               f"{n_prev} ending {truth[n_prev - 1:n_prev]}")
+                               f"{n_prev} ending {truth.get(n_prev - 1)}")
 
     def record_sampled(self, out: SchedulerOutput, tokens: np.ndarray) -> None:
         """Ground truth: ids the last rank sampled for the sampling rows of ``out``."""
         for i in np.nonzero(out.is_final_chunk)[0].tolist():
-            self.sampled_by_last[out.req_ids[i]].append(int(tokens[i]))
+            rid = out.req_ids[i]
+            admitted, _, kept = self._row_info(out.step, rid)
+            steps = self.sampling_steps[rid]
+            index = kept + bisect_left(steps, out.step) - bisect_left(steps, admitted)
+            self.sampled_by_last[rid][index] = int(tokens[i])
 
     # ---------------------------------------------------------- client side (3)
     def on_updates(self, step: int, updates: list[TokenUpdate]) -> None:

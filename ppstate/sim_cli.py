@@ -54,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stage time of a batch = BASE + PER_TOKEN * tokens (ticks)")
     p.add_argument("--p2p-ticks", type=int, default=0, help="rank-to-rank hand-off latency")
     p.add_argument("--broadcast-ticks", type=int, default=0, help="sampled-id broadcast latency")
+    p.add_argument("--block-size", type=_positive, default=16, help="KV block size (tokens)")
+    p.add_argument("--kv-blocks", type=_positive, default=None,
+                   help="KV blocks (default: max_model_len per slot); few force preemptions")
+    p.add_argument("--shared-prefix", type=int, default=0,
+                   help="tokens of a common prefix in front of every prompt")
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -66,7 +72,9 @@ def config_from_args(ns: argparse.Namespace) -> SimConfig:
                      max_model_len=ns.max_model_len, abort_rate=ns.abort_rate, arrival=ns.arrival,
                      eos_prob=ns.eos_prob, stage_base=ns.stage_cost[0],
                      stage_per_token=ns.stage_cost[1], p2p_ticks=ns.p2p_ticks,
-                     broadcast_ticks=ns.broadcast_ticks)
+                     broadcast_ticks=ns.broadcast_ticks, block_size=ns.block_size,
+                     num_kv_blocks=ns.kv_blocks, shared_prefix=max(0, ns.shared_prefix),
+                     enable_prefix_caching=not ns.no_prefix_caching)
 
 
 def run_cli(argv: list[str] | None = None) -> int:
@@ -85,7 +93,8 @@ def run_cli(argv: list[str] | None = None) -> int:
         print(f"steps={result.steps} ticks={result.ticks} completed={result.completed} "
               f"aborted={result.aborted} output_tokens={result.output_tokens} "
               f"throughput={result.throughput_tokens_per_tick:.4f} tok/tick "
-              f"bubble={result.bubble_fraction:.3f} violations={result.num_violations}")
+              f"bubble={result.bubble_fraction:.3f} preemptions={result.preemptions} "
+              f"prefix_hit_tokens={result.prefix_hit_tokens} violations={result.num_violations}")
     if result.num_violations:
         print(f"invariant violations with seed {result.seed}; reproduce with:\n  {result.repro}",
               file=sys.stderr)

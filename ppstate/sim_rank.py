@@ -1,7 +1,8 @@
 """One simulated PP rank: its "device" per-slot state, CPU mirrors and (non-last) PPHandler.
 
 Each rank applies a step as the runtime worker does: deferred consume (non-last ranks), then the
-step's ``freed`` and ``new_requests``, then the forward (immediate ``num_computed_tokens`` update),
+step's ``freed`` and ``new_requests`` and block-table deltas, then the forward (KV writes and reads
+through the block table, :mod:`ppstate.sim_kv`; immediate ``num_computed_tokens`` update),
 then the last rank samples and decides to broadcast while earlier ranks post the deferred receive.
 Ground truth for the invariant checks is reported to :class:`ppstate.sim_checks.InvariantChecker`.
 """
@@ -16,6 +17,7 @@ import numpy as np
 from ppstate.batch import SchedulerOutput, StepResult
 from ppstate.mirror import CpuMirror
 from ppstate.pp_handler import PPHandler, need_sampled_mask, should_broadcast
+from ppstate.sim_kv import SimKV
 from ppstate.sim_workload import model_token
 
 if TYPE_CHECKING:
@@ -46,10 +48,12 @@ class SimRank:
         depth: PPHandler depth (pp_size overlapped, 1 sync).
         max_num_reqs: slots.
         checker: receives ground truth and records violations.
+        kv_geometry: ``(max_model_len, num_blocks, block_size)`` of the KV cache model.
     """
 
     def __init__(self, rank: int, pp_size: int, depth: int, max_num_reqs: int,
-                 checker: "InvariantChecker") -> None:
+                 checker: "InvariantChecker",
+                 kv_geometry: tuple[int, int, int] = (2048, 2048, 16)) -> None:
         self.rank, self.is_last, self.checker = rank, rank == pp_size - 1, checker
         self.owner: list[str | None] = [None] * max_num_reqs       # [max_num_reqs]
         self.history: list[list[int]] = [[] for _ in range(max_num_reqs)]  # sampled ids per slot
@@ -59,6 +63,7 @@ class SimRank:
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)  # [max_num_reqs] "device"
         self.mirror = CpuMirror(max_num_reqs, rank=rank)
         self.handler = None if self.is_last else PPHandler(depth, max_num_reqs, rank=rank)
+        self.kv = SimKV(rank, max_num_reqs, *kv_geometry, checker)
         self.next_step = 0          # next step this rank will run
         self.busy_until = -1        # tick the running step ends (-1: idle)
         self.running: int | None = None
@@ -72,6 +77,7 @@ class SimRank:
             self._consume(buffers, outputs)
         if out.freed or out.new_requests:
             self._apply_freed_and_new(out)
+        self.kv.apply_deltas(out)
         self.checker.check_inputs(self.rank, out, self.owner, self.history)
         if self.rank == 0:
             wire.hidden[out.step] = self._input_tokens(out)
@@ -109,16 +115,20 @@ class SimRank:
         for n in out.new_requests:
             self.checker.check_owner(self.rank, out.step, n.slot, None, self.owner[n.slot])
             self.owner[n.slot] = n.req_id
-            self.history[n.slot] = []
+            kept = n.num_output_tokens   # outputs prefilled again after a preemption
+            self.history[n.slot] = list(n.prompt_token_ids[len(n.prompt_token_ids) - kept:])
             self.sample_seed[n.slot] = n.sampling["seed"]
             self.eos_at[n.slot] = n.sampling["eos_at"]
             self.last_prompt[n.slot] = n.prompt_token_ids[-1]
-            self.num_computed[n.slot] = 0
-            self.mirror.add_request(n.slot, len(n.prompt_token_ids), n.max_seq_len)
+            self.num_computed[n.slot] = n.num_cached_tokens
+            self.mirror.add_request(n.slot, len(n.prompt_token_ids), n.max_seq_len,
+                                    n.num_cached_tokens)
+            self.kv.on_new(n.slot)
 
     def _forward(self, out: SchedulerOutput) -> None:
         if out.num_rows == 0:
             return
+        self.kv.forward(out)
         slots = out.slots.astype(np.int64)
         n = out.num_scheduled_tokens.astype(np.int64)
         np.add.at(self.num_computed, slots, n)

@@ -58,6 +58,11 @@ class SimConfig:
         p2p_ticks: hidden-state hand-off from rank r to r + 1 [--p2p-ticks].
         broadcast_ticks: last rank's sampled-id broadcast until earlier ranks hold it
             [--broadcast-ticks].
+        block_size, num_kv_blocks, enable_prefix_caching: KV cache of the scheduler
+            [--block-size, --kv-blocks (default: room for max_model_len per slot),
+            --no-prefix-caching]; few blocks force preemptions.
+        shared_prefix: tokens of one random prefix put in front of every prompt (prefix
+            sharing) [--shared-prefix].
         workload: explicit requests (overrides the random ones; tests).
         max_steps: liveness bound (0: derived from the workload).
     """
@@ -79,6 +84,10 @@ class SimConfig:
     stage_per_token: int = 2
     p2p_ticks: int = 0
     broadcast_ticks: int = 0
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    shared_prefix: int = 0
     workload: tuple[SimRequest, ...] | None = None
     max_steps: int = 0
 
@@ -107,11 +116,12 @@ def make_workload(cfg: SimConfig) -> tuple[SimRequest, ...]:
     if cfg.workload is not None:
         return cfg.workload
     rng = np.random.default_rng(cfg.seed)
+    shared = tuple(int(x) for x in rng.integers(FIRST_TOKEN, VOCAB, size=cfg.shared_prefix))
     reqs, t = [], 0
     for i in range(cfg.num_requests):
         plen = int(rng.integers(cfg.prompt_len[0], cfg.prompt_len[1] + 1))
         max_tokens = int(rng.integers(cfg.output_len[0], cfg.output_len[1] + 1))
-        prompt = tuple(int(x) for x in rng.integers(FIRST_TOKEN, VOCAB, size=plen))
+        prompt = shared + tuple(int(x) for x in rng.integers(FIRST_TOKEN, VOCAB, size=plen))
         eos_at = int(rng.integers(0, max_tokens)) if rng.random() < cfg.eos_prob else -1
         ignore_eos = bool(rng.random() < 0.1)
         if cfg.arrival == "poisson":

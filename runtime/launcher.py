@@ -27,7 +27,7 @@ import zmq.asyncio
 
 from ppstate.batch import SchedulerOutput, StepResult
 from runtime import transport as tp
-from runtime.config import EngineConfig
+from runtime.config import EngineConfig, parse_kv_memory
 from runtime.model.config import ModelConfig
 from runtime.model.partition import parse_partition, split_layers
 from runtime.model.registry import resolve_model_path
@@ -71,7 +71,8 @@ def check_resources(config: EngineConfig, model_cfg: ModelConfig) -> None:
 
     Raises:
         ValueError: ``max_model_len`` beyond the model's context, CUDA asked for but absent, or
-            (on CPU) KV caches larger than 80% of this machine's memory; names the flag.
+            (on CPU) KV caches larger than 80% of this machine's memory, or a fractional
+            ``--kv-cache-memory`` without CUDA; names the flag.
     """
     if config.max_model_len > model_cfg.max_position_embeddings:
         raise ValueError(f"--max-model-len: {config.max_model_len} exceeds the model's context "
@@ -82,10 +83,21 @@ def check_resources(config: EngineConfig, model_cfg: ModelConfig) -> None:
                          f"(torch {torch.__version__})")
     if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
         return
+    mem = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if config.kv_cache_memory is not None:
+        size, _ = parse_kv_memory(config.kv_cache_memory)
+        if size is None:
+            raise ValueError(f"--kv-cache-memory: a fraction ({config.kv_cache_memory}) needs a "
+                             "CUDA device; give a size such as 24MB on the CPU")
+        if size * config.pp_size > 0.8 * mem:
+            raise ValueError(f"--kv-cache-memory: {config.pp_size} ranks x "
+                             f"{config.kv_cache_memory} is more than 80% of this machine's "
+                             f"{mem / 2**30:.1f} GiB")
+        return
     elem = 2 if config.dtype in ("bfloat16", "float16") else 4
     kv = (2 * model_cfg.num_layers * config.max_num_seqs * model_cfg.num_kv_heads
-          * (-(-config.max_model_len // 16) * 16) * model_cfg.head_dim * elem)
-    mem = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+          * (-(-config.max_model_len // config.block_size) * config.block_size)
+          * model_cfg.head_dim * elem)
     if kv > 0.8 * mem:
         raise ValueError(
             f"--max-model-len / --max-num-seqs: KV caches of {config.max_num_seqs} x "

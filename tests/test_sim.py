@@ -1,4 +1,4 @@
-"""Deterministic PP simulator: invariants 1, 2, 3, 5, 6, 7 over seeds, CLI, schedule efficiency."""
+"""Deterministic PP simulator: invariants 1, 2, 3, 5, 6, 7, 9 over seeds, CLI, schedule efficiency."""
 
 import json
 import subprocess
@@ -20,8 +20,14 @@ KEYS = {"steps", "ticks", "completed", "aborted", "output_tokens", "throughput_t
 
 
 def sweep_config(seed):
-    """Small, adversarial runs: few slots (fast reuse), tiny chunks, aborts, both modes."""
+    """Small, adversarial runs: few slots (fast reuse), tiny chunks, aborts, both modes; a shared
+    prompt prefix and a KV cache from "just one request fits" to roomy (preemptions, prefix hits,
+    LRU eviction), prefix caching off on every fifth seed."""
+    shared, bs = (0, 12, 21)[seed % 3], (1, 4, 8)[(seed // 5) % 3]
+    blocks = -(-(shared + 40 + 24) // bs) + (0, 40, 400)[(seed // 2) % 3]
     return SimConfig(pp_size=2 + seed % 3, num_requests=10, seed=seed,
+                     shared_prefix=shared, block_size=bs, num_kv_blocks=blocks,
+                     enable_prefix_caching=seed % 5 != 4,
                      mode="sync" if seed % 7 == 3 else "overlapped",
                      prompt_len=(1, 40), output_len=(1, 24), chunk=(8, 16, 5)[seed % 3],
                      max_num_seqs=(3, 4, 8)[(seed // 3) % 3],
@@ -189,3 +195,18 @@ def test_p2p_hand_off_latency_in_sync_mode():
         SimRequest("a", 0, (3, 4, 5, 6), 1, 1),)))
     # step 0: 9 + 3 + 9 ticks; step 1 (freed only): 1 + 3 + 1.
     assert (res.steps, res.ticks, res.completed) == (2, 26, 1)
+
+
+def test_kv_preemption_and_prefix_sharing_sweep_and_block_mutant(monkeypatch):
+    """Tight KV cache + shared prefix: preemptions and prefix hits happen with 0 violations;
+    ranks that miss a block-table delta are caught (invariant 9)."""
+    cfg = SimConfig(pp_size=3, num_requests=24, seed=5, shared_prefix=20, block_size=4,
+                    num_kv_blocks=30, abort_rate=0.2, arrival="poisson")
+    res = run_sim(cfg)
+    assert res.num_violations == 0 and res.preemptions > 0 and res.prefix_hit_tokens > 0
+    import ppstate.kv_manager as kvm
+    real = kvm.KVManager._record
+    monkeypatch.setattr(kvm.KVManager, "_record",
+                        lambda self, slot, first, blocks: real(self, slot, first, blocks[:1]))
+    bad = run_sim(cfg)
+    assert bad.num_violations > 0 and {v["invariant"] for v in bad.invariant_violations} == {9}

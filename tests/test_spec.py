@@ -93,8 +93,9 @@ def test_state_that_is_not_a_mapping_names_item_line():
 
 
 @pytest.mark.parametrize("name, initial, n_states, n_edges, finals", [
-    ("request", "waiting", 6, 7, {"finished_stopped", "finished_length", "finished_aborted"}),
+    ("request", "waiting", 6, 9, {"finished_stopped", "finished_length", "finished_aborted"}),
     ("slot", "free", 2, 2, set()),
+    ("block", "free", 3, 7, set()),
     ("pp_handler", "empty", 3, 5, {"consumed"}),
 ])
 def test_real_specs_load(name, initial, n_states, n_edges, finals):

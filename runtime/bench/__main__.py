@@ -2,8 +2,9 @@
 
 Starts one engine per schedule mode (same flags otherwise), sends ``--num-requests`` concurrent
 greedy requests with random-token prompts of ``--prompt-len`` tokens and ``--max-tokens`` new
-tokens (EOS ignored), and reports output tokens/s, mean TTFT / TPOT, the engine's bubble fraction
-and the overlapped/sync ratio (ceiling = pp_size, DESIGN.md section 6). Results are printed and
+tokens (EOS ignored; ``--shared-prefix N`` puts one common N-token prefix in front of every
+prompt), and reports output tokens/s, mean TTFT / TPOT, the engine's bubble fraction, the
+prefix-cache hit rate and preemptions of the run, and the overlapped/sync ratio (ceiling = pp_size, DESIGN.md section 6). Results are printed and
 written as JSON to ``--out`` (default ``bench-results/pp_overlap.json``).
 """
 
@@ -52,12 +53,17 @@ async def run_mode(config, prompts: list[list[int]], max_tokens: int) -> dict:
         await engine.shutdown()
     tokens = sum(r["tokens"] for r in res)
     busy = [b - a for a, b in zip(s0["rank_busy_seconds"], s1["rank_busy_seconds"])]
+    queried = s1["prefix_cache_query_tokens"] - s0["prefix_cache_query_tokens"]
+    hits = s1["prefix_cache_hit_tokens"] - s0["prefix_cache_hit_tokens"]
     return {"mode": config.pp_schedule, "pp_size": config.pp_size, "wall_s": wall,
             "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
             "steps": s1["steps_total"] - s0["steps_total"],
             "mean_ttft_s": statistics.mean(r["ttft_s"] for r in res),
             "mean_tpot_s": statistics.mean(r["tpot_s"] for r in res),
             "rank_busy_s": busy, "rank_busy_fraction": [b / wall for b in busy],
+            "prefix_cache_hit_rate": hits / queried if queried else 0.0,
+            "num_preemptions": s1["num_preemptions"] - s0["num_preemptions"],
+            "kv_blocks_total": s1["kv_blocks_total"],
             # CPU seconds of the engine process itself (scheduler, detokenizer, zmq, clients):
             # on a 2-core machine it competes with the two ranks in overlapped mode.
             "engine_cpu_s": (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)}
@@ -70,11 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--modes", default="overlapped,sync", help="comma list of schedule modes")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shared-prefix", type=int, default=0,
+                   help="tokens of one common prefix in front of every prompt (prefix caching)")
     p.add_argument("--out", default="bench-results/pp_overlap.json")
     add_engine_flags(p)
     args = p.parse_args(argv)
     rng = random.Random(args.seed)
-    prompts = [[rng.randrange(100, 40000) for _ in range(args.prompt_len)]
+    shared = [rng.randrange(100, 40000) for _ in range(args.shared_prefix)]
+    prompts = [shared + [rng.randrange(100, 40000) for _ in range(args.prompt_len)]
                for _ in range(args.num_requests)]
     results = {}
     for mode in args.modes.split(","):

@@ -17,7 +17,7 @@ every key it attends (``kv_index``), computed once per step for all layers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +41,8 @@ class AttnGroup:
         dense: no padding (every row has ``q_max`` tokens): padded order == token order.
         kv_index: ``[Rg * kv_len]`` long, flat cache index (``block * block_size + offset``) of
             key position p of each row (positions past the row's blocks read block 0: masked).
+        memo: gather indices the attention derives once per step (keyed by KVH), shared by all
+            layers.
     """
     slots: torch.Tensor
     gather: torch.Tensor
@@ -51,6 +53,7 @@ class AttnGroup:
     kv_len: int
     dense: bool
     kv_index: torch.Tensor
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     def _replace_device(self, device: str | torch.device) -> "AttnGroup":
         to = lambda t: t.to(device)  # noqa: E731

@@ -24,7 +24,7 @@ from torch import nn
 
 from runtime.model.batch_meta import BatchMeta
 from runtime.model.config import ModelConfig, rope_type
-from runtime.model.paged_attention import gather_kv, write_kv
+from runtime.model.paged_attention import gather_kv, head_major_index, write_kv
 
 
 def rope_inv_freq(cfg: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
@@ -112,13 +112,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta,
     """
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     t, h, d = q.shape
+    kvh = k.shape[1]
     out = None if len(meta.groups) == 1 and meta.groups[0].dense else q.new_empty(t, h, d)
     for g in meta.groups:  # at most two groups per step (decode rows; prefill rows)
         rows = g.slots.shape[0]
         qg = q if out is None else q.index_select(0, g.gather)  # dense single group: as laid out
         qg = qg.view(rows, g.q_max, h, d).transpose(1, 2)
-        kg = gather_kv(k_cache, g.kv_index, rows, g.kv_len)   # [rows, KVH, kv_len, D]
-        vg = gather_kv(v_cache, g.kv_index, rows, g.kv_len)
+        idx = g.memo.get(kvh)
+        if idx is None:  # once per step, shared by every layer of the stage
+            idx = g.memo[kvh] = head_major_index(g.kv_index, rows, g.kv_len, kvh)
+        kg = gather_kv(k_cache, idx, rows, g.kv_len)   # [rows, KVH, kv_len, D]
+        vg = gather_kv(v_cache, idx, rows, g.kv_len)
         if invariant:
             o = _grouped_attention(qg, kg, vg, g.mask)
         else:

@@ -28,15 +28,23 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
 
 
-def gather_kv(cache: torch.Tensor, kv_index: torch.Tensor, rows: int, kv_len: int) -> torch.Tensor:
-    """Keys (or values) of ``rows`` rows through their flat indices, laid out ``[rows, KVH, kv_len, D]``
-    contiguous (the layout the old slot cache gave, so the matmuls that follow are unchanged).
+def gather_kv(cache: torch.Tensor, head_index: torch.Tensor, rows: int, kv_len: int) -> torch.Tensor:
+    """Keys (or values) of ``rows`` rows, laid out ``[rows, KVH, kv_len, D]`` contiguous (the layout
+    the old slot cache gave, so the matmuls that follow are unchanged), in one gather of D-vectors.
 
     Args:
-        cache: ``[num_blocks, block_size, KVH, D]``; kv_index: ``[rows * kv_len]`` long.
+        cache: ``[num_blocks, block_size, KVH, D]``.
+        head_index: ``[rows * KVH * kv_len]`` long, from :func:`head_major_index`.
     """
-    flat = cache.view(-1, *cache.shape[2:]).index_select(0, kv_index)   # [rows * kv_len, KVH, D]
-    return flat.view(rows, kv_len, *cache.shape[2:]).transpose(1, 2).contiguous()
+    kvh, d = cache.shape[2], cache.shape[3]
+    return cache.view(-1, d).index_select(0, head_index).view(rows, kvh, kv_len, d)
+
+
+def head_major_index(kv_index: torch.Tensor, rows: int, kv_len: int, kvh: int) -> torch.Tensor:
+    """Index into the ``[num_blocks * block_size * KVH, D]`` view of (row, head, position), head
+    major: ``kv_index [rows * kv_len]`` (token cells) -> ``[rows * KVH * kv_len]``."""
+    heads = torch.arange(kvh, device=kv_index.device)
+    return (kv_index.view(rows, 1, kv_len) * kvh + heads.view(1, kvh, 1)).reshape(-1)
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
