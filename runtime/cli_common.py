@@ -21,6 +21,7 @@ ENGINE_FLAGS = {
     "--served-model-name": "served_model_name", "--launcher": "launcher",
     "--engine-port": "engine_port", "--block-size": "block_size",
     "--kv-cache-memory": "kv_cache_memory", "--enable-prefix-caching": "enable_prefix_caching",
+    "--enforce-eager": "enforce_eager",
 }
 
 
@@ -60,6 +61,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    "after loading weights (CUDA, e.g. 0.9); default: max_model_len tokens per slot")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=d.enable_prefix_caching, help="reuse KV blocks of shared prompt prefixes")
+    g.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
+                   help="CUDA: no CUDA graphs (decode steps run eagerly); capture time and memory "
+                   "are printed at startup otherwise")
 
 
 def engine_config(p: argparse.ArgumentParser, args: argparse.Namespace) -> EngineConfig:

@@ -41,6 +41,7 @@ class EngineConfig(BaseModel):
             after the weights are loaded (CUDA only). None: room for ``max_model_len`` tokens in
             every slot (``max_num_seqs * ceil(max_model_len / block_size)`` blocks).
         enable_prefix_caching: reuse the KV blocks of identical prompt prefixes across requests.
+        enforce_eager: CUDA: run decode steps eagerly instead of replaying captured CUDA graphs.
     """
     model_config = ConfigDict(extra="forbid")
 
@@ -65,6 +66,7 @@ class EngineConfig(BaseModel):
     block_size: int = Field(default=16, ge=1, le=1024)
     kv_cache_memory: str | None = None
     enable_prefix_caching: bool = True
+    enforce_eager: bool = False
 
     @field_validator("kv_cache_memory")
     @classmethod

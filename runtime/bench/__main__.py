@@ -132,4 +132,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    import sys
+    if sys.argv[1:2] == ["gpu"]:  # python -m runtime.bench gpu ...: the GPU fast-path benchmark
+        from runtime.bench.gpu import main as gpu_main
+        raise SystemExit(gpu_main(sys.argv[2:]))
     raise SystemExit(main())

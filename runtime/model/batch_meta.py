@@ -111,7 +111,7 @@ class BatchMeta:
     @staticmethod
     def build(slots: torch.Tensor, start_positions: torch.Tensor, query_lens: torch.Tensor,
               device: str | torch.device = "cpu", block_table: torch.Tensor | None = None,
-              block_size: int = 16) -> "BatchMeta":
+              block_size: int = 16, attention_groups: bool = True) -> "BatchMeta":
         """Build the step metadata; index arithmetic runs on the CPU (the tensor sizes it needs are
         Python ints), results are moved to ``device``.
 
@@ -121,6 +121,8 @@ class BatchMeta:
                 None: the contiguous layout :func:`contiguous_block_table` with room for
                 ``max_context`` tokens per slot up to the largest slot (tests, one-off runs).
             block_size: tokens per block.
+            attention_groups: build the CPU path's groups (padded layouts, masks, key indices);
+                the GPU fast path reads only the paged fields and skips them (``groups == ()``).
         Raises:
             ValueError: R == 0, mismatched lengths, a query length < 1 or a negative start, a
                 slot outside the block table, or a row whose context needs more blocks than its
@@ -154,8 +156,13 @@ class BatchMeta:
         slot_mapping = tables[row, positions // block_size] * block_size + positions % block_size
         is_decode = qlen == 1
         groups = [_group(idx, slots, start, qlen, offsets, tables, block_size, device)
-                  for idx in (is_decode.nonzero()[:, 0], (~is_decode).nonzero()[:, 0]) if idx.numel()]
-        used = torch.cat([g.kv_index for g in groups] + [slot_mapping]) // block_size
+                  for idx in (is_decode.nonzero()[:, 0], (~is_decode).nonzero()[:, 0])
+                  if idx.numel() and attention_groups]
+        if attention_groups:
+            used = torch.cat([g.kv_index for g in groups] + [slot_mapping]) // block_size
+        else:  # the blocks each row reads: its first ceil(seq_len / block_size) table entries
+            need = -(-seq // block_size)
+            used = tables[torch.arange(width)[None, :] < need[:, None]]
         to = lambda t: t.to(device)  # noqa: E731
         i32 = lambda t: t.to(device=device, dtype=torch.int32)  # noqa: E731
         return BatchMeta(slots=to(slots), start_positions=to(start), query_lens=to(qlen),

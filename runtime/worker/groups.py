@@ -4,6 +4,12 @@ the two kinds of traffic never serialise behind each other (vLLM ``make_sibling_
 
 On CPU both groups use gloo. On CUDA with one process per GPU they use NCCL; several ranks on one
 GPU (NCCL refuses "Duplicate GPU") use gloo with explicit host staging of every tensor.
+
+With NCCL the communicators are created eagerly at startup (``init_process_group(device_id=...)``;
+no lazy per-op communicator on the first send), hidden states travel by ``batch_isend_irecv`` on
+the PP group, and the sampled-token broadcast is issued from a side CUDA stream on the sibling
+group, ordered after the compute stream by an event: the compute stream never waits for it, and a
+receiver's ``work.wait()`` makes only its compute stream (not its host thread) wait.
 """
 
 from __future__ import annotations
@@ -37,6 +43,18 @@ class PPGroups:
     pp_group: object | None = None
     bcast_group: object | None = None
     _pending_sends: list = field(default_factory=list)
+    _side_stream: object | None = None
+
+    @property
+    def nccl(self) -> bool:
+        """True when the groups are NCCL (device tensors, stream-ordered waits)."""
+        return self.backend == "nccl"
+
+    def side_stream(self):
+        """The CUDA stream the sampled-token broadcast is issued from (created once)."""
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device=self.device)
+        return self._side_stream
 
     @property
     def is_first(self) -> bool:
@@ -60,7 +78,11 @@ class PPGroups:
         The tensor is kept alive until its send completes; at most ``keep`` sends stay pending.
         """
         t = tensor.to("cpu") if self.stage_on_host else tensor.contiguous()
-        work = dist.isend(t, dst=self.rank + 1, group=self.pp_group)
+        if self.nccl:
+            op = dist.P2POp(dist.isend, t, self.rank + 1, group=self.pp_group)
+            work = dist.batch_isend_irecv([op])[0]
+        else:
+            work = dist.isend(t, dst=self.rank + 1, group=self.pp_group)
         self._pending_sends.append((work, t))
         while len(self._pending_sends) > 4:
             self._wait(self._pending_sends.pop(0)[0])
@@ -68,6 +90,10 @@ class PPGroups:
     def recv_prev(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Blocking receive of a ``shape`` tensor from rank - 1 (bounded by ``timeout``)."""
         buf = torch.empty(shape, dtype=dtype, device=self.comm_device())
+        if self.nccl:  # stream-ordered: the compute stream waits, the host does not
+            op = dist.P2POp(dist.irecv, buf, self.rank - 1, group=self.pp_group)
+            dist.batch_isend_irecv([op])[0].wait()
+            return buf
         self._wait(dist.irecv(buf, src=self.rank - 1, group=self.pp_group))
         return buf.to(self.device) if self.stage_on_host else buf
 
@@ -78,7 +104,16 @@ class PPGroups:
             (work, host_or_device_buffer): on non-last ranks the buffer fills when work completes.
         """
         t = buf.to("cpu") if self.stage_on_host else buf
-        work = dist.broadcast(t, src=self.last_rank, group=self.bcast_group, async_op=True)
+        if not self.nccl:
+            work = dist.broadcast(t, src=self.last_rank, group=self.bcast_group, async_op=True)
+            return work, t
+        ready = torch.cuda.Event()
+        ready.record()                               # after whatever produced / will consume t
+        side = self.side_stream()
+        with torch.cuda.stream(side):
+            side.wait_event(ready)
+            t.record_stream(side)
+            work = dist.broadcast(t, src=self.last_rank, group=self.bcast_group, async_op=True)
         return work, t
 
     def blocking_broadcast(self, buf: torch.Tensor) -> torch.Tensor:
@@ -132,8 +167,9 @@ def init_groups(rank: int, pp_size: int, init_method: str, device: torch.device,
                       stage_on_host=(device.type == "cuda" and backend == "gloo"))
     if pp_size == 1:
         return groups
+    eager = {"device_id": device} if backend == "nccl" else {}  # communicators built now
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=pp_size,
-                            timeout=timeout)
+                            timeout=timeout, **eager)
     ranks = list(range(pp_size))
     groups.pp_group = dist.new_group(ranks, backend=backend, timeout=timeout)
     groups.bcast_group = dist.new_group(ranks, backend=backend, timeout=timeout)

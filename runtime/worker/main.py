@@ -10,6 +10,7 @@ step, type, message, traceback) before the process exits.
 from __future__ import annotations
 
 import os
+import sys
 import time
 import traceback
 
@@ -80,9 +81,32 @@ class _Worker:
         if cfg.trace_dir:
             sink = JsonlSink(rank_trace_path(cfg.trace_dir, self.rank),
                              trace_prompts=cfg.trace_prompts)
+        fast, graphs = self._fast_path(stage, cfg, device)
         self.runner = StageRunner(self.groups, stage, state, cfg.pp_schedule == "overlapped",
-                                  cfg.validate_every, sink)
+                                  cfg.validate_every, sink, fast=fast, graphs=graphs)
         self.sink = sink
+
+    def _fast_path(self, stage, cfg: EngineConfig, device: torch.device):
+        """CUDA: the Triton fast path over the stage's cache, and (unless ``--enforce-eager``)
+        decode-only CUDA graphs captured now, with their time and memory printed (rank 0 shows
+        a progress bar). CPU: (None, None), the exact reference path."""
+        self.graph_report = None
+        if device.type != "cuda":
+            return None, None
+        from runtime.model.paged_stage import PagedStage
+        from runtime.worker.cuda_graphs import DecodeGraphs
+        fast = PagedStage(stage)
+        if cfg.enforce_eager:
+            return fast, None
+        graphs = DecodeGraphs(fast, cfg.max_num_seqs, -(-cfg.max_model_len // cfg.block_size),
+                              cfg.max_model_len)
+        rep = graphs.capture(progress=(self.rank == 0))
+        self.graph_report = {"buckets": len(rep.buckets), "seconds": round(rep.seconds, 2),
+                             "bytes": rep.bytes}
+        print(f"rank {self.rank}: captured {len(rep.buckets)} CUDA graphs (decode batches "
+              f"{rep.buckets[0]}..{rep.buckets[-1]}) in {rep.seconds:.1f} s, "
+              f"{rep.bytes / 2**20:.0f} MiB", file=sys.stderr, flush=True)
+        return fast, graphs
 
     def serve(self, pull: zmq.Socket) -> None:
         """Handle engine messages until shutdown, parent death or ``idle_exit_s`` of silence."""
@@ -156,7 +180,8 @@ def run_worker(args) -> int:
     try:
         w.setup()
         push.send(tp.encode(tp.ReadyMsg(rank=args.rank, info={"layers": list(args.layer_range),
-                                                              "num_kv_blocks": w.num_kv_blocks})))
+                                                              "num_kv_blocks": w.num_kv_blocks,
+                                                              "cuda_graphs": w.graph_report})))
         w.serve(pull)
     except BaseException as exc:  # noqa: BLE001 - report everything to the engine
         w.report(exc)

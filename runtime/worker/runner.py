@@ -20,11 +20,14 @@ import torch
 from ppstate.batch import SchedulerOutput, StepResult
 from ppstate.events import NULL_SINK, EventSink
 from ppstate.pp_handler import PPHandler, need_sampled_mask
+from runtime.model.paged_stage import PagedMeta, PagedStage
 from runtime.model.stage import BatchMeta, StageModel
 from runtime.sampler import SamplingBatch, TokenHistory, sample
 from runtime.sampling_params import SamplingParams
+from runtime.worker.cuda_graphs import DecodeGraphs
 from runtime.worker.device_state import DeviceState
 from runtime.worker.groups import PPGroups
+from runtime.worker.mirror_check import AsyncMirrorCheck
 
 
 class _PendingRecv:
@@ -52,14 +55,21 @@ class StageRunner:
         stage: the rank's layers (``StageModel``).
         state: slot-indexed device state + mirrors.
         overlapped: bubble-free mode (deferred consume) or sync mode (blocking broadcast).
-        validate_every: validate mirrors every N steps (0 = never).
+        validate_every: validate mirrors every N steps (0 = never); on CUDA asynchronously
+            (:class:`~runtime.worker.mirror_check.AsyncMirrorCheck`, at most one step late).
         sink: event sink (``rank.step``, PPHandler enqueue/consume/free, broadcast
             posted/skipped, sampled ids, mirror checks, phase timings; docs/trace_format.md).
+        fast: GPU fast path over the same cache (Triton kernels), or None (the reference
+            ``StageModel.forward``; always on the CPU).
+        graphs: captured decode-only CUDA graphs of ``fast``, or None (eager).
     """
 
     def __init__(self, groups: PPGroups, stage: StageModel, state: DeviceState, overlapped: bool,
-                 validate_every: int, sink: EventSink = NULL_SINK) -> None:
+                 validate_every: int, sink: EventSink = NULL_SINK,
+                 fast: PagedStage | None = None, graphs: DecodeGraphs | None = None) -> None:
         self.g, self.stage, self.state = groups, stage, state
+        self.fast, self.graphs = fast, graphs
+        self.mirror_check = AsyncMirrorCheck(state) if state.device.type == "cuda" else None
         self.overlapped, self.validate_every, self.sink = overlapped, validate_every, sink
         self.device = state.device
         self.width = state.width
@@ -129,7 +139,12 @@ class StageRunner:
         else:
             result = self._run_rows(out, mask)
         if self.validate_every and out.step % self.validate_every == 0:
-            self._validate(out.step)
+            if self.mirror_check is not None:
+                self.mirror_check.snapshot(out.step)   # compared when its copy lands
+            else:
+                self._validate(out.step)
+        elif self.mirror_check is not None:
+            self.mirror_check.poll()
         return result
 
     def _validate(self, step: int) -> None:
@@ -158,7 +173,8 @@ class StageRunner:
         starts = torch.as_tensor(out.start_positions, dtype=torch.int64, device=dev)
         qlens = torch.as_tensor(out.num_scheduled_tokens, dtype=torch.int64, device=dev)
         meta = BatchMeta.build(out.slots, out.start_positions, out.num_scheduled_tokens, dev,
-                               torch.from_numpy(self.state.block_table_np), self.state.block_size)
+                               torch.from_numpy(self.state.block_table_np), self.state.block_size,
+                               attention_groups=self.fast is None)
         hidden = self._forward(out, meta)
         self.state.apply_scheduled(slots, qlens, out.slots.astype(np.int64),
                                    out.num_scheduled_tokens.astype(np.int64))
@@ -174,7 +190,7 @@ class StageRunner:
             if self.g.is_first:
                 ids = self.state.input_ids(meta.token_slots, meta.positions)
                 t0, ns0 = time.perf_counter(), time.monotonic_ns()
-                res = self.stage(meta, input_ids=ids)
+                res = self._stage_forward(meta, input_ids=ids)
             else:
                 t0, ns_r = time.perf_counter(), time.monotonic_ns()
                 packed = self.g.recv_prev((2, t_total, self.hidden_size), self.act_dtype)
@@ -183,7 +199,7 @@ class StageRunner:
                     self._emit_timing("recv", step, ns_r, ns0)
                 self.timing.wait_s += t1 - t0
                 t0 = t1
-                res = self.stage(meta, hidden=packed[0], residual=packed[1])
+                res = self._stage_forward(meta, hidden=packed[0], residual=packed[1])
             if trace:
                 self._emit_timing("forward", step, ns0)
             if not self.g.is_last:
@@ -193,6 +209,18 @@ class StageRunner:
                     self._emit_timing("send", step, ns_s)
         self.timing.busy_s += time.perf_counter() - t0
         return res
+
+    def _stage_forward(self, meta: BatchMeta, **inputs):
+        """The reference forward, or on the fast path a decode-only step through its CUDA graph
+        (when one holds the rows) and any other step eagerly over the Triton kernels."""
+        if self.fast is None:
+            return self.stage(meta, **inputs)
+        self.stage._check(meta, inputs.get("input_ids"), inputs.get("hidden"))
+        pm = PagedMeta.from_batch(meta, self.stage.cfg.num_kv_heads)
+        if self.graphs is not None and meta.max_query_len == 1 and \
+                self.graphs.bucket_for(meta.num_rows) is not None:
+            return self.graphs.run(pm, **inputs)
+        return self.fast.forward(pm, **inputs)
 
     def _post_receive(self, out: SchedulerOutput, mask: np.ndarray | None) -> None:
         if mask is None:
