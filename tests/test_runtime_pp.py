@@ -15,7 +15,7 @@ from ppstate.events import ListSink
 from runtime.config import EngineConfig
 from runtime.sampling_params import SamplingParams
 from engine_harness import EngineThread
-from reference import greedy_reference
+from reference import greedy_reference, seeded_reference
 
 pytestmark = pytest.mark.slow
 
@@ -43,13 +43,32 @@ def reference() -> list[tuple[int, ...]]:
     return [greedy_reference(tuple(p), NEW_TOKENS) for p in MIXED]
 
 
+# Seeded sampling, one request per kind of cut: (prompt, params).
+SEEDED = [(p, SamplingParams(max_tokens=6, ignore_eos=True, **kw)) for p, kw in zip(
+    _prompts(3, 5, 40, seed=6),
+    [dict(temperature=0.7, top_p=0.8, seed=1), dict(temperature=1.3, top_k=30, seed=2),
+     dict(temperature=1.0, top_p=0.95, top_k=50, seed=3)])]
+
+
+async def _run_seeded(eng: EngineThread) -> list[list[int]]:
+    outs = await asyncio.gather(*(eng.collect(f"seeded{i}", p, sp) for i, (p, sp) in enumerate(SEEDED)))
+    return [o["token_ids"] for o in outs]
+
+
 @pytest.fixture(scope="module")
-def pp1_tokens() -> list[list[int]]:
+def pp1_runs() -> dict[str, list[list[int]]]:
+    """Greedy MIXED and SEEDED tokens of one PP=1 engine."""
     eng = _engine(pp_size=1)
     try:
-        return [r["token_ids"] for r in eng.generate(MIXED, GREEDY)]
+        return {"greedy": [r["token_ids"] for r in eng.generate(MIXED, GREEDY)],
+                "seeded": eng.run(_run_seeded(eng))}
     finally:
         eng.close()
+
+
+@pytest.fixture(scope="module")
+def pp1_tokens(pp1_runs) -> list[list[int]]:
+    return pp1_runs["greedy"]
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +99,16 @@ def test_sync_and_overlapped_modes_agree(pp2, pp1_tokens):
     finally:
         sync.close()
     assert got == pp1_tokens
+
+
+def test_seeded_sampling_pp2_equals_pp1_and_reference(pp2, pp1_runs):
+    """temperature > 0 with top-p / top-k / seed through both real pipelines, concurrently, and
+    the sampling rule restated in numpy over transformers logits (tests/reference.py)."""
+    got = pp2.run(_run_seeded(pp2))
+    assert got == pp1_runs["seeded"]
+    want = [list(seeded_reference(tuple(p), sp.max_tokens, sp.temperature, sp.top_p, sp.top_k,
+                                  sp.seed)) for p, sp in SEEDED]
+    assert got == want
 
 
 def test_abort_mid_decode_frees_every_slot(pp2):
