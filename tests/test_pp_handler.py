@@ -121,3 +121,25 @@ def test_push_empty_and_call_order_errors():
         h.consume()
     with pytest.raises(SlotError):
         PPHandler(depth=0, max_num_reqs=2)
+
+
+def test_events_carry_rank_step_slot_generation_and_idx_mapping():
+    sink = ListSink()
+    h = PPHandler(depth=1, max_num_reqs=4, sink=sink, rank=1)
+    step(h, out(3, [2, 0], [True, False]))
+    h.on_slot_freed(2)
+    h.consume()
+    h.push_empty(4)
+    got = [(e.kind, e.step, e.rank, e.data) for e in sink.events]
+    assert got == [("pp.enqueue", 3, 1, {"pending": True}),
+                   ("pp.free", -1, 1, {"slot": 2, "generation": 1}),
+                   ("pp.consume", 3, 1, {"idx_mapping": [-1, -1]}),
+                   ("pp.enqueue", 4, 1, {"pending": False})]
+    assert h.generation.dtype == np.int64
+    m = need_sampled_mask(out(5, [1], [True]))
+    assert m.dtype == np.bool_
+
+
+def test_bad_sizes_message_names_both_values():
+    with pytest.raises(SlotError, match=r"depth >= 1 and max_num_reqs >= 1, got 0, 2"):
+        PPHandler(depth=0, max_num_reqs=2)
