@@ -259,3 +259,25 @@ def test_finished_request_leaves_the_lifecycle_machine():
     assert sched.state_of("a") == "finished_length" and finish_reason_of("finished_length") == "length"
     assert finish_reason_of("decoding") is None
     assert all(getattr(m, "req_id", None) != "a" for m in sched.lifecycle.machine.models)
+
+
+def test_last_budget_token_goes_to_a_continuing_prefill():
+    """With one token of step budget left after decodes, a prefilling request still gets a
+    one-token chunk (budget 2: one decode row + one prefill token)."""
+    sched = Scheduler(SchedulerConfig(pp_size=1, mode="sync", max_num_batched_tokens=2,
+                                      max_prefill_chunk=4, max_num_seqs=4))
+    sched.add_request(spec("d", plen=1, max_tokens=5))
+    sched.add_request(spec("a", plen=5))
+    first = sched.schedule()
+    assert list(zip(first.req_ids, first.num_scheduled_tokens.tolist())) == [("d", 1), ("a", 1)]
+    answer(sched)
+    nxt = sched.schedule()
+    assert list(zip(nxt.req_ids, nxt.num_scheduled_tokens.tolist(), nxt.start_positions.tolist())) \
+        == [("d", 1, 1), ("a", 1, 1)]
+
+
+def test_result_with_nothing_in_flight_is_a_scheduler_error():
+    sched = Scheduler(SchedulerConfig(pp_size=2))
+    res = StepResult(0, np.zeros((0, 1), np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32))
+    with pytest.raises(SchedulerError, match=r"out of order \(expected None\)"):
+        sched.on_step_result(res)
