@@ -85,3 +85,25 @@ def test_seeded_sampling_pp2_equals_pp1_and_reference(stages, make_stages):
     want = [seeded_reference(tuple(PROMPT_A), p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed)
             for p in params]
     assert got["pp2"] == got["pp1"] == want
+
+
+def test_device_state_dtypes_and_planted_corruption_is_caught():
+    """DeviceState's per-slot tensors are int64; ``corrupt`` (the test hook the process-level
+    corruption test drives over ZMQ) makes ``validate`` name rank, slot and field."""
+    import torch
+
+    from ppstate.batch import NewRequest
+    from ppstate.errors import MirrorDivergence
+    from runtime.worker.device_state import DeviceState
+    st = DeviceState(2, 16, 1, torch.device("cpu"), rank=1)
+    names = ("num_computed_tokens", "num_computed_prefill_tokens", "prefill_len", "max_seq_len",
+             "total_len", "last_sampled_tokens", "all_token_ids")
+    assert {n: getattr(st, n).dtype for n in names} == {n: torch.int64 for n in names}
+    st.add_requests([NewRequest("r", 1, (5, 6, 7), 10)])
+    st.validate(step=0)
+    st.corrupt(1, "max_seq_len", 2)
+    with pytest.raises(MirrorDivergence) as info:
+        st.validate(step=4)
+    e = info.value
+    assert (e.rank, e.step, e.slot, e.req_id, e.field, e.cpu, e.device) == (
+        1, 4, 1, "r", "max_seq_len", 10, 12)
