@@ -70,6 +70,23 @@ def test_slot_reuse_after_abort_with_deferred_entry_in_flight(stages, abort_afte
     assert pipe.sched.slots.num_free == 1
 
 
+def test_abort_does_not_disturb_the_request_on_another_slot(make_stages):
+    """Two slots: freeing A's slot bumps only A's generation on rank 0; C's deferred entries stay
+    valid and C's tokens equal the reference (fails if the free touches every slot)."""
+    pipe = InprocPipeline(make_stages([(0, 16), (16, 30)], max_num_reqs=2, max_model_len=128),
+                          max_num_seqs=2, max_model_len=128)
+    pipe.add("A", PROMPT_A, _greedy(100))
+    pipe.add("C", PROMPT_B, _greedy(B_TOKENS))
+    pipe.run_until(lambda p: len(p.tokens["A"]) >= 2 and _unsampled_entries_of(p, "C"), MAX_TICKS)
+    slot_a, slot_c = pipe.sched.slots.lookup("A"), pipe.sched.slots.lookup("C")
+    before = pipe.handler(0).generation.copy()
+    pipe.abort("A")
+    pipe.run_until(lambda p: "C" in p.finish, MAX_TICKS)
+    after = pipe.handler(0).generation
+    assert (after[slot_a], after[slot_c]) == (before[slot_a] + 1, before[slot_c])
+    assert tuple(pipe.tokens["C"]) == greedy_reference(tuple(PROMPT_B), B_TOKENS)
+
+
 def test_seeded_sampling_pp2_equals_pp1_and_reference(stages, make_stages):
     """temperature / top-p / top-k / seed: same tokens at PP=2, at PP=1 and from the reference."""
     params = [SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True),
