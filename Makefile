@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 BIN := $(VENV)/bin
 
-.PHONY: serve test install diagrams clean-venv
+.PHONY: serve test install diagrams clean-venv mutants
 
 $(STAMP): pyproject.toml requirements-model.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,6 +27,23 @@ serve: $(STAMP)
 test: $(STAMP)
 	@$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
+
+# Mutation testing of the scheduling core and the worker wiring (docs/testing.md); not run by CI.
+# Results persist in mutants/ (a rerun only retests what changed); `$(BIN)/mutmut browse` to inspect.
+MUTANT_JOBS ?= 2
+DEV_STAMP := $(VENV)/.installed-dev
+
+$(DEV_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	@touch $(DEV_STAMP)
+
+mutants: $(DEV_STAMP)
+	nice -n 10 $(BIN)/mutmut run --max-children $(MUTANT_JOBS)
+	$(BIN)/mutmut results
+	@$(BIN)/mutmut export-cicd-stats >/dev/null
+	@$(BIN)/python -c "import json; s = json.load(open('mutants/mutmut-cicd-stats.json')); \
+	t = s['total'] - s['skipped']; k = s['killed'] + s['timeout']; \
+	print(f'mutation score: {k}/{t} killed = {100 * k / max(t, 1):.1f}% ', s)"
 
 diagrams: $(STAMP)
 	$(BIN)/python -m ppstate.diagrams

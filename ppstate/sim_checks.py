@@ -118,8 +118,26 @@ class InvariantChecker:
                 steps.append(s)
 
     # ---------------------------------------------------------- rank side (1, 2, 3)
-    def record_post(self, step: int, rank: int, posted: bool) -> None:
-        """Rank ``rank`` did (not) post its side of step ``step``'s broadcast (invariant 1)."""
+    def record_post(self, out: SchedulerOutput, rank: int, posted: bool,
+                    mask: np.ndarray | None = None) -> None:
+        """Rank ``rank`` did (not) post its side of step ``out.step``'s broadcast (invariant 1).
+
+        Checked against :meth:`rows_needing_sample`, a statement of the rule that does not use
+        the runtime's decision function, and across ranks once all of them reported.
+
+        Args:
+            out: the step.
+            rank: the reporting rank.
+            posted: it posts the broadcast (last rank) / the receive (other ranks).
+            mask: ``[num_rows]`` bool need-sampled mask a non-last rank enqueued, or None.
+        """
+        step, need = out.step, self.rows_needing_sample(out)
+        if posted != bool(need.any()):
+            self.violation(1, step, rank, f"rank {rank} {'posted' if posted else 'skipped'} the "
+                           f"broadcast; rows needing a sample: {np.nonzero(need)[0].tolist()}")
+        if mask is not None and not np.array_equal(np.asarray(mask, dtype=bool), need):
+            self.violation(1, step, rank, f"need-sampled mask {np.asarray(mask).tolist()} of rank "
+                           f"{rank}, expected {need.tolist()}")
         posts = self._posts[step]
         posts[rank] = posted
         if len(posts) == self.cfg.pp_size:
@@ -128,6 +146,13 @@ class InvariantChecker:
                 self.violation(1, step, None, f"broadcast posted by ranks "
                                f"{sorted(r for r, p in posts.items() if p)} only")
             del self._posts[step]
+
+    def rows_needing_sample(self, out: SchedulerOutput) -> np.ndarray:
+        """``[num_rows]`` bool: the row's tokens reach the end of its prompt (final chunk or
+        decode), from the row's chunk position and the workload's prompt length alone."""
+        ends = out.start_positions.astype(np.int64) + out.num_scheduled_tokens.astype(np.int64)
+        plen = np.array([self.prompt_len[r] for r in out.req_ids], dtype=np.int64)
+        return ends >= plen
 
     def check_apply(self, rank: int, step: int, row_req: str, slot: int, owner: str | None) -> None:
         """A deferred row of ``step`` for ``row_req`` is being applied to ``slot`` (invariant 2)."""

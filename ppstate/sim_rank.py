@@ -85,11 +85,11 @@ class SimRank:
         if self.is_last:
             result = self._sample(out, wire.hidden.pop(out.step))
             buffers[out.step] = result.sampled_token_ids[:, 0].copy()
-            self.checker.record_post(out.step, self.rank, should_broadcast(out))
+            self.checker.record_post(out, self.rank, should_broadcast(out))
             return result
         mask = need_sampled_mask(out) if out.num_rows else None
         self.handler.enqueue(out.step, out, mask, handle=out.step)
-        self.checker.record_post(out.step, self.rank, mask is not None)
+        self.checker.record_post(out, self.rank, mask is not None, mask)
         return None
 
     def _consume(self, buffers: dict[int, np.ndarray],

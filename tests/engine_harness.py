@@ -36,11 +36,14 @@ class EngineThread:
 
     # ---- helpers used by tests --------------------------------------------------------------
     async def collect(self, req_id: str, ids: list[int], params: SamplingParams,
-                      abort_after: int | None = None) -> dict:
-        """Stream one request to the end; abort it after ``abort_after`` tokens if given."""
+                      abort_after: int | None = None, on_token=None) -> dict:
+        """Stream one request to the end; abort it after ``abort_after`` tokens if given;
+        ``on_token()`` is called (on the loop) after every increment that carries tokens."""
         tokens, text, reason, error = [], "", None, None
         async for out in self.engine.add_request(req_id, ids, params):
             tokens += out.new_token_ids
+            if on_token is not None and out.new_token_ids:
+                on_token()
             text += out.new_text
             reason, error = out.finish_reason or reason, out.error or error
             if abort_after is not None and len(tokens) >= abort_after and not out.finished:

@@ -55,3 +55,56 @@ def greedy_generate_reference(prompt_ids: tuple[int, ...], max_new_tokens: int) 
                              max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                              pad_token_id=0, eos_token_id=None)
     return tuple(out[0, len(prompt_ids):].tolist())
+
+
+def sample_from_logits(logits, temperature: float, top_p: float, top_k: int, u: float) -> int:
+    """The sampling rule of ``runtime.sampler`` restated in numpy (fp64), for one row.
+
+    Temperature 0: argmax. Otherwise ``z = logits / temperature``; with a cut (top_k > 0 or
+    top_p < 1) the candidates are the tokens in decreasing ``z`` order, the first ``top_k`` of
+    them when ``top_k > 0``, with probabilities normalised over those candidates (top-k) or the
+    whole vocabulary (top-p only); a candidate stays iff the mass of the candidates before it is
+    < ``top_p``. Without a cut the candidates are the vocabulary in id order. The token drawn is
+    the first candidate whose cumulative mass exceeds ``u`` times the kept mass.
+    """
+    import numpy as np
+    x = np.asarray(logits, dtype=np.float64)
+    if temperature == 0.0:
+        return int(x.argmax())
+    z = x / np.float64(np.float32(temperature))
+    if top_k > 0 or top_p < 1.0:
+        order = np.argsort(-z, kind="stable")
+        if top_k > 0:
+            order = order[:top_k]
+        norm = z[order] if top_k > 0 else z
+        lse = norm.max() + np.log(np.exp(norm - norm.max()).sum())
+        p = np.exp(z[order] - lse)
+        p = np.where(np.cumsum(p) - p < top_p, p, 0.0)
+    else:
+        order = np.arange(len(z))
+        p = np.exp(z - z.max())
+    cdf = np.cumsum(p)
+    j = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+    return int(order[min(j, len(order) - 1)])
+
+
+@functools.lru_cache(maxsize=64)
+def seeded_reference(prompt_ids: tuple[int, ...], max_new_tokens: int, temperature: float,
+                     top_p: float, top_k: int, seed: int) -> tuple[int, ...]:
+    """Seeded sampled continuation (EOS ignored): transformers logits (fp32) and
+    :func:`sample_from_logits` with the uniform ``runtime.sampler.seeded_uniform(seed, i)`` for
+    the i-th new token (that hash is the documented contract, not the sampling itself)."""
+    from transformers import DynamicCache
+
+    from runtime.sampler import seeded_uniform
+    model, _ = hf_model()
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
+    cache, out = DynamicCache(), []
+    with torch.no_grad():
+        for i in range(max_new_tokens):
+            logits = model(input_ids=ids, attention_mask=None, past_key_values=cache,
+                           use_cache=True).logits[0, -1].float().numpy()
+            nxt = sample_from_logits(logits, temperature, top_p, top_k, seeded_uniform(seed, i))
+            out.append(nxt)
+            ids = torch.tensor([[nxt]], dtype=torch.long)
+    return tuple(out)

@@ -124,3 +124,17 @@ def test_missed_immediate_update_is_caught():
         lagging.validate(_device(device), np.array([0, 2]), step=5, owners=["a", None, "b", None])
     assert (info.value.field, info.value.slot, info.value.cpu, info.value.device) == (
         "num_computed_tokens", 0, 0, 4)
+
+
+def test_validate_checks_fields_after_a_missing_one():
+    """A field absent from the device mapping is skipped, not the end of the check."""
+    m = _mirror()
+    dev = {f: v.copy() for f, v in _device(m).items() if f != "num_computed_tokens"}
+    dev["max_seq_len"][2] += 1
+    with pytest.raises(MirrorDivergence, match="max_seq_len"):
+        m.validate(dev, np.array([0, 2]), step=1)
+
+
+def test_mirror_arrays_are_int64():
+    m = _mirror()
+    assert {f: m.array(f).dtype for f in MIRROR_FIELDS} == {f: np.dtype(np.int64) for f in MIRROR_FIELDS}

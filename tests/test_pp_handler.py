@@ -88,13 +88,26 @@ def test_all_rows_stale_returns_none_but_waits_on_handle():
     assert Handle.waited == 1
 
 
-def test_generation_check_switch_off_applies_stale_row(monkeypatch):
-    monkeypatch.setattr(PPHandler, "_stale_rows",
-                        lambda self, e: np.zeros(len(e.idx_mapping), dtype=bool))
-    h = PPHandler(depth=1, max_num_reqs=2)
-    step(h, out(0, [0], [True]))
-    h.on_slot_freed(0)
-    assert h.consume().idx_mapping.tolist() == [0]
+def test_stale_check_is_per_slot_and_survives_repeated_reuse():
+    """Only rows of freed slots go stale; a slot freed and reused twice (A -> B -> C) between
+    enqueue and consume is still stale; rows enqueued after the frees are applied."""
+    h = PPHandler(depth=3, max_num_reqs=4)
+    step(h, out(0, [0, 1, 2], [True, True, True]))   # A on 0, others on 1, 2
+    h.on_slot_freed(0)                               # A gone, B takes slot 0
+    step(h, out(1, [0, 3], [True, True]))
+    h.on_slot_freed(0)                               # B gone, C takes slot 0
+    step(h, out(2, [0], [True]))
+    assert h.consume().idx_mapping.tolist() == [-1, 1, 2]   # step 0: only slot 0's row dropped
+    h.enqueue(3, out(3, [1], [True]), np.array([True]))
+    assert h.consume().idx_mapping.tolist() == [-1, 3]      # step 1: B's row dropped too
+    h.enqueue(4, out(4, [2], [True]), np.array([True]))
+    assert h.consume().idx_mapping.tolist() == [0]          # step 2: C's row is current
+    h.enqueue(5, out(5, [2], [True]), np.array([True]))
+    h.on_slot_freed(2)                                      # after steps 4 and 5 were enqueued
+    assert h.consume().idx_mapping.tolist() == [1]          # step 3: slot 1 untouched
+    h.enqueue(6, out(6, [3], [True]), np.array([True]))
+    assert h.consume() is None                              # step 4: its only row is stale
+    assert h.generation.tolist() == [2, 0, 1, 0]
 
 
 def test_push_empty_and_call_order_errors():
@@ -107,4 +120,26 @@ def test_push_empty_and_call_order_errors():
     with pytest.raises(PPStateError, match="consume twice"):
         h.consume()
     with pytest.raises(SlotError):
+        PPHandler(depth=0, max_num_reqs=2)
+
+
+def test_events_carry_rank_step_slot_generation_and_idx_mapping():
+    sink = ListSink()
+    h = PPHandler(depth=1, max_num_reqs=4, sink=sink, rank=1)
+    step(h, out(3, [2, 0], [True, False]))
+    h.on_slot_freed(2)
+    h.consume()
+    h.push_empty(4)
+    got = [(e.kind, e.step, e.rank, e.data) for e in sink.events]
+    assert got == [("pp.enqueue", 3, 1, {"pending": True}),
+                   ("pp.free", -1, 1, {"slot": 2, "generation": 1}),
+                   ("pp.consume", 3, 1, {"idx_mapping": [-1, -1]}),
+                   ("pp.enqueue", 4, 1, {"pending": False})]
+    assert h.generation.dtype == np.int64
+    m = need_sampled_mask(out(5, [1], [True]))
+    assert m.dtype == np.bool_
+
+
+def test_bad_sizes_message_names_both_values():
+    with pytest.raises(SlotError, match=r"depth >= 1 and max_num_reqs >= 1, got 0, 2"):
         PPHandler(depth=0, max_num_reqs=2)

@@ -11,11 +11,11 @@ import random
 
 import pytest
 
-from ppstate.errors import SchedulerError
+from ppstate.events import ListSink
 from runtime.config import EngineConfig
 from runtime.sampling_params import SamplingParams
 from engine_harness import EngineThread
-from reference import greedy_reference
+from reference import greedy_reference, seeded_reference
 
 pytestmark = pytest.mark.slow
 
@@ -43,13 +43,32 @@ def reference() -> list[tuple[int, ...]]:
     return [greedy_reference(tuple(p), NEW_TOKENS) for p in MIXED]
 
 
+# Seeded sampling, one request per kind of cut: (prompt, params).
+SEEDED = [(p, SamplingParams(max_tokens=6, ignore_eos=True, **kw)) for p, kw in zip(
+    _prompts(3, 5, 40, seed=6),
+    [dict(temperature=0.7, top_p=0.8, seed=1), dict(temperature=1.3, top_k=30, seed=2),
+     dict(temperature=1.0, top_p=0.95, top_k=50, seed=3)])]
+
+
+async def _run_seeded(eng: EngineThread) -> list[list[int]]:
+    outs = await asyncio.gather(*(eng.collect(f"seeded{i}", p, sp) for i, (p, sp) in enumerate(SEEDED)))
+    return [o["token_ids"] for o in outs]
+
+
 @pytest.fixture(scope="module")
-def pp1_tokens() -> list[list[int]]:
+def pp1_runs() -> dict[str, list[list[int]]]:
+    """Greedy MIXED and SEEDED tokens of one PP=1 engine."""
     eng = _engine(pp_size=1)
     try:
-        return [r["token_ids"] for r in eng.generate(MIXED, GREEDY)]
+        return {"greedy": [r["token_ids"] for r in eng.generate(MIXED, GREEDY)],
+                "seeded": eng.run(_run_seeded(eng))}
     finally:
         eng.close()
+
+
+@pytest.fixture(scope="module")
+def pp1_tokens(pp1_runs) -> list[list[int]]:
+    return pp1_runs["greedy"]
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +101,16 @@ def test_sync_and_overlapped_modes_agree(pp2, pp1_tokens):
     assert got == pp1_tokens
 
 
+def test_seeded_sampling_pp2_equals_pp1_and_reference(pp2, pp1_runs):
+    """temperature > 0 with top-p / top-k / seed through both real pipelines, concurrently, and
+    the sampling rule restated in numpy over transformers logits (tests/reference.py)."""
+    got = pp2.run(_run_seeded(pp2))
+    assert got == pp1_runs["seeded"]
+    want = [list(seeded_reference(tuple(p), sp.max_tokens, sp.temperature, sp.top_p, sp.top_k,
+                                  sp.seed)) for p, sp in SEEDED]
+    assert got == want
+
+
 def test_abort_mid_decode_frees_every_slot(pp2):
     prompts = _prompts(32, 5, 40, seed=2)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -104,23 +133,17 @@ def test_abort_mid_decode_frees_every_slot(pp2):
     assert sched.num_running == 0 and sched.num_waiting == 0
 
 
-def _decoding(sched, req_id: str) -> bool:
-    try:
-        return sched.state_of(req_id) == "decoding"
-    except SchedulerError:  # not added yet
-        return False
-
-
 def test_abort_all_ends_every_stream_and_keeps_serving(pp2):
     """What the server does on SIGTERM: open streams end with abort + error, the engine lives."""
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     prompts = _prompts(3, 5, 10, seed=5)
 
     async def go():
-        tasks = [asyncio.ensure_future(pp2.collect(f"all{i}", p, params))
+        started = [asyncio.Event() for _ in prompts]   # set at each stream's first token
+        tasks = [asyncio.ensure_future(pp2.collect(f"all{i}", p, params, on_token=started[i].set))
                  for i, p in enumerate(prompts)]
-        while not all(_decoding(pp2.engine.sched, f"all{i}") for i in range(3)):
-            await asyncio.sleep(0.05)
+        for ev in started:
+            await ev.wait()
         await pp2.engine.abort_all("the server is shutting down")
         return await asyncio.gather(*tasks)
 
@@ -179,3 +202,73 @@ def test_planted_device_corruption_on_rank1_stops_engine(pp2_chunk64):
     assert "MirrorDivergence" in last.error and "rank 1" in last.error
     assert "num_computed_tokens" in last.error
     assert not eng.is_alive and "rank 1" in eng.error
+
+
+# ---- one slot: abort frees it for the waiting request -------------------------------------------
+@pytest.fixture(scope="module")
+def pp2_one_slot():
+    eng = _engine(pp_size=2, max_num_seqs=1)
+    yield eng
+    eng.close()
+
+
+def test_one_slot_reuse_after_abort_matches_transformers(pp2_one_slot):
+    """A holds the only slot and is aborted after 3 tokens while B waits; B then decodes in the
+    same slot with A's last deferred token still queued on rank 0 (FIFO depth 2) and must equal
+    the transformers reference (fails when the worker skips ``PPHandler.on_slot_freed``)."""
+    eng = pp2_one_slot
+    pa, pb = _prompts(2, 6, 14, seed=7)
+    long = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    seen_waiting = []
+
+    async def go():
+        b = asyncio.ensure_future(eng.collect("slot-b", pb, GREEDY))
+        a = await eng.collect("slot-a", pa, long, abort_after=3,
+                              on_token=lambda: seen_waiting.append(eng.engine.sched.num_waiting))
+        return a, await b
+
+    a, b = eng.run(go())
+    assert a["finish_reason"] == "abort" and seen_waiting[0] == 1  # B waited while A ran
+    assert 3 <= len(a["token_ids"]) < 100
+    assert tuple(a["token_ids"]) == greedy_reference(tuple(pa), len(a["token_ids"]))
+    assert b["finish_reason"] == "length"
+    assert tuple(b["token_ids"]) == greedy_reference(tuple(pb), NEW_TOKENS)
+
+
+def test_engine_abort_frees_slot_and_bumps_generation_in_one_step(pp2_one_slot):
+    """``AsyncEngine.abort``: the request leaves the scheduler at once (state, slot, generation),
+    and the very next issued step carries its FreedSlot to the workers (counted in steps)."""
+    eng = pp2_one_slot.engine
+    sched = eng.sched
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+
+    async def go():
+        sink, freed = ListSink(), asyncio.Event()
+        emit = sink.emit
+
+        def watch(kind, step=-1, rank=None, **data):
+            emit(kind, step, rank, **data)
+            if kind == "schedule" and "gone" in data.get("freed", ()):
+                freed.set()
+        sink.emit = watch
+        sched.sink = sink
+        try:
+            seen, before = 0, None
+            async for out in eng.add_request("gone", [100, 200, 300, 400, 500], params):
+                seen += len(out.new_token_ids)
+                if seen >= 3 and before is None:
+                    slot = sched.slots.lookup("gone")
+                    before = (slot, int(sched.slots.generation[slot]), sched.next_step)
+                    await eng.abort("gone")
+                    after = (sched.state_of("gone"), sched.slots.lookup("gone"),
+                             int(sched.slots.generation[slot]), sched.slots.num_free)
+            await freed.wait()
+        finally:
+            sched.sink = eng.sink
+        steps = [e.step for e in sink.of_kind("schedule") if "gone" in e.data["freed"]]
+        return before, after, steps, seen
+
+    (slot, gen, next_step), after, steps, seen = pp2_one_slot.run(go(), timeout=300)
+    assert after == ("finished_aborted", None, gen + 1, 1)
+    assert steps == [next_step]       # the first step issued after the abort frees the slot
+    assert seen < 100

@@ -201,3 +201,83 @@ def test_events_and_nothing_to_do():
                      ("a", "hit_length", "finished_length")]
     assert [e.step for e in sink.of_kind("schedule")] == [0, 1]
     assert sched.schedule() is None
+
+
+def test_output_array_dtypes_and_schedule_event_payload():
+    """The SchedulerOutput contract ([num_rows] int32 / bool arrays) and the exact trace event."""
+    sink = ListSink()
+    sched = Scheduler(SchedulerConfig(pp_size=2, max_prefill_chunk=4), sink=sink)
+    sched.add_request(spec("a", plen=6))
+    out = sched.schedule()
+    assert (out.slots.dtype, out.num_scheduled_tokens.dtype, out.start_positions.dtype,
+            out.is_final_chunk.dtype) == (np.int32, np.int32, np.int32, np.bool_)
+    assert sched.slots.generation.dtype == np.int64
+    ev = sink.of_kind("schedule")[0]
+    assert (ev.step, ev.data) == (0, {"req_ids": ["a"], "slots": [0], "num_tokens": [4],
+                                      "final": [False], "new": ["a"], "freed": []})
+    assert [e.step for e in sink.of_kind("lifecycle")] == [0]
+
+
+def test_row_cap_is_the_ceiling_of_the_live_share():
+    sched = Scheduler(SchedulerConfig(pp_size=2, max_num_seqs=8))
+    for rid in "abc":
+        sched.add_request(spec(rid))
+    assert sched.row_cap() == 2 and isinstance(sched.row_cap(), int)  # ceil(3 / 2)
+
+
+def test_out_of_order_result_names_the_expected_step():
+    sched = Scheduler(SchedulerConfig(pp_size=2))
+    sched.add_request(spec("a"))
+    sched.schedule()
+    bad = StepResult(5, np.zeros((1, 1), np.int64), np.ones(1, np.int32), np.zeros(1, np.int32))
+    with pytest.raises(SchedulerError, match=r"step result 5 out of order \(expected 0\)"):
+        sched.on_step_result(bad)
+
+
+def test_final_row_with_no_sample_gives_no_update_and_two_tokens_are_both_taken():
+    """``num_sampled`` is authoritative: 0 gives no update; 2 (speculative width) appends both."""
+    sched = Scheduler(SchedulerConfig(pp_size=1, mode="sync"))
+    sched.add_request(spec("a", max_tokens=5))
+    out = sched.schedule()
+    assert out.is_final_chunk.tolist() == [True]
+    none = StepResult(out.step, np.zeros((1, 2), np.int64), np.zeros(1, np.int32),
+                      np.zeros(1, np.int32))
+    assert sched.on_step_result(none) == []
+    out = sched.schedule()
+    two = StepResult(out.step, np.array([[7, 8]], np.int64), np.array([2], np.int32),
+                     np.zeros(1, np.int32))
+    [upd] = sched.on_step_result(two)
+    assert (upd.token_ids, upd.finish_reason) == ([7, 8], None)
+    assert sched.state_of("a") == "decoding"
+
+
+def test_finished_request_leaves_the_lifecycle_machine():
+    from ppstate.scheduler import finish_reason_of
+    sched = Scheduler(SchedulerConfig(pp_size=2))
+    sched.add_request(spec("a", max_tokens=1))
+    drive(sched)
+    assert sched.state_of("a") == "finished_length" and finish_reason_of("finished_length") == "length"
+    assert finish_reason_of("decoding") is None
+    assert all(getattr(m, "req_id", None) != "a" for m in sched.lifecycle.machine.models)
+
+
+def test_last_budget_token_goes_to_a_continuing_prefill():
+    """With one token of step budget left after decodes, a prefilling request still gets a
+    one-token chunk (budget 2: one decode row + one prefill token)."""
+    sched = Scheduler(SchedulerConfig(pp_size=1, mode="sync", max_num_batched_tokens=2,
+                                      max_prefill_chunk=4, max_num_seqs=4))
+    sched.add_request(spec("d", plen=1, max_tokens=5))
+    sched.add_request(spec("a", plen=5))
+    first = sched.schedule()
+    assert list(zip(first.req_ids, first.num_scheduled_tokens.tolist())) == [("d", 1), ("a", 1)]
+    answer(sched)
+    nxt = sched.schedule()
+    assert list(zip(nxt.req_ids, nxt.num_scheduled_tokens.tolist(), nxt.start_positions.tolist())) \
+        == [("d", 1, 1), ("a", 1, 1)]
+
+
+def test_result_with_nothing_in_flight_is_a_scheduler_error():
+    sched = Scheduler(SchedulerConfig(pp_size=2))
+    res = StepResult(0, np.zeros((0, 1), np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32))
+    with pytest.raises(SchedulerError, match=r"out of order \(expected None\)"):
+        sched.on_step_result(res)

@@ -16,6 +16,7 @@ from test_server_api import CONFIG, FakeEngine, client_for
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
 USER = [{"role": "user", "content": "hi"}]
+STEPS_AFTER_DISCONNECT = 1  # at most the engine step already under way when the disconnect arrives
 
 
 def malformed_cases(max_model_len: int) -> list[tuple[str, object, str | None, str]]:
@@ -136,8 +137,11 @@ async def test_unknown_route_and_method():
         assert r.status_code == 405 and set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
-async def _drive_asgi(app, body: dict, disconnect_after_chunks: int | None, disconnect_after_s: float):
-    """Run one POST through the ASGI app; the client disconnects after some body chunks or seconds."""
+async def _drive_asgi(app, body: dict, disconnect_after_chunks: int | None, engine: FakeEngine,
+                      disconnect_after_steps: int, at_disconnect: list[int]):
+    """Run one POST through the ASGI app; the client disconnects after some body chunks (stream)
+    or once the engine ran some steps (non-stream); ``at_disconnect`` gets the engine's step count
+    at that moment."""
     sent: list[dict] = []
     chunk_seen = asyncio.Event()
     first = True
@@ -152,7 +156,9 @@ async def _drive_asgi(app, body: dict, disconnect_after_chunks: int | None, disc
                 chunk_seen.clear()
                 await chunk_seen.wait()
         else:
-            await asyncio.sleep(disconnect_after_s)
+            while engine.steps < disconnect_after_steps:
+                await asyncio.sleep(0)  # yield to the engine: one loop turn, no wall-clock wait
+        at_disconnect.append(engine.steps)
         return {"type": "http.disconnect"}
 
     async def send(message):
@@ -169,12 +175,14 @@ async def _drive_asgi(app, body: dict, disconnect_after_chunks: int | None, disc
 
 @pytest.mark.parametrize("stream", [True, False])
 async def test_disconnect_aborts_request(stream):
-    engine = FakeEngine(step_s=0.02)
+    engine = FakeEngine(step_s=0.0)
     app = create_app(engine, CONFIG)
     body = {"prompt": "hi", "max_tokens": 60, "stream": stream}
-    sent = await _drive_asgi(app, body, 3 if stream else None, 0.2)
+    at_disconnect: list[int] = []
+    sent = await _drive_asgi(app, body, 3 if stream else None, engine, 3, at_disconnect)
     assert len(engine.aborted) == 1 and engine.live == {}
     assert engine.stats()["num_running"] == 0
     if stream:
         assert sent[0]["status"] == 200 and b"[DONE]" not in b"".join(m.get("body", b"") for m in sent)
-    assert engine.steps < 30  # generation stopped long before max_tokens
+    # counted in engine steps: the abort lands within STEPS_AFTER_DISCONNECT steps of the disconnect
+    assert at_disconnect[0] >= 2 and engine.steps <= at_disconnect[0] + STEPS_AFTER_DISCONNECT

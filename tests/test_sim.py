@@ -128,6 +128,43 @@ def test_checker_catches_cadence_and_broadcast_mutants(monkeypatch):
     assert {v["invariant"] for v in run_sim(sweep_config(1)).invariant_violations} == {1}
 
 
+def _final_chunk_mask(out):
+    return np.asarray(out.is_final_chunk, dtype=bool).copy() if out.num_rows else None
+
+
+@pytest.mark.parametrize("wrong", ["post_all_non_final", "mask_all_rows", "skip_mixed"])
+def test_wrong_broadcast_decision_agreed_by_all_ranks_is_caught(monkeypatch, wrong):
+    """Every rank takes the same wrong decision (so the ranks never disagree); the checker's own
+    statement of the rule (chunk positions vs prompt lengths) still reports invariant 1."""
+    if wrong == "post_all_non_final":   # the chunked-PP hang: post although nobody needs a sample
+        monkeypatch.setattr(sim_rank, "need_sampled_mask", _final_chunk_mask)
+        monkeypatch.setattr(sim_rank, "should_broadcast", lambda out: out.num_rows > 0)
+    elif wrong == "mask_all_rows":       # non-final chunk rows marked as needing their sample
+        monkeypatch.setattr(sim_rank, "need_sampled_mask",
+                            lambda out: np.ones(out.num_rows, dtype=bool) if out.num_rows else None)
+        monkeypatch.setattr(sim_rank, "should_broadcast", lambda out: out.num_rows > 0)
+    else:                                # a step with any non-final chunk row skips the broadcast
+        def skip_mixed(out):
+            m = _final_chunk_mask(out)
+            return None if m is None or not m.all() else m
+        monkeypatch.setattr(sim_rank, "need_sampled_mask", skip_mixed)
+        monkeypatch.setattr(sim_rank, "should_broadcast", lambda out: skip_mixed(out) is not None)
+    res = run_sim(sweep_config(1))
+    assert 1 in {v["invariant"] for v in res.invariant_violations}
+    assert not any("only" in v["message"] for v in res.invariant_violations)  # ranks agreed
+
+
+def test_rows_needing_sample_rule():
+    from ppstate.batch import SchedulerOutput
+    from ppstate.sim_checks import InvariantChecker
+    checker = InvariantChecker.__new__(InvariantChecker)
+    checker.prompt_len = {"a": 10, "b": 4, "c": 7}
+    out = SchedulerOutput(3, ("a", "b", "c"), np.array([0, 1, 2], dtype=np.int32),
+                          np.array([6, 1, 7], dtype=np.int32), np.array([0, 5, 0], dtype=np.int32),
+                          np.array([False, True, True]))
+    assert checker.rows_needing_sample(out).tolist() == [False, True, True]
+
+
 @pytest.mark.parametrize("pp", [2, 3, 4])
 def test_sim_cadence(pp):
     sim = Simulator(SimConfig(pp_size=pp, num_requests=24, seed=pp, abort_rate=0.2,
