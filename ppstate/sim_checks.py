@@ -1,4 +1,4 @@
-"""Invariant checks of the simulator (DESIGN.md section 4, invariants 1, 2, 3, 5, 6, 7; 4 for the
+"""Invariant checks of the simulator (docs/design.md §6 and specs/invariants.md: invariants 1, 2, 3, 5, 6, 7; 4 for the
 ``num_computed_tokens`` mirror).
 
 The checker receives ground truth from the simulated ranks and the client side and records one
@@ -23,7 +23,7 @@ MAX_REPORTED = 50  # violations kept per run (the count keeps going)
 
 @dataclass(frozen=True)
 class Violation:
-    """One broken invariant: its number (DESIGN.md section 4), where, and what happened."""
+    """One broken invariant: its number (specs/invariants.md), where, and what happened."""
     invariant: int
     step: int
     rank: int | None

@@ -2,7 +2,7 @@
 
 Greedy continuations are computed in fp32 with an explicit all-ones attention mask: SmolLM2's EOS
 ``<|im_end|>`` (id 2) appears inside chat prompts and ``generate`` would otherwise infer a mask
-that hides those tokens (DESIGN.md section 9).
+that hides those tokens (docs/design.md §8).
 """
 
 from __future__ import annotations

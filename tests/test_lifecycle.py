@@ -13,7 +13,7 @@ from ppstate.lifecycle import Lifecycle
 from ppstate.spec import load_spec
 
 SPEC = load_spec("request")
-# The lifecycle as DESIGN section 3 states it, written out here rather than read from
+# The lifecycle as docs/design.md §4 states it, written out here rather than read from
 # specs/request.yaml (the table the machine is built from), so a wrong spec cannot pass.
 STATES = ["waiting", "prefilling", "decoding", "finished_stopped", "finished_length",
           "finished_aborted"]

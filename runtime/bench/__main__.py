@@ -4,7 +4,7 @@ Starts one engine per schedule mode (same flags otherwise), sends ``--num-reques
 greedy requests with random-token prompts of ``--prompt-len`` tokens and ``--max-tokens`` new
 tokens (EOS ignored; ``--shared-prefix N`` puts one common N-token prefix in front of every
 prompt), and reports output tokens/s, mean TTFT / TPOT, the engine's bubble fraction, the
-prefix-cache hit rate and preemptions of the run, and the overlapped/sync ratio (ceiling = pp_size, DESIGN.md section 6). Results are printed and
+prefix-cache hit rate and preemptions of the run, and the overlapped/sync ratio (ceiling = pp_size, docs/design.md §7). Results are printed and
 written as JSON to ``--out`` (default ``bench-results/pp_overlap.json``).
 
 ``--trace-cost DIR`` measures the cost of recording: each mode runs ``--repeat`` times without and

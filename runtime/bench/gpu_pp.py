@@ -7,7 +7,7 @@ sends ``(hidden, residual)`` to rank 1 by p2p; rank 1 runs its graph, takes the 
 broadcasts the ids on the sibling group from a side stream; rank 0 feeds them to that lane's next
 step (stream-ordered wait: rank 0's host never blocks). Sync mode keeps one lane of all rows, so
 the ranks alternate (the bubble); overlapped mode splits the rows into two lanes, so rank 0
-computes one lane while rank 1 computes the other (DESIGN: bubble-free PP).
+computes one lane while rank 1 computes the other (bubble-free PP, docs/design.md §1).
 
 Long-prompt workload: ``n`` prompts prefilled one per step; sync waits for each prompt's first
 token before sending the next, overlapped streams them; TTFT of each prompt is read on rank 1

@@ -1,4 +1,4 @@
-"""The per-step work of one PP rank (DESIGN.md section 5).
+"""The per-step work of one PP rank (docs/design.md §5).
 
 Order inside a step: consume the deferred entry (non-last ranks, overlapped mode) -> free / admit
 slots -> prepare inputs from device state -> receive hidden states from rank - 1 -> forward ->
