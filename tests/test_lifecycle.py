@@ -21,7 +21,9 @@ FINAL = {"finished_stopped", "finished_length", "finished_aborted"}
 EDGES = [("admit", "waiting", "prefilling"), ("complete_prefill", "prefilling", "decoding"),
          ("stop", "decoding", "finished_stopped"), ("hit_length", "decoding", "finished_length"),
          ("abort", "waiting", "finished_aborted"), ("abort", "prefilling", "finished_aborted"),
-         ("abort", "decoding", "finished_aborted")]
+         ("abort", "decoding", "finished_aborted"),
+         # recompute preemption (paged KV cache out of blocks): back to waiting, tokens kept
+         ("preempt", "prefilling", "waiting"), ("preempt", "decoding", "waiting")]
 GUARDED = {"admit": "has_slot", "complete_prefill": "prefill_fully_scheduled"}
 LEGAL = {(trigger, source) for trigger, source, _ in EDGES}
 TRIGGERS = sorted({t for t, _, _ in EDGES})
