@@ -96,8 +96,9 @@ class SimPipeline:
         return True
 
     def step(self, n: int = 1) -> int:
-        """Run until ``n`` more steps were issued by the scheduler (or nothing is left to do);
-        returns the next step number."""
+        """Run until at least ``n`` more steps were issued by the scheduler (one round may issue
+        several: up to ``pp_size + 1`` in flight), or nothing is left to do; returns the next
+        step number."""
         target = self.sim.sched.next_step + n
         while self.sim.sched.next_step < target and self.tick():
             if self.sim.sched.next_step > self.sim.max_steps:
