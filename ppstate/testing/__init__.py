@@ -10,4 +10,5 @@ from ppstate.testing.invariants import (INVARIANT_NAMES, InvariantViolation, ass
                                         explain, replay)
 from ppstate.testing.sim_pipeline import SimPipeline
 
-__all__ = ["assert_invariants", "replay", "explain", "InvariantViolation", "INVARIANT_NAMES", "SimPipeline"]
+__all__ = ["assert_invariants", "replay", "explain", "InvariantViolation", "INVARIANT_NAMES",
+           "SimPipeline"]
