@@ -6,8 +6,17 @@ per session; stages of any layer range are then built from that dict without re-
 
 from __future__ import annotations
 
+from importlib.metadata import entry_points
+
 import pytest
 import torch
+
+# The ppstate pytest plugin (sim_pipeline, pp_engine, --ppstate-trace-dir) is loaded through its
+# pytest11 entry point once the package is installed; a checkout used through PYTHONPATH without
+# `pip install -e .` (or installed before the entry point existed) loads it here instead.
+PLUGIN = "runtime.testing.plugin"
+if not any(ep.value == PLUGIN for ep in entry_points(group="pytest11")):
+    pytest_plugins = [PLUGIN]
 
 
 @pytest.fixture(scope="session")

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import random
+from types import SimpleNamespace
 
 import pytest
 
+from ppstate.testing import assert_invariants
 from runtime.config import EngineConfig
 from runtime.engine import RequestRejected
 from runtime.sampling_params import SamplingParams
@@ -64,23 +66,28 @@ def test_block_size_1_pp1_prefix_caching_off():
     assert stats["prefix_cache_hit_tokens"] == 0 and stats["kv_blocks_cached"] == 0
 
 
-def test_small_kv_budget_preempts_and_recomputes_pp3():
+async def test_small_kv_budget_preempts_and_recomputes_pp3(pp_engine):
     # 2400KB holds 9-10 blocks of 16 tokens on a rank of 10-11 layers (fp32): six 20-60 token
     # prompts cannot all stay resident, so running requests are preempted and recomputed.
-    eng = _engine(pp_size=3, kv_cache_memory="2400KB", max_model_len=256)
-    try:
-        got = _tokens(eng, MEDIUM, "pre-")
-        stats = eng.engine.stats()
-        _pool_is_whole(eng)
-        cap = stats["kv_blocks_total"] * 16
-        with pytest.raises(RequestRejected, match=rf"needs KV cache for 199 tokens; this "
-                                                  rf"server's KV cache holds {cap} tokens") as err:
-            eng.engine.add_request("too-long", [5] * 100, SamplingParams(max_tokens=100))
-        assert err.value.field == "max_tokens"
-    finally:
-        eng.close()
+    # pp_engine (the ppstate pytest plugin) stops the workers even if an assert fails mid-way.
+    engine = await pp_engine(pp_size=3, kv_cache_memory="2400KB", max_num_seqs=8,
+                             max_model_len=256, max_prefill_chunk=32, max_num_batched_tokens=128,
+                             step_timeout_s=60.0)
+    eng = SimpleNamespace(engine=engine)
+    res = await asyncio.gather(*(EngineThread.collect(eng, f"pre-{i}", p, GREEDY)
+                                 for i, p in enumerate(MEDIUM)))
+    got = [tuple(r["token_ids"]) for r in res]
+    stats = engine.stats()
+    _pool_is_whole(eng)
+    cap = stats["kv_blocks_total"] * 16
+    with pytest.raises(RequestRejected, match=rf"needs KV cache for 199 tokens; this "
+                                              rf"server's KV cache holds {cap} tokens") as err:
+        engine.add_request("too-long", [5] * 100, SamplingParams(max_tokens=100))
+    assert err.value.field == "max_tokens"
     assert stats["kv_blocks_total"] <= 10 and stats["num_preemptions"] > 0
     assert got == [greedy_reference(tuple(p), NEW) for p in MEDIUM]
+    await engine.shutdown()
+    assert_invariants(engine)  # replay of the recorded run: preemptions re-derived step by step
 
 
 def test_block_size_64_pp2_greedy_matches(pp2_block64):

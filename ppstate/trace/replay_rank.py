@@ -76,7 +76,8 @@ class RankReplay:
                 self.handler.on_slot_freed(f.slot, s)
         for n in out.new_requests:
             self.owner[n.slot] = n.req_id
-            self.mirror.add_request(n.slot, len(n.prompt_token_ids), n.max_seq_len)
+            self.mirror.add_request(n.slot, len(n.prompt_token_ids), n.max_seq_len,
+                                    n.num_cached_tokens)  # prefix-cache hit: already computed
         mask = need_sampled_mask(out)
         if out.is_empty:
             if self.handler is not None:

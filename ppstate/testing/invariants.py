@@ -1,0 +1,138 @@
+"""``assert_invariants(x)``: fail a test with the first broken invariant, named and located.
+
+``x`` may be a trace (a run directory or a ``--trace-dir`` holding runs, a loaded
+:class:`~ppstate.trace.run.TraceRun`, a :class:`~ppstate.trace.replayer.ReplayResult`), a
+:class:`~ppstate.testing.sim_pipeline.SimPipeline`, a list of violation dicts, or a live engine
+(any object with ``config.trace_dir`` naming its run directory and a ``sink`` with ``flush()``,
+e.g. ``runtime.engine.AsyncEngine`` started with a trace directory). Traces and engines are
+replayed (:func:`ppstate.trace.replayer.replay`), which re-derives every scheduler and rank
+decision and checks the invariants of ``specs/invariants.md`` on what was recorded.
+
+Pure: no torch, no asyncio (the engine is only duck-typed).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ppstate.trace.replayer import ReplayResult, replay as _replay
+from ppstate.trace.explain import explain as _explain
+from ppstate.trace.run import TraceRun, load_run
+
+#: titles of the invariants, numbered as in ``specs/invariants.md`` (DESIGN section 4 + KV)
+INVARIANT_NAMES = {
+    1: "collective matching", 2: "no stale application", 3: "exactly-once, in-order delivery",
+    4: "mirror agreement", 5: "cadence", 6: "liveness", 7: "budgets", 8: "KV completeness",
+    9: "KV blocks",
+}
+
+
+class InvariantViolation(AssertionError):
+    """An invariant was broken. ``violation`` is the first one: ``{invariant, step, rank,
+    message}``; ``violations`` all that were found; ``source`` what was checked."""
+
+    def __init__(self, violations: list[dict], source: str, divergence: dict | None = None) -> None:
+        violations = sorted(violations, key=lambda v: v["step"])  # stable: first by step
+        self.violations = violations
+        self.violation = violations[0] if violations else None
+        self.divergence = divergence
+        self.source = source
+        super().__init__(format_failure(violations, source, divergence))
+
+
+def describe(v: dict) -> str:
+    """One line naming the invariant (number and title), the step and the rank of ``v``."""
+    n = v["invariant"]
+    where = f"step {v['step']}" + (f" rank {v['rank']}" if v.get("rank") is not None else "")
+    return f"invariant {n} ({INVARIANT_NAMES.get(n, '?')}) violated at {where}: {v['message']}"
+
+
+def format_failure(violations: list[dict], source: str, divergence: dict | None) -> str:
+    """The message of :class:`InvariantViolation`: the first violation first, then the rest."""
+    lines = [f"{source}:"]
+    if violations:
+        lines.append("  " + describe(violations[0]))
+        lines += ["  also " + describe(v) for v in violations[1:6]]
+        if len(violations) > 6:
+            lines.append(f"  ... {len(violations) - 6} more")
+    if divergence is not None:
+        lines.append(f"  replay diverged from the recording at step {divergence['step']} rank "
+                     f"{divergence['rank']} ({divergence['kind']}): recorded "
+                     f"{divergence['recorded']} replayed {divergence['replayed']}")
+    return "\n".join(lines)
+
+
+def replay(trace_dir: str | Path | TraceRun, until: int | None = None) -> ReplayResult:
+    """Replay a recorded run (``docs/trace_format.md``) and return its
+    :class:`~ppstate.trace.replayer.ReplayResult` (``ok``, ``steps``, ``first_divergence``,
+    ``invariant_violations``, ...); ``result.assert_ok()`` raises on any finding.
+
+    Raises:
+        ppstate.trace.run.TraceError: ``trace_dir`` holds no readable run.
+    """
+    return _replay(trace_dir, until=until)
+
+
+def explain(trace_dir: str | Path | TraceRun, req_id: str) -> list[dict[str, Any]]:
+    """One request's life in a recorded run, in order: ``{step, rank, what, ...}`` entries
+    (``arrival``, ``admitted``, ``scheduled`` with ``start`` / ``num_tokens`` / ``final_chunk``,
+    ``lifecycle``, ``tokens``, ``deferred consume``, ``slot freed``); see
+    :func:`ppstate.trace.explain.explain`.
+
+    Raises:
+        ppstate.trace.run.TraceError: ``trace_dir`` holds no readable run.
+    """
+    run = trace_dir if isinstance(trace_dir, TraceRun) else load_run(trace_dir)
+    return _explain(run, req_id)
+
+
+def _engine_run_dir(engine: Any) -> Path:
+    trace_dir = getattr(getattr(engine, "config", None), "trace_dir", None)
+    if not trace_dir:
+        raise TypeError("assert_invariants(engine): the engine records no trace; start it with "
+                        "a trace_dir (the pp_engine fixture always does)")
+    try:  # the scheduler's events so far; ranks' files hold what they flushed (all, once shut down)
+        engine.sink.flush()
+    except ValueError:  # already closed by shutdown: the file is complete
+        pass
+    return Path(trace_dir)
+
+
+def assert_invariants(target: Any, *, divergence_fails: bool = True) -> ReplayResult | None:
+    """Raise :class:`InvariantViolation` naming the first broken invariant and its step.
+
+    Args:
+        target: see the module docstring.
+        divergence_fails: for replayed traces, also fail when a recorded decision differs from
+            the one the current scheduler re-derives (a bug or a trace of another version).
+
+    Returns:
+        the :class:`ReplayResult` when ``target`` was replayed, else None.
+
+    Raises:
+        InvariantViolation: a violation (or a divergence, see above).
+        TypeError: ``target`` is none of the accepted kinds.
+    """
+    from ppstate.testing.sim_pipeline import SimPipeline
+    if isinstance(target, SimPipeline):
+        found = target.violations()
+        if found:
+            raise InvariantViolation(found, f"simulated pipeline (seed {target.config.seed})")
+        return None
+    if isinstance(target, list):
+        if target:
+            raise InvariantViolation(target, "violations")
+        return None
+    if isinstance(target, ReplayResult):
+        res = target
+    elif isinstance(target, (str, Path, TraceRun)):
+        res = replay(target)
+    elif hasattr(target, "sink") and hasattr(target, "config"):
+        res = replay(_engine_run_dir(target))
+    else:
+        raise TypeError(f"assert_invariants: cannot check a {type(target).__name__}")
+    div = res.first_divergence if divergence_fails else None
+    if res.invariant_violations or div is not None:
+        raise InvariantViolation(res.invariant_violations, f"replay of {res.run_dir}", div)
+    return res
