@@ -148,10 +148,11 @@ class InvariantChecker:
             del self._posts[step]
 
     def rows_needing_sample(self, out: SchedulerOutput) -> np.ndarray:
-        """``[num_rows]`` bool: the row's tokens reach the end of its prompt (final chunk or
-        decode), from the row's chunk position and the workload's prompt length alone."""
+        """``[num_rows]`` bool: the row's tokens reach the end of what its admission prefills
+        (final chunk or decode), from the row's chunk position and the prefill length of the
+        row's admission alone (the prompt; prompt + kept outputs after a preemption)."""
         ends = out.start_positions.astype(np.int64) + out.num_scheduled_tokens.astype(np.int64)
-        plen = np.array([self.prompt_len[r] for r in out.req_ids], dtype=np.int64)
+        plen = np.array([self._row_info(out.step, r)[1] for r in out.req_ids], dtype=np.int64)
         return ends >= plen
 
     def check_apply(self, rank: int, step: int, row_req: str, slot: int, owner: str | None) -> None:

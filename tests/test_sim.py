@@ -159,10 +159,21 @@ def test_rows_needing_sample_rule():
     from ppstate.sim_checks import InvariantChecker
     checker = InvariantChecker.__new__(InvariantChecker)
     checker.prompt_len = {"a": 10, "b": 4, "c": 7}
+    checker.row_admission = {}
     out = SchedulerOutput(3, ("a", "b", "c"), np.array([0, 1, 2], dtype=np.int32),
                           np.array([6, 1, 7], dtype=np.int32), np.array([0, 5, 0], dtype=np.int32),
                           np.array([False, True, True]))
     assert checker.rows_needing_sample(out).tolist() == [False, True, True]
+    # "a" re-admitted after a preemption at step 2 with 3 kept outputs: it prefills 13 tokens, so
+    # a row ending at 10 is a non-final chunk and one ending at 13 needs its sample
+    checker.row_admission = {(3, "a"): (2, 13, 3), (4, "a"): (2, 13, 3)}
+    assert checker.rows_needing_sample(out).tolist() == [False, True, True]
+    late = SchedulerOutput(4, ("a",), np.array([0], dtype=np.int32), np.array([3], dtype=np.int32),
+                           np.array([10], dtype=np.int32), np.array([True]))
+    assert checker.rows_needing_sample(late).tolist() == [True]
+    early = SchedulerOutput(4, ("a",), np.array([0], dtype=np.int32), np.array([4], dtype=np.int32),
+                            np.array([6], dtype=np.int32), np.array([False]))
+    assert checker.rows_needing_sample(early).tolist() == [False]
 
 
 @pytest.mark.parametrize("pp", [2, 3, 4])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from ppstate.batch import SchedulerOutput
 from ppstate.scheduler import Scheduler
 from ppstate.sim_checks import InvariantChecker
 from ppstate.trace.codec import decode_output
@@ -39,6 +40,7 @@ class TraceChecker:
         self.pp_size = pp_size
         self._finished: dict[str, str] = {}
         self._posts: dict[int, int] = defaultdict(int)
+        self._outputs: dict[int, SchedulerOutput] = {}  # step -> recorded output (engine first)
 
     @property
     def violations(self) -> list[dict]:
@@ -55,7 +57,9 @@ class TraceChecker:
         if kind == "arrival":
             self.inner.prompt_len[ev["req_id"]] = ev["prompt_len"]
         elif kind == "schedule":
-            self.inner.on_issue(decode_output(ev["output"]))
+            out = decode_output(ev["output"])
+            self._outputs[out.step] = out
+            self.inner.on_issue(out)
         elif kind == "tokens":
             for u in ev["updates"]:
                 rid = u["req_id"]
@@ -72,7 +76,9 @@ class TraceChecker:
         """Feed one recorded rank event (any order across ranks)."""
         kind = ev["kind"]
         if kind in ("broadcast.posted", "broadcast.skipped"):
-            self.inner.record_post(ev["step"], ev["rank"], kind == "broadcast.posted")
+            out = self._outputs.get(ev["step"])
+            if out is not None:  # a rank's step the engine's recording does not reach is
+                self.inner.record_post(out, ev["rank"], kind == "broadcast.posted")  # not judged
         elif kind == "mirror.check" and not ev.get("ok", True):
             self.inner.violation(4, ev["step"], ev["rank"], ev.get("message") or "mirror differs")
 
