@@ -129,7 +129,8 @@ class AsyncEngine:
         Raises:
             EngineDeadError: the engine is not running.
             RequestRejected: empty prompt, token id outside the vocabulary, prompt not shorter
-                than ``max_model_len``, duplicate id.
+                than ``max_model_len``, id of a live request (field ``request_id``; the id of a
+                finished or aborted request may be used again, as in vLLM).
             RequestFailure: the request's own admission work failed (stages ``sampling_params``,
                 ``encode``, ``stop_strings`` of :mod:`runtime.faults`); nothing was queued.
         """
@@ -169,8 +170,9 @@ class AsyncEngine:
         return dict(wire.sampling)
 
     def _check_prompt(self, req_id: str, ids: list[int]) -> None:
-        if req_id in self._streams:
-            raise RequestRejected("request_id", f"request id {req_id!r} is already in use")
+        if req_id in self._streams or self.sched.is_live(req_id):
+            raise RequestRejected("request_id", f"request id {req_id!r} is already in use by a "
+                                  "live request")
         if not ids:
             raise RequestRejected("prompt", "the prompt is empty")
         if len(ids) >= self.config.max_model_len:
