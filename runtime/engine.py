@@ -35,6 +35,9 @@ from runtime.sampling_params import SamplingParams
 from runtime.worker.kv_capacity import capacity_summary
 
 
+HEALTH_CHECK_S = 1.0  # seconds between two checks of the ranks' liveness and progress
+
+
 class EngineDeadError(RuntimeError):
     """The engine stopped (worker failure, timeout or shutdown); no request can be served."""
 
@@ -231,12 +234,14 @@ class AsyncEngine:
 
     async def _result_loop(self) -> None:
         try:
+            checked = time.monotonic()
             while self.is_alive:
-                msg = await self.pool.recv(timeout_s=1.0)
-                if msg is None:
+                msg = await self.pool.recv(timeout_s=HEALTH_CHECK_S)
+                if msg is not None:
+                    self._handle(msg)
+                if time.monotonic() - checked >= HEALTH_CHECK_S:  # even while messages flow
+                    checked = time.monotonic()
                     self._check_health()
-                    continue
-                self._handle(msg)
         except Exception as exc:  # noqa: BLE001
             self._die(f"engine result loop failed: {exc!r}")
 
@@ -283,9 +288,17 @@ class AsyncEngine:
             stream.finish("abort", error=str(failure), error_kind=REQUEST)
 
     def _check_health(self) -> None:
+        """Fail the engine when a rank process exited, a rank was silent (no heartbeat) for
+        ``heartbeat_timeout_s``, or no step finished within ``step_timeout_s``."""
+        if not self.is_alive:
+            return
         dead = self.pool.dead_ranks()
+        silent = self.pool.silent_ranks(self.config.heartbeat_timeout_s)
         if dead:
             self._die(f"worker process of rank(s) {dead} died")
+        elif silent:
+            self._die(f"rank(s) {silent} sent no heartbeat for heartbeat_timeout_s="
+                      f"{self.config.heartbeat_timeout_s} s (killed or frozen)")
         elif self.sched.in_flight and time.monotonic() - self._last_progress > self.config.step_timeout_s:
             self._die(f"no step finished within step_timeout_s={self.config.step_timeout_s}")
         elif not self.sched.in_flight:
