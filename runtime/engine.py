@@ -36,6 +36,7 @@ from runtime.worker.kv_capacity import capacity_summary
 
 
 HEALTH_CHECK_S = 1.0  # seconds between two checks of the ranks' liveness and progress
+DEATH_GRACE_S = 1.0   # seconds the ranks get to exit by themselves after an engine failure
 
 
 class EngineDeadError(RuntimeError):
@@ -309,7 +310,9 @@ class AsyncEngine:
             self._error = error
             self._fail_all(error=error)
             self._wake.set()
-            asyncio.get_running_loop().create_task(self.pool.shutdown())
+            # the surviving ranks are likely blocked in a collective with the failed one and
+            # cannot read a shutdown message: a short grace, then SIGTERM / SIGKILL
+            asyncio.get_running_loop().create_task(self.pool.shutdown(grace_s=DEATH_GRACE_S))
 
     def _fail_all(self, error: str | None) -> None:
         """End every live stream with finish_reason ``abort`` (and ``error`` when the engine died)."""
