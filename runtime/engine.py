@@ -241,10 +241,19 @@ class AsyncEngine:
                 if msg is not None:
                     self._handle(msg)
                 if time.monotonic() - checked >= HEALTH_CHECK_S:  # even while messages flow
+                    await self._drain()
                     checked = time.monotonic()
                     self._check_health()
         except Exception as exc:  # noqa: BLE001
             self._die(f"engine result loop failed: {exc!r}")
+
+    async def _drain(self) -> None:
+        """Handle every message already queued. A rank's silence is judged on what it sent, not
+        on when this loop got round to reading it: after the engine's own loop was held up (a
+        long synchronous stretch, CPU starvation), the ranks' heartbeats wait in the queue and
+        must not read as silence."""
+        while self.is_alive and (msg := await self.pool.recv(timeout_s=0)) is not None:
+            self._handle(msg)
 
     def _handle(self, msg) -> None:
         kind = msg.kind

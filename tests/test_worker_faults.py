@@ -64,3 +64,23 @@ def test_rank_killed_or_frozen_mid_decode_fails_every_request(fault):
         eng.close()
     assert [p.is_alive() for p in procs] == [False, False]   # no orphan ranks
     assert not [c for c in mp.active_children() if c.name.startswith("ppstate-rank")]
+
+
+def test_engine_loop_held_up_longer_than_the_heartbeat_timeout_is_not_a_rank_failure():
+    """The 10,000-request load run on a starved machine once read a late-read heartbeat as a
+    silent rank; silence is judged after draining what the ranks already sent."""
+    import time
+
+    from runtime.sampling_params import SamplingParams
+    eng = AppEngine(EngineConfig(pp_size=2, max_model_len=64, max_num_seqs=4,
+                                 heartbeat_timeout_s=2.0, step_timeout_s=3600.0))
+    try:
+        async def hold_up():
+            time.sleep(3 * eng.engine.config.heartbeat_timeout_s)  # the whole loop blocked
+        eng.run(hold_up())
+        params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+        r = eng.run(eng.collect("after-hold", [100, 200, 300], params))
+        assert eng.engine.is_alive and eng.engine.error is None
+        assert r["finish_reason"] == "length" and len(r["token_ids"]) == 5
+    finally:
+        eng.close()
