@@ -4,12 +4,10 @@ Issue #12: ``_finished`` kept every id forever; re-adding a finished or aborted 
 ``duplicate request id``. vLLM rejects duplicates of live ids only; so does ppstate now.
 """
 
-import numpy as np
 import pytest
 
-from ppstate.batch import StepResult
 from ppstate.errors import SchedulerError
-from ppstate.scheduler import FINISHED_HISTORY, RequestSpec, Scheduler, SchedulerConfig
+from ppstate.scheduler import FINISHED_HISTORY, Scheduler, SchedulerConfig
 from tests.test_scheduler import answer, drive, spec
 
 
