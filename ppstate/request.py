@@ -89,7 +89,7 @@ class Request:
         self.prefill_tokens: tuple[int, ...] = spec.prompt_token_ids  # prompt + outputs at admission
         self.block_hashes: list[int] = []       # chained hashes of prefill_tokens' full blocks
         self.num_registered = 0                 # leading blocks registered in the prefix cache
-        self.epoch = 0                          # admissions so far (rows of older ones are stale)
+        self.epoch = 0                          # scheduler-unique id of its latest admission (older rows are stale)
 
     @property
     def prompt_len(self) -> int:

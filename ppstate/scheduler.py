@@ -16,7 +16,7 @@ preempted and later recomputed). Sources: vLLM V1 ``core/sched/scheduler.py`` +
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 
 import numpy as np
 
@@ -32,7 +32,9 @@ from ppstate.scheduler_rows import RowBuilder
 from ppstate.slots import SlotTable
 from ppstate.trace.codec import encode_output
 
-__all__ = ["Scheduler", "SchedulerConfig", "RequestSpec", "TokenUpdate"]
+__all__ = ["Scheduler", "SchedulerConfig", "RequestSpec", "TokenUpdate", "FINISHED_HISTORY"]
+
+FINISHED_HISTORY = 1024  # finished requests whose final state state_of still answers
 
 
 class Scheduler:
@@ -56,12 +58,15 @@ class Scheduler:
         self._waiting: deque[Request] = deque()
         self._running: dict[str, Request] = {}          # admission order
         self._live: dict[str, Request] = {}             # waiting + running, by id
-        self._finished: dict[str, str] = {}             # req_id -> final state
+        # req_id -> final state of the FINISHED_HISTORY most recent finished requests (for
+        # state_of only; a long-running server must not keep every id it ever served)
+        self._finished: OrderedDict[str, str] = OrderedDict()
         self._freed: list[FreedSlot] = []               # delivered with the next output
         self._in_flight: deque[SchedulerOutput] = deque()
         self._in_flight_epochs: deque[list[int]] = deque()  # per row: the request's epoch
         self._next_step = 0
         self._order = 0
+        self._admissions = 0   # admissions so far (all requests): each admission's unique epoch
 
     # ---------------------------------------------------------------- queries
     @property
@@ -86,8 +91,17 @@ class Scheduler:
         """True while some request is waiting or holds a slot."""
         return bool(self._waiting or self._running)
 
+    def is_live(self, req_id: str) -> bool:
+        """True while ``req_id`` is waiting or holds a slot (its id cannot be added again)."""
+        return req_id in self._live
+
     def state_of(self, req_id: str) -> str:
-        """Lifecycle state of ``req_id``. Raises SchedulerError for an unknown id."""
+        """Lifecycle state of ``req_id``: a live request's, or the final state of one of the
+        ``FINISHED_HISTORY`` most recently finished requests.
+
+        Raises:
+            SchedulerError: unknown id (never seen, or finished longer ago than that).
+        """
         req = self._live.get(req_id)
         if req is not None:
             return req.state
@@ -97,15 +111,17 @@ class Scheduler:
 
     # ---------------------------------------------------------------- client side
     def add_request(self, spec: RequestSpec) -> None:
-        """Queue ``spec`` (FCFS).
+        """Queue ``spec`` (FCFS). The id of a finished (or aborted) request may be used again, as
+        in vLLM: only ids of live requests are rejected. Rows of the earlier request still in
+        flight are told apart by their admission epoch (unique per admission).
 
         Raises:
-            SchedulerError: duplicate id, empty prompt, prompt_len >= max_model_len, max_tokens < 1,
+            SchedulerError: id of a live (waiting or running) request, empty prompt, prompt_len >= max_model_len, max_tokens < 1,
                 or prompt + max_tokens needing more KV blocks than the cache has (names both).
         """
         rid, plen = spec.req_id, spec.prompt_len
-        if rid in self._finished or rid in self._live:
-            raise SchedulerError(f"duplicate request id {rid!r}")
+        if rid in self._live:
+            raise SchedulerError(f"duplicate request id {rid!r}: a request with this id is live")
         if plen == 0:
             raise SchedulerError(f"request {rid!r}: empty prompt")
         if plen >= self.config.max_model_len:
@@ -291,6 +307,9 @@ class Scheduler:
             self._freed.append(FreedSlot(req.req_id, req.slot, req.state))
             del self._running[req.req_id]
         self._finished[req.req_id] = req.state
+        self._finished.move_to_end(req.req_id)
+        while len(self._finished) > FINISHED_HISTORY:
+            self._finished.popitem(last=False)
         del self._live[req.req_id]
         self.lifecycle.remove(req)
 
@@ -332,7 +351,8 @@ class Scheduler:
         """Allocate a slot for ``req``, fire ``admit``, give it its prefix-hit blocks ``hit`` and
         initialise its progress arrays (re-admission: prompt + received tokens are prefilled)."""
         req.slot = self.slots.allocate(req.req_id)
-        req.epoch += 1
+        self._admissions += 1
+        req.epoch = self._admissions  # unique: stale rows of an earlier request with this id never match
         self.fire(req, "admit")
         cached = self.kv.start(req, hit)
         n_out = len(req.output_token_ids)

@@ -16,7 +16,8 @@ ENGINE_FLAGS = {
     "--max-model-len": "max_model_len", "--max-num-batched-tokens": "max_num_batched_tokens",
     "--max-prefill-chunk": "max_prefill_chunk", "--validate-mirrors": "validate_mirrors",
     "--device": "device", "--dtype": "dtype", "--torch-threads": "torch_threads",
-    "--step-timeout": "step_timeout_s", "--trace-dir": "trace_dir",
+    "--step-timeout": "step_timeout_s", "--heartbeat-timeout": "heartbeat_timeout_s",
+    "--trace-dir": "trace_dir",
     "--trace-prompts": "trace_prompts",
     "--served-model-name": "served_model_name", "--launcher": "launcher",
     "--engine-port": "engine_port", "--block-size": "block_size",
@@ -43,7 +44,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default=d.device)
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=d.dtype)
     g.add_argument("--torch-threads", type=int, default=d.torch_threads)
-    g.add_argument("--step-timeout", type=float, default=d.step_timeout_s)
+    g.add_argument("--step-timeout", type=float, default=d.step_timeout_s,
+                   help="seconds any receive, collective or step may take (then the engine fails)")
+    g.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout_s,
+                   help="seconds a rank may be silent (killed, frozen) before the engine fails")
     g.add_argument("--trace-dir", default=None, help="record the run in a new run-* directory "
                    "here (header + one JSONL event file per process; replay with "
                    "python -m ppstate.replay DIR)")

@@ -26,6 +26,8 @@ class EngineConfig(BaseModel):
         dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto`` (fp32 on CPU, bf16 on CUDA).
         torch_threads: torch intra-op threads per rank (CPU).
         step_timeout_s: seconds any collective, receive or step may take before the engine fails.
+        heartbeat_timeout_s: seconds a rank may send nothing (each beats once a second, see
+            :mod:`runtime.worker.heartbeat`) before the engine declares it dead or frozen and fails.
         trace_dir: record the run: a new ``run-*`` directory there with a header and one JSON-lines
             event file per process (None: off; docs/trace_format.md).
         trace_prompts: also record prompt token ids (otherwise only prompt lengths).
@@ -58,6 +60,7 @@ class EngineConfig(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
     torch_threads: int = Field(default=1, ge=1)
     step_timeout_s: float = Field(default=120.0, gt=0)
+    heartbeat_timeout_s: float = Field(default=6.0, gt=1.0)
     trace_dir: str | None = None
     trace_prompts: bool = False
     served_model_name: str | None = None

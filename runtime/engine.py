@@ -35,6 +35,10 @@ from runtime.sampling_params import SamplingParams
 from runtime.worker.kv_capacity import capacity_summary
 
 
+HEALTH_CHECK_S = 1.0  # seconds between two checks of the ranks' liveness and progress
+DEATH_GRACE_S = 1.0   # seconds the ranks get to exit by themselves after an engine failure
+
+
 class EngineDeadError(RuntimeError):
     """The engine stopped (worker failure, timeout or shutdown); no request can be served."""
 
@@ -129,7 +133,8 @@ class AsyncEngine:
         Raises:
             EngineDeadError: the engine is not running.
             RequestRejected: empty prompt, token id outside the vocabulary, prompt not shorter
-                than ``max_model_len``, duplicate id.
+                than ``max_model_len``, id of a live request (field ``request_id``; the id of a
+                finished or aborted request may be used again, as in vLLM).
             RequestFailure: the request's own admission work failed (stages ``sampling_params``,
                 ``encode``, ``stop_strings`` of :mod:`runtime.faults`); nothing was queued.
         """
@@ -169,8 +174,9 @@ class AsyncEngine:
         return dict(wire.sampling)
 
     def _check_prompt(self, req_id: str, ids: list[int]) -> None:
-        if req_id in self._streams:
-            raise RequestRejected("request_id", f"request id {req_id!r} is already in use")
+        if req_id in self._streams or self.sched.is_live(req_id):
+            raise RequestRejected("request_id", f"request id {req_id!r} is already in use by a "
+                                  "live request")
         if not ids:
             raise RequestRejected("prompt", "the prompt is empty")
         if len(ids) >= self.config.max_model_len:
@@ -229,14 +235,25 @@ class AsyncEngine:
 
     async def _result_loop(self) -> None:
         try:
+            checked = time.monotonic()
             while self.is_alive:
-                msg = await self.pool.recv(timeout_s=1.0)
-                if msg is None:
+                msg = await self.pool.recv(timeout_s=HEALTH_CHECK_S)
+                if msg is not None:
+                    self._handle(msg)
+                if time.monotonic() - checked >= HEALTH_CHECK_S:  # even while messages flow
+                    await self._drain()
+                    checked = time.monotonic()
                     self._check_health()
-                    continue
-                self._handle(msg)
         except Exception as exc:  # noqa: BLE001
             self._die(f"engine result loop failed: {exc!r}")
+
+    async def _drain(self) -> None:
+        """Handle every message already queued. A rank's silence is judged on what it sent, not
+        on when this loop got round to reading it: after the engine's own loop was held up (a
+        long synchronous stretch, CPU starvation), the ranks' heartbeats wait in the queue and
+        must not read as silence."""
+        while self.is_alive and (msg := await self.pool.recv(timeout_s=0)) is not None:
+            self._handle(msg)
 
     def _handle(self, msg) -> None:
         kind = msg.kind
@@ -281,9 +298,17 @@ class AsyncEngine:
             stream.finish("abort", error=str(failure), error_kind=REQUEST)
 
     def _check_health(self) -> None:
+        """Fail the engine when a rank process exited, a rank was silent (no heartbeat) for
+        ``heartbeat_timeout_s``, or no step finished within ``step_timeout_s``."""
+        if not self.is_alive:
+            return
         dead = self.pool.dead_ranks()
+        silent = self.pool.silent_ranks(self.config.heartbeat_timeout_s)
         if dead:
             self._die(f"worker process of rank(s) {dead} died")
+        elif silent:
+            self._die(f"rank(s) {silent} sent no heartbeat for heartbeat_timeout_s="
+                      f"{self.config.heartbeat_timeout_s} s (killed or frozen)")
         elif self.sched.in_flight and time.monotonic() - self._last_progress > self.config.step_timeout_s:
             self._die(f"no step finished within step_timeout_s={self.config.step_timeout_s}")
         elif not self.sched.in_flight:
@@ -294,7 +319,9 @@ class AsyncEngine:
             self._error = error
             self._fail_all(error=error)
             self._wake.set()
-            asyncio.get_running_loop().create_task(self.pool.shutdown())
+            # the surviving ranks are likely blocked in a collective with the failed one and
+            # cannot read a shutdown message: a short grace, then SIGTERM / SIGKILL
+            asyncio.get_running_loop().create_task(self.pool.shutdown(grace_s=DEATH_GRACE_S))
 
     def _fail_all(self, error: str | None) -> None:
         """End every live stream with finish_reason ``abort`` (and ``error`` when the engine died)."""

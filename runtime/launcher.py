@@ -14,6 +14,7 @@ each :data:`runtime.torchrun.HEARTBEAT_S` seconds so that orphaned workers can e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -132,6 +133,7 @@ class WorkerPool:
         self._heartbeat: asyncio.Task | None = None
         self._shutdown_task: asyncio.Task | None = None
         self.num_kv_blocks: int | None = None  # smallest KV block count the ranks reported
+        self.last_heard = [time.monotonic()] * config.pp_size  # [pp_size] monotonic s, any message
 
     def _addresses(self) -> tuple[str, list[str], str]:
         """(result bind address, step bind address per rank, rendezvous URL)."""
@@ -195,6 +197,7 @@ class WorkerPool:
                 raise RuntimeError(f"rank {msg.rank}: {msg.error_type}: {msg.message}")
             if msg.kind == "ready":
                 ready.add(msg.rank)
+                self.last_heard = [time.monotonic()] * self.config.pp_size
                 blocks = msg.info.get("num_kv_blocks")
                 if blocks is not None:
                     self.num_kv_blocks = min(self.num_kv_blocks or blocks, int(blocks))
@@ -217,10 +220,21 @@ class WorkerPool:
         self._push[rank].send(tp.encode(msg))
 
     async def recv(self, timeout_s: float):
-        """Next message from any rank, or None after ``timeout_s`` seconds."""
+        """Next message from any rank, or None after ``timeout_s`` seconds. Every message
+        (heartbeats included) updates its rank's :attr:`last_heard`."""
         if await self._pull.poll(int(timeout_s * 1000)) == 0:
             return None
-        return tp.decode(await self._pull.recv())
+        msg = tp.decode(await self._pull.recv())
+        rank = getattr(msg, "rank", None)
+        if isinstance(rank, int) and 0 <= rank < len(self.last_heard):
+            self.last_heard[rank] = time.monotonic()
+        return msg
+
+    def silent_ranks(self, timeout_s: float) -> list[int]:
+        """Ranks that sent nothing (not even a heartbeat) for more than ``timeout_s`` seconds:
+        killed, frozen (SIGSTOP), or unreachable."""
+        now = time.monotonic()
+        return [r for r, t in enumerate(self.last_heard) if now - t > timeout_s]
 
     @staticmethod
     def to_step_result(msg) -> StepResult:
@@ -251,6 +265,8 @@ class WorkerPool:
         for p in self.procs:
             if p.is_alive():
                 p.terminate()
+                with contextlib.suppress(ProcessLookupError):  # a frozen (SIGSTOP) rank takes
+                    os.kill(p.pid, signal.SIGCONT)             # its SIGTERM only once continued
                 p.join(2)
             if p.is_alive():
                 p.kill()

@@ -1,7 +1,7 @@
 """Engine <-> worker messages: msgspec Structs encoded as msgpack (never pickle).
 
 A message is one of :data:`Message`, a tagged union (msgpack key ``"type"``). Every message has a
-``kind`` string: ``"step"``, ``"result"``, ``"error"``, ``"ready"``, or for :class:`ControlMsg`
+``kind`` string: ``"step"``, ``"result"``, ``"error"``, ``"ready"``, ``"heartbeat"``, or for :class:`ControlMsg`
 its own ``"shutdown"`` | ``"corrupt_state"`` | ``"ping"``. numpy arrays travel as
 :class:`NdArray` (dtype string incl. byte order, shape, raw bytes) and come back as writable
 arrays of the same dtype and shape. :func:`decode` raises :class:`TransportError` for anything
@@ -154,7 +154,17 @@ class ReadyMsg(_Msg, tag="ready"):
     info: dict[str, Any] = {}
 
 
-Message = Union[StepMsg, ResultMsg, ControlMsg, ErrorMsg, ReadyMsg]
+class HeartbeatMsg(_Msg, tag="heartbeat"):
+    """Rank -> engine, every :data:`runtime.worker.heartbeat.HEARTBEAT_INTERVAL_S` seconds from
+    a thread of its own: the process is alive and not frozen. ``step`` is the step the rank is in
+    (or last finished; -1 before the first), ``in_step_s`` the seconds spent in it so far
+    (0.0 while idle)."""
+    rank: int
+    step: int
+    in_step_s: float = 0.0
+
+
+Message = Union[StepMsg, ResultMsg, ControlMsg, ErrorMsg, ReadyMsg, HeartbeatMsg]
 _DECODER = msgspec.msgpack.Decoder(Message)
 
 
@@ -170,7 +180,7 @@ def _enc_hook(obj: Any) -> Any:
 
 def encode(msg: Message) -> bytes:
     """msgpack bytes of ``msg``. Raises TransportError for unencodable payloads."""
-    if not isinstance(msg, (StepMsg, ResultMsg, ControlMsg, ErrorMsg, ReadyMsg)):
+    if not isinstance(msg, (StepMsg, ResultMsg, ControlMsg, ErrorMsg, ReadyMsg, HeartbeatMsg)):
         raise TransportError(f"not a message: {type(msg).__name__}")
     try:
         return msgspec.msgpack.encode(msg, enc_hook=_enc_hook)

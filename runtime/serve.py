@@ -3,8 +3,9 @@
     python -m runtime.serve                      # embedded SmolLM2-135M-Instruct, PP=2, 127.0.0.1:8000
     python -m runtime.serve --model /path/to/hf-folder --pp 4 --port 9000 --api-key sk-local
 
-The port is bound before the model loads (a busy port fails at once), the workers show loading
-progress, and ``ready: http://HOST:PORT`` is printed once requests are served. Ctrl-C / SIGTERM stop
+The port is bound and served before the model loads (a busy port fails at once; ``/health``
+answers 503 ``{"status": "loading"}`` meanwhile), the workers show loading progress, and
+``ready: http://HOST:PORT`` is printed once requests are served. Ctrl-C / SIGTERM stop
 the server and then the engine. If the engine dies, the server exits with status 1.
 """
 
@@ -18,7 +19,8 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 import uvicorn
 
@@ -81,31 +83,61 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.socket) -> int:
-    """Start the engine, serve until a signal or engine death, stop both. Returns the exit code."""
+async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.socket,
+                start_engine: Callable[[EngineConfig], Awaitable[Any]] | None = None) -> int:
+    """Serve on ``sock`` at once (503 "loading" until the engine is up), start the engine, serve
+    until a signal or engine death, stop both.
+
+    Args:
+        start_engine: coroutine function that starts the engine (default ``AsyncEngine.start``).
+
+    Returns:
+        The exit code: 0 after a signal, 1 when the engine died, 130 when a signal came while the
+        model was loading.
+
+    Raises:
+        EngineDeadError: the engine failed to start (after the server stopped).
+    """
     from runtime.engine import AsyncEngine
     from runtime.server import create_app
+    from runtime.server.startup import StartupApp
 
     t0 = time.perf_counter()
     print(f"loading model '{config.model}' over {config.pp_size} pipeline stage(s) "
-          f"({config.pp_schedule} schedule) ...", flush=True)
-    engine = await AsyncEngine.start(config)
-    exit_code = 0
-    try:
-        app = create_app(engine, config, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
-        server = _Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
-                                        access_log=args.log_level in ("info", "debug")))
-        loop = asyncio.get_running_loop()
+          f"({config.pp_schedule} schedule); {url_of(sock, args.host)}/health answers 503 "
+          "'loading' until ready ...", flush=True)
+    front = StartupApp()
+    server = _Server(uvicorn.Config(front, log_level=args.log_level, timeout_graceful_shutdown=5,
+                                    lifespan="off", access_log=args.log_level in ("info", "debug")))
+    loop = asyncio.get_running_loop()
+    load = loop.create_task((start_engine or AsyncEngine.start)(config))
+    engine: Any = None
 
-        def on_signal() -> None:
-            server.force_exit = server.should_exit
-            server.should_exit = True
-            # end open streams now (error event + [DONE]) instead of letting uvicorn's graceful
-            # shutdown time out and cancel them mid-chunk
+    def on_signal() -> None:
+        server.force_exit = server.should_exit
+        server.should_exit = True
+        if engine is None:
+            load.cancel()  # AsyncEngine.start stops the workers it spawned
+        else:  # end open streams now (error event + [DONE]) instead of letting uvicorn's
+            # graceful shutdown time out and cancel them mid-chunk
             loop.create_task(engine.abort_all("the server is shutting down"))
 
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, on_signal)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    serving = loop.create_task(server.serve(sockets=[sock]))
+    try:
+        engine = await load
+    except BaseException as exc:
+        server.should_exit = True
+        await serving
+        me = asyncio.current_task()
+        if isinstance(exc, asyncio.CancelledError) and me is not None and not me.cancelling():
+            return 130  # a signal while loading (not a cancellation of serve itself)
+        raise
+    exit_code = 0
+    try:
+        front.set_app(create_app(engine, config, api_key=args.api_key,
+                                 max_body_bytes=args.max_body_bytes))
 
         async def watch() -> None:
             nonlocal exit_code
@@ -124,7 +156,7 @@ async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.soc
 
         watcher = asyncio.create_task(watch())
         try:
-            await server.serve(sockets=[sock])
+            await serving
         finally:
             watcher.cancel()
     finally:

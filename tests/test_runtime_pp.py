@@ -155,6 +155,29 @@ def test_abort_all_ends_every_stream_and_keeps_serving(pp2):
     assert pp2.engine.sched.slots.num_free == pp2.engine.sched.config.max_num_seqs
 
 
+def test_finished_and_aborted_ids_are_served_again_live_ids_rejected(pp2):
+    """Issue #12: re-adding a finished/aborted id raised SchedulerError; now it is served anew,
+    and only a live id is rejected (RequestRejected naming ``request_id``)."""
+    from runtime.engine import RequestRejected
+    p1, p2 = _prompts(2, 5, 12, seed=6)
+    first = pp2.generate([p1], GREEDY, prefix="reuse-")[0]             # id "reuse-0" finishes
+    aborted = pp2.run(pp2.collect("reuse-1", p2, SamplingParams(max_tokens=50, temperature=0.0,
+                                                               ignore_eos=True), abort_after=2))
+    assert first["finish_reason"] == "length" and aborted["finish_reason"] == "abort"
+
+    async def again():
+        live = pp2.engine.add_request("reuse-0", p2, GREEDY)           # finished id: accepted
+        with pytest.raises(RequestRejected) as rej:                    # now live: rejected
+            pp2.engine.add_request("reuse-0", p1, GREEDY)
+        toks = [t async for out in live for t in out.new_token_ids]
+        return rej.value.field, toks
+
+    field, toks = pp2.run(again())
+    assert field == "request_id" and tuple(toks) == greedy_reference(tuple(p2), NEW_TOKENS)
+    r = pp2.run(pp2.collect("reuse-1", p1, GREEDY))                    # aborted id: accepted
+    assert r["token_ids"] == first["token_ids"] and tuple(r["token_ids"]) == greedy_reference(tuple(p1), NEW_TOKENS)
+
+
 def test_low_concurrency_sequential_requests(pp2):
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(_prompts(4, 3, 12, seed=3)):

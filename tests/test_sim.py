@@ -258,3 +258,12 @@ def test_kv_preemption_and_prefix_sharing_sweep_and_block_mutant(monkeypatch):
                         lambda self, slot, first, blocks: real(self, slot, first, blocks[:1]))
     bad = run_sim(cfg)
     assert bad.num_violations > 0 and {v["invariant"] for v in bad.invariant_violations} == {9}
+
+
+def test_soak_slice_of_the_10000_seed_run():
+    """A slice of ``python -m ppstate.sim_soak`` (the README reports the 10,000-seed figure):
+    per-seed configurations with aborts, slot reuse, chunked prefill, bursts, preemption."""
+    from ppstate.sim_soak import soak
+    r = soak(range(40))
+    assert (r["seeds"], r["runs_with_violations"], r["violation_seeds"]) == (40, 0, [])
+    assert r["aborted"] > 0 and r["completed"] > 0 and r["requests"] == r["aborted"] + r["completed"]

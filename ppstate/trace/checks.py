@@ -56,6 +56,7 @@ class TraceChecker:
         kind = ev["kind"]
         if kind == "arrival":
             self.inner.prompt_len[ev["req_id"]] = ev["prompt_len"]
+            self._finished.pop(ev["req_id"], None)  # a finished request's id used again
         elif kind == "schedule":
             out = decode_output(ev["output"])
             self._outputs[out.step] = out

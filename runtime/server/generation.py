@@ -75,7 +75,13 @@ class Generation:
         self.metrics.prompt_tokens.inc(len(self.prompt_ids))
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
-        """The engine's increments until the final one; raises APIError(500) if the engine failed."""
+        """The engine's increments until the final one.
+
+        Raises:
+            APIError: 503 ``engine_error`` when the engine failed (a rank died, hung or erred:
+                the engine is down, the client may retry once it is back); 500
+                ``request_failed`` when only this request's own work failed.
+        """
         assert self._stream is not None, "start() first"
         done = False
         async for out in self._stream:
@@ -86,8 +92,8 @@ class Generation:
                 self.metrics.finished.labels("abort").inc()
                 if out.error_kind == REQUEST:
                     raise request_failed(out.error)
-                raise APIError(f"The engine failed while generating: {out.error}", status=500,
-                               type="internal_server_error", code="engine_error")
+                raise APIError(f"The engine failed while generating: {out.error}", status=503,
+                               type="service_unavailable", code="engine_error")
             self.timer.on_tokens(len(out.new_token_ids))
             if out.finished:
                 self._finished = True

@@ -5,6 +5,9 @@
 * Body limit: a request body over ``max_body_bytes`` (bytes; checked from Content-Length and while
   reading) is answered HTTP 400 without being buffered further. The accepted body is replayed to the
   app, and later ``receive`` calls pass through, so disconnects are still seen.
+* Body headers: a ``Content-Length`` that is not a byte count is HTTP 400 naming
+  ``content-length``; a ``Content-Encoding`` other than ``identity`` is HTTP 415 naming
+  ``content-encoding`` (compressed bodies are not decoded).
 * Every response with status >= 400 increments ``ppstate_request_errors_total{status}``.
 """
 
@@ -28,6 +31,22 @@ async def _send_error(send: Send, err: APIError) -> None:
         headers.append((b"www-authenticate", b"Bearer"))
     await send({"type": "http.response.start", "status": err.status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def _check_body_headers(headers: dict[bytes, bytes]) -> APIError | None:
+    """The request's body headers are usable: ``Content-Length`` a decimal byte count (400
+    naming ``content-length`` otherwise), no ``Content-Encoding`` but ``identity`` (bodies are
+    never decompressed: 415 naming ``content-encoding``, RFC 9110 section 15.5.16)."""
+    length = headers.get(b"content-length")
+    if length is not None and not length.strip().isdigit():
+        return APIError(f"Invalid header 'Content-Length: {length.decode('latin-1')[:40]}': it must "
+                        "be the body's size in bytes.", param="content-length", code="invalid_header")
+    encoding = headers.get(b"content-encoding", b"").strip().lower()
+    if encoding not in (b"", b"identity"):
+        return APIError(f"Unsupported 'Content-Encoding: {encoding.decode('latin-1')[:40]}': send "
+                        "the JSON body uncompressed.", status=415, param="content-encoding",
+                        code="unsupported_content_encoding")
+    return None
 
 
 class GuardMiddleware:
@@ -62,8 +81,12 @@ class GuardMiddleware:
                 return
         too_large = APIError(f"The request body exceeds the limit of {self.max_body_bytes} bytes.",
                              code="request_too_large")
+        bad_header = _check_body_headers(headers)
+        if bad_header is not None:
+            await _send_error(counting_send, bad_header)
+            return
         length = headers.get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+        if length is not None and int(length) > self.max_body_bytes:
             await _send_error(counting_send, too_large)
             return
         chunks: list[bytes] = []

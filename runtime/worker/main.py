@@ -24,6 +24,7 @@ from runtime.config import EngineConfig
 from runtime.model.stage import load_stage
 from runtime.worker.device_state import DeviceState
 from runtime.worker.groups import destroy_groups, init_groups
+from runtime.worker.heartbeat import Heartbeat
 from runtime.worker.kv_capacity import rank_num_blocks
 from runtime.worker.runner import StageRunner
 
@@ -135,6 +136,7 @@ class _Worker:
     def _step(self, msg) -> None:
         out = tp.to_scheduler_output(msg)
         self.step = out.step
+        self.heartbeat.enter_step(out.step)
         t0 = time.perf_counter()
         result = self.runner.step(out)
         busy = self.runner.timing.busy_s
@@ -143,6 +145,7 @@ class _Worker:
         else:
             self.push.send(tp.encode(tp.ResultMsg.timing_only(out.step, self.rank, busy,
                                                               time.perf_counter() - t0)))
+        self.heartbeat.leave_step()
 
     def report(self, exc: BaseException) -> None:
         self.push.send(tp.encode(tp.ErrorMsg(
@@ -176,6 +179,7 @@ def run_worker(args) -> int:
     pull = ctx.socket(zmq.PULL)
     pull.connect(args.step_addr)
     w = _Worker(args, push)
+    w.heartbeat = Heartbeat(ctx, args.result_addr, args.rank).start()  # beats while loading too
     status = 0
     try:
         w.setup()
@@ -187,6 +191,7 @@ def run_worker(args) -> int:
         w.report(exc)
         status = 1
     finally:
+        w.heartbeat.stop()
         if getattr(w, "sink", None) is not None:
             w.sink.close()
         if getattr(w, "groups", None) is not None:

@@ -1,0 +1,59 @@
+"""The ASGI front the CLI serves from the moment its port is bound.
+
+Loading the model takes tens of seconds; an orchestrator probing ``/health`` in that time must be
+able to tell "starting" from "dead". :class:`StartupApp` answers every HTTP request with 503 and a
+JSON body until the real app (built once the engine is up) is installed with :meth:`set_app`:
+
+* ``GET /health`` -> ``503 {"status": "loading", "message": ...}``
+* anything else  -> ``503 {"error": {"message", "type": "service_unavailable", "param": null,
+  "code": "model_loading"}}`` (the OpenAI error shape of :mod:`runtime.server.errors`).
+
+After :meth:`set_app` every request goes to the real app, whose ``/health`` answers 200 while the
+engine lives and 503 ``engine_dead`` after a failure.
+"""
+
+from __future__ import annotations
+
+import json
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from runtime.server.errors import APIError
+
+LOADING_MESSAGE = "The model is loading; the server accepts requests once it is ready."
+
+
+class StartupApp:
+    """ASGI app: 503 "loading" until :meth:`set_app`, then the installed app."""
+
+    def __init__(self) -> None:
+        self.app: ASGIApp | None = None
+
+    def set_app(self, app: ASGIApp) -> None:
+        """Route every later request to ``app`` (the server app around the started engine)."""
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.app is not None:
+            await self.app(scope, receive, send)
+        elif scope["type"] == "http":
+            await send_loading(scope, send)
+        # websocket / lifespan scopes: nothing to do while loading (uvicorn runs with lifespan off)
+
+
+def loading_body(path: str) -> dict:
+    """The 503 body for ``path`` while the model loads."""
+    if path == "/health":
+        return {"status": "loading", "message": LOADING_MESSAGE}
+    return APIError(LOADING_MESSAGE, status=503, type="service_unavailable",
+                    code="model_loading").body()
+
+
+async def send_loading(scope: Scope, send: Send) -> None:
+    """Answer one HTTP request with 503 and :func:`loading_body` (the request body is not read)."""
+    body = json.dumps(loading_body(scope.get("path", ""))).encode()
+    await send({"type": "http.response.start", "status": 503,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()),
+                            (b"retry-after", b"5")]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})

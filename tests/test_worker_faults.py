@@ -1,0 +1,86 @@
+"""A rank killed (SIGKILL) or frozen (SIGSTOP) during decode: real worker processes (issue #12).
+
+The engine must notice (process exit, or no heartbeat for ``heartbeat_timeout_s``; the frozen
+case runs with ``step_timeout_s`` far above the test's own timeout so only the heartbeat can
+catch it), fail every in-flight request (non-stream: HTTP 503 JSON; stream: an error event, then
+``[DONE]``), answer 503 on ``/health`` and leave no worker process behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import signal
+
+import pytest
+
+from app_harness import COMP, AppEngine
+from runtime.config import EngineConfig
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 80
+BODY = {"model": "default", "prompt": "1 2 3", "max_tokens": MAX_TOKENS, "ignore_eos": True}
+
+
+def sse(text: str) -> list:
+    return [b[len("data: "):] if b == "data: [DONE]" else json.loads(b[len("data: "):])
+            for b in text.strip().split("\n\n")]
+
+
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+def test_rank_killed_or_frozen_mid_decode_fails_every_request(fault):
+    eng = AppEngine(EngineConfig(pp_size=2, max_model_len=96, max_num_seqs=4, max_prefill_chunk=32,
+                                 max_num_batched_tokens=64, step_timeout_s=3600.0))
+    procs = list(eng.engine.pool.procs)
+    try:
+        async def go():
+            plain = asyncio.ensure_future(eng.apost(COMP, BODY))
+            stream = asyncio.ensure_future(eng.apost(COMP, {**BODY, "stream": True}))
+            sched = eng.engine.sched
+            while not (sched.num_running == 2 and eng.engine.stats()["generated_tokens_total"] >= 6):
+                await asyncio.sleep(0.01)            # both decoding, tokens delivered
+            os.kill(procs[1].pid, getattr(signal, fault))
+            return await plain, await stream
+
+        plain, stream = eng.run(go(), timeout=600)
+        assert plain.status_code == 503
+        err = plain.json()["error"]
+        assert (err["type"], err["code"]) == ("service_unavailable", "engine_error")
+        events = sse(stream.text)
+        assert stream.status_code == 200 and events[-1] == "[DONE]"
+        assert events[-2]["error"]["code"] == "engine_error"
+        texts = [e["choices"][0]["text"] for e in events[:-2]]
+        assert 1 <= len(texts) < MAX_TOKENS           # some tokens came, then the error
+        assert eng.health() == 503 and not eng.engine.is_alive
+        if fault == "SIGSTOP":                       # only the heartbeat can have caught it
+            assert "rank(s) [1] sent no heartbeat" in eng.engine.error
+        else:
+            assert "[1] died" in eng.engine.error or "rank 0 failed" in eng.engine.error
+        assert eng.engine.error in err["message"]
+    finally:
+        eng.close()
+    assert [p.is_alive() for p in procs] == [False, False]   # no orphan ranks
+    assert not [c for c in mp.active_children() if c.name.startswith("ppstate-rank")]
+
+
+def test_engine_loop_held_up_longer_than_the_heartbeat_timeout_is_not_a_rank_failure():
+    """The 10,000-request load run on a starved machine once read a late-read heartbeat as a
+    silent rank; silence is judged after draining what the ranks already sent."""
+    import time
+
+    from runtime.sampling_params import SamplingParams
+    eng = AppEngine(EngineConfig(pp_size=2, max_model_len=64, max_num_seqs=4,
+                                 heartbeat_timeout_s=2.0, step_timeout_s=3600.0))
+    try:
+        async def hold_up():
+            time.sleep(3 * eng.engine.config.heartbeat_timeout_s)  # the whole loop blocked
+        eng.run(hold_up())
+        params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+        r = eng.run(eng.collect("after-hold", [100, 200, 300], params))
+        assert eng.engine.is_alive and eng.engine.error is None
+        assert r["finish_reason"] == "length" and len(r["token_ids"]) == 5
+    finally:
+        eng.close()
