@@ -258,6 +258,11 @@ def test_one_slot_reuse_after_abort_matches_transformers(pp2_one_slot):
     assert tuple(b["token_ids"]) == greedy_reference(tuple(pb), NEW_TOKENS)
 
 
+def _freed_ids(data: dict) -> list[str]:
+    """Request ids a ``schedule`` trace event frees (trace format v1: the whole output)."""
+    return [f["req_id"] for f in data["output"]["freed"]]
+
+
 def test_engine_abort_frees_slot_and_bumps_generation_in_one_step(pp2_one_slot):
     """``AsyncEngine.abort``: the request leaves the scheduler at once (state, slot, generation),
     and the very next issued step carries its FreedSlot to the workers (counted in steps)."""
@@ -271,7 +276,7 @@ def test_engine_abort_frees_slot_and_bumps_generation_in_one_step(pp2_one_slot):
 
         def watch(kind, step=-1, rank=None, **data):
             emit(kind, step, rank, **data)
-            if kind == "schedule" and "gone" in data.get("freed", ()):
+            if kind == "schedule" and "gone" in _freed_ids(data):
                 freed.set()
         sink.emit = watch
         sched.sink = sink
@@ -288,7 +293,7 @@ def test_engine_abort_frees_slot_and_bumps_generation_in_one_step(pp2_one_slot):
             await freed.wait()
         finally:
             sched.sink = eng.sink
-        steps = [e.step for e in sink.of_kind("schedule") if "gone" in e.data["freed"]]
+        steps = [e.step for e in sink.of_kind("schedule") if "gone" in _freed_ids(e.data)]
         return before, after, steps, seen
 
     (slot, gen, next_step), after, steps, seen = pp2_one_slot.run(go(), timeout=300)

@@ -213,8 +213,15 @@ def test_output_array_dtypes_and_schedule_event_payload():
             out.is_final_chunk.dtype) == (np.int32, np.int32, np.int32, np.bool_)
     assert sched.slots.generation.dtype == np.int64
     ev = sink.of_kind("schedule")[0]
-    assert (ev.step, ev.data) == (0, {"req_ids": ["a"], "slots": [0], "num_tokens": [4],
-                                      "final": [False], "new": ["a"], "freed": []})
+    # trace format v1 (docs/trace_format.md): every SchedulerOutput field; prompt ids as a length
+    assert (ev.step, ev.data) == (0, {"output": {
+        "step": 0, "req_ids": ["a"], "slots": [0], "num_scheduled_tokens": [4],
+        "start_positions": [0], "is_final_chunk": [False],
+        "new_requests": [{"req_id": "a", "slot": 0, "prompt_len": 6, "max_seq_len": 9,
+                          "sampling": {}, "num_cached_tokens": 0, "num_output_tokens": 0}],
+        "freed": [],
+        # one 16-token KV block (block 0) for the 4 scheduled tokens of slot 0
+        "block_table_slots": [0], "block_table_cols": [0], "block_table_ids": [0]}})
     assert [e.step for e in sink.of_kind("lifecycle")] == [0]
 
 

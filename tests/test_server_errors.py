@@ -32,8 +32,15 @@ class _Tokenizer:
     def decode(self, ids) -> str:
         return bytes(ids).decode(errors="replace")
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> list[int]:
         return self.encode("".join(m["content"] for m in messages))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id])
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id == self.eos_token_id
 
 
 class ScriptedEngine:
@@ -90,8 +97,13 @@ async def _post(engine: ScriptedEngine, endpoint: str, stream: bool) -> httpx.Re
         return await c.post(path, json={**body, "max_tokens": 10, "stream": stream})
 
 
-def _assert_engine_error(error: dict, cause: str) -> None:
-    assert error["type"] == "internal_server_error" and error["code"] == "engine_error"
+#: how each ending is reported (docs/server.md): an engine that failed (a rank died) is 503
+#: service_unavailable; a stream that ended without a final result is a server bug, 500
+STATUS = {"error": (503, "service_unavailable"), "vanish": (500, "internal_server_error")}
+
+
+def _assert_engine_error(error: dict, cause: str, ending: str) -> None:
+    assert error["type"] == STATUS[ending][1] and error["code"] == "engine_error"
     assert cause in error["message"]
 
 
@@ -103,7 +115,7 @@ async def test_stream_failure_gives_text_then_error_event_then_done(endpoint, en
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     ev = _events(r.text)
     assert ev[-1] == "[DONE]" and "error" in ev[-2], ev
-    _assert_engine_error(ev[-2]["error"], cause)
+    _assert_engine_error(ev[-2]["error"], cause, ending)
     body = ev[:-2]
     assert all("error" not in e for e in body)
     assert _text(endpoint, body) == "abc"
@@ -113,8 +125,8 @@ async def test_stream_failure_gives_text_then_error_event_then_done(endpoint, en
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 @pytest.mark.parametrize("ending,cause", [("error", "rank 1 died"), ("vanish", "without a result")])
-async def test_failure_without_stream_is_500(endpoint, ending, cause):
+async def test_failure_without_stream_is_an_error_status(endpoint, ending, cause):
     engine = ScriptedEngine("abc", ending)
     r = await _post(engine, endpoint, stream=False)
-    assert r.status_code == 500
-    _assert_engine_error(r.json()["error"], cause)
+    assert r.status_code == STATUS[ending][0]
+    _assert_engine_error(r.json()["error"], cause, ending)

@@ -25,6 +25,11 @@ MAX_TOKENS = 80
 BODY = {"model": "default", "prompt": "1 2 3", "max_tokens": MAX_TOKENS, "ignore_eos": True}
 
 
+def _rank_children() -> list:
+    """Worker processes of any engine this test process started and that are still alive."""
+    return [c for c in mp.active_children() if c.name.startswith("ppstate-rank")]
+
+
 def sse(text: str) -> list:
     return [b[len("data: "):] if b == "data: [DONE]" else json.loads(b[len("data: "):])
             for b in text.strip().split("\n\n")]
@@ -32,6 +37,7 @@ def sse(text: str) -> list:
 
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
 def test_rank_killed_or_frozen_mid_decode_fails_every_request(fault):
+    before = {c.pid for c in _rank_children()}  # engines other tests share stay alive
     eng = AppEngine(EngineConfig(pp_size=2, max_model_len=96, max_num_seqs=4, max_prefill_chunk=32,
                                  max_num_batched_tokens=64, step_timeout_s=3600.0))
     procs = list(eng.engine.pool.procs)
@@ -63,7 +69,7 @@ def test_rank_killed_or_frozen_mid_decode_fails_every_request(fault):
     finally:
         eng.close()
     assert [p.is_alive() for p in procs] == [False, False]   # no orphan ranks
-    assert not [c for c in mp.active_children() if c.name.startswith("ppstate-rank")]
+    assert not [c for c in _rank_children() if c.pid not in before]
 
 
 def test_engine_loop_held_up_longer_than_the_heartbeat_timeout_is_not_a_rank_failure():
