@@ -32,6 +32,8 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
+from runtime.kernels._jit import kernel_wrapper
+
 
 def _write_kv_kernel(
     k_ptr, v_ptr,                      # [T, KVH, D] (row stride given; inner dims contiguous)
@@ -178,9 +180,5 @@ class Kernels(NamedTuple):
 @functools.cache
 def get_kernels(interpret: bool) -> Kernels:
     """Wrap the kernel bodies once per process and mode (interpreter for CPU tensors)."""
-    if interpret:
-        from triton.runtime.interpreter import InterpretedFunction
-        wrap = InterpretedFunction
-    else:
-        wrap = triton.jit
+    wrap = kernel_wrapper(interpret)
     return Kernels(wrap(_write_kv_kernel), wrap(_paged_attn_kernel), wrap(_combine_splits_kernel))

@@ -16,6 +16,8 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
+from runtime.kernels._jit import kernel_wrapper
+
 
 def _add_rms_norm_kernel(
     x_ptr, res_ptr,            # [T, N] input and residual (residual may equal x: HAS_RES False)
@@ -114,9 +116,5 @@ class Kernels(NamedTuple):
 @functools.cache
 def get_kernels(interpret: bool) -> Kernels:
     """Wrap the bodies once per process and mode (interpreter for CPU tensors)."""
-    if interpret:
-        from triton.runtime.interpreter import InterpretedFunction
-        wrap = InterpretedFunction
-    else:
-        wrap = triton.jit
+    wrap = kernel_wrapper(interpret)
     return Kernels(wrap(_add_rms_norm_kernel), wrap(_rope_write_kv_kernel), wrap(_silu_mul_kernel))

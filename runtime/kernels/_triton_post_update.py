@@ -20,6 +20,8 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
+from runtime.kernels._jit import kernel_wrapper
+
 
 def _post_update_computed_kernel(
     idx_mapping_ptr,                   # [R] int32/int64 slot per row, -1 = skip
@@ -91,11 +93,7 @@ def get_kernels(interpret: bool) -> Kernels:
             False -> ``triton.jit`` (compiled for CUDA; still interpreted when the process has
             ``TRITON_INTERPRET=1``, since ``triton.jit`` honours it).
     """
-    if interpret:
-        from triton.runtime.interpreter import InterpretedFunction
-        wrap = InterpretedFunction
-    else:
-        wrap = triton.jit
+    wrap = kernel_wrapper(interpret)
     return Kernels(wrap(_post_update_computed_kernel), wrap(_post_update_sampled_kernel))
 
 
