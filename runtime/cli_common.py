@@ -7,7 +7,7 @@ import argparse
 from pydantic import ValidationError
 
 from runtime.config import EngineConfig
-from runtime.torchrun import resolve_cli
+from runtime.engine.torchrun import resolve_cli
 
 #: flag -> EngineConfig field
 ENGINE_FLAGS = {

@@ -34,7 +34,7 @@ class EngineConfig(BaseModel):
         served_model_name: name reported by /v1/models (default: derived from the model).
         launcher: ``spawn`` (the engine starts one process per rank on this machine) or
             ``torchrun`` (ranks are torchrun's processes, possibly on several machines; see
-            :mod:`runtime.torchrun`).
+            :mod:`runtime.engine.torchrun`).
         engine_port: torchrun only: the engine's TCP ports on the rank-0 host are
             ``engine_port`` (results) and ``engine_port + 1 + rank`` (steps of each rank).
         block_size: tokens per KV-cache block.

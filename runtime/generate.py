@@ -18,7 +18,7 @@ from ppstate.errors import PPStateError
 from runtime.cli_common import add_engine_flags, engine_config
 from runtime.engine import AsyncEngine, EngineDeadError, RequestRejected
 from runtime.sampling_params import SamplingParams
-from runtime.torchrun import run_remote_rank
+from runtime.engine.torchrun import run_remote_rank
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -27,7 +27,7 @@ import uvicorn
 from runtime.cli_common import add_engine_flags, engine_config
 from runtime.config import EngineConfig
 from runtime.server.middleware import DEFAULT_MAX_BODY_BYTES
-from runtime.torchrun import run_remote_rank
+from runtime.engine.torchrun import run_remote_rank
 
 ENGINE_WATCH_INTERVAL_S = 1.0
 

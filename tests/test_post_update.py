@@ -1,7 +1,7 @@
 """Post-update kernels: Triton (interpreter on CPU, compiled on CUDA) == torch fallback == a loop.
 
 The reference below is a plain-Python restatement of the contract in
-``runtime/kernels/post_update.py``; every random case compares all state tensors exactly.
+``runtime/worker/kernels/post_update.py``; every random case compares all state tensors exactly.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ppstate.mirror import CpuMirror
-from runtime.kernels import post_update_computed, post_update_sampled, resolve_backend
+from runtime.worker.kernels import post_update_computed, post_update_sampled, resolve_backend
 
 REPO = Path(__file__).resolve().parents[1]
 FIELDS = ("num_computed_tokens", "num_computed_prefill_tokens", "prefill_len", "total_len",
@@ -175,7 +175,7 @@ def test_argument_errors():
 
 def test_auto_backend_follows_env_in_fresh_process():
     """auto -> torch on CPU; PPSTATE_TRITON_INTERPRET=1 -> Triton (interpreter), same results."""
-    code = ("import torch; from runtime.kernels import resolve_backend as r; "
+    code = ("import torch; from runtime.worker.kernels import resolve_backend as r; "
             "print(r('auto', torch.device('cpu')))")
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PPSTATE_TRITON_INTERPRET")}
     outs = []

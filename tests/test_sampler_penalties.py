@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from runtime.sampler import SamplingBatch, TokenHistory, apply_penalties, sample
+from runtime.worker.sampler import SamplingBatch, TokenHistory, apply_penalties, sample
 from runtime.sampling_params import SamplingParams as SP
 
 V = 512

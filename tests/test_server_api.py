@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from runtime.config import EngineConfig
 from runtime.engine import EngineDeadError, RequestRejected
-from runtime.outputs import RequestOutput, TokenLogprob
+from runtime.engine.outputs import RequestOutput, TokenLogprob
 from runtime.server import create_app
 
 REPLY = "abcdefghijklmnopqrstuvwxyz"

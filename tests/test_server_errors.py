@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from runtime.config import EngineConfig
-from runtime.outputs import RequestOutput
+from runtime.engine.outputs import RequestOutput
 from runtime.server import create_app
 
 CONFIG = EngineConfig(max_model_len=64, pp_size=2)

@@ -2,7 +2,7 @@
 
 * The issue's two reproductions: ``top_k`` 2**63 is served, a lone surrogate is a 400 naming the
   field; /health stays 200.
-* Isolation: a per-request failure is planted at each stage of ``runtime.faults`` while another
+* Isolation: a per-request failure is planted at each stage of ``runtime.engine.faults`` while another
   greedy stream runs; that stream ends with exactly the tokens of an undisturbed run, the bad
   request gets a clear error, the engine keeps serving.
 * A property test: arbitrary JSON in every field of both schemas gives 200 or 4xx, never 5xx, and
@@ -19,10 +19,10 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-import runtime.engine as engine_mod
+import runtime.engine.async_engine as engine_mod
 from app_harness import CHAT, COMP, AppEngine
 from runtime.config import EngineConfig
-from runtime.faults import ENGINE, REQUEST, RequestFailure, classify, request_scope
+from runtime.engine.faults import ENGINE, REQUEST, RequestFailure, classify, request_scope
 from runtime.messages import TransportError
 from runtime.model.detokenizer import IncrementalDetokenizer
 from runtime.sampling_params import SamplingParams
@@ -300,7 +300,7 @@ def test_failure_outside_a_request_scope_stops_the_engine(good_ids):
 
 
 def test_engine_failure_is_marked_engine_in_the_stream():
-    from runtime.request_stream import RequestStream
+    from runtime.engine.request_stream import RequestStream
 
     async def go():
         s = RequestStream("r", GOOD, 3, None)

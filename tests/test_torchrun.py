@@ -20,7 +20,7 @@ import zmq
 from runtime import transport as tp
 from runtime.cli_common import add_engine_flags, engine_config
 from runtime.config import EngineConfig
-from runtime.torchrun import (
+from runtime.engine.torchrun import (
     WORKER_IDLE_EXIT_S, TorchrunEnv, remote_worker_args, resolve_cli, run_remote_rank,
 )
 from runtime.worker.main import _Worker

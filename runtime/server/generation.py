@@ -19,8 +19,8 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from runtime.engine import EngineDeadError, RequestRejected
-from runtime.faults import REQUEST, RequestFailure
-from runtime.outputs import RequestOutput, TokenLogprob
+from runtime.engine.faults import REQUEST, RequestFailure
+from runtime.engine.outputs import RequestOutput, TokenLogprob
 from runtime.sampling_params import SamplingParams
 from runtime.server.errors import APIError
 from runtime.server.metrics import RequestTimer, ServerMetrics
@@ -173,7 +173,7 @@ class Generation:
 
 def request_failed(message: str) -> APIError:
     """HTTP 500 ``request_failed``: this request alone failed inside the server (see
-    :mod:`runtime.faults`); the engine and the other requests keep running."""
+    :mod:`runtime.engine.faults`); the engine and the other requests keep running."""
     return APIError(f"{message} (only this request failed; the server keeps serving)", status=500,
                     type="internal_server_error", code="request_failed")
 

@@ -7,7 +7,7 @@ Without ``max_tokens`` a completion gets 16 tokens and a chat reply the rest of 
 Value rules that need the model (docs/server.md has the full table): token ids (``prompt``,
 ``stop_token_ids``) must be in ``[0, vocab_size)``; ``top_k`` of -1, 0 or >= ``vocab_size`` means no
 cut (clamped to -1, the engine's "off"); ``seed: -1`` means unseeded. Tokenizing (and rendering the
-chat template) runs in a request scope (:mod:`runtime.faults`): its failure is a 400 naming the
+chat template) runs in a request scope (:mod:`runtime.engine.faults`): its failure is a 400 naming the
 field, never a server error.
 """
 
@@ -24,7 +24,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from runtime.config import EngineConfig
-from runtime.faults import RequestFailure, request_scope
+from runtime.engine.faults import RequestFailure, request_scope
 from runtime.sampling_params import SamplingParams
 from runtime.server import responses as R
 from runtime.server.errors import APIError

@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_serializer
 
-from runtime.outputs import TokenLogprob
+from runtime.engine.outputs import TokenLogprob
 
 
 class Usage(BaseModel):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.kernels.attention import choose_num_splits
+from runtime.worker.kernels.attention import choose_num_splits
 from runtime.model.paged_stage import PagedMeta, PagedStage
 
 

@@ -1,7 +1,7 @@
 """Device-side per-slot state of one rank, plus its CPU mirrors and the KV block table.
 
 All tensors are indexed by slot (``req_idx``) and allocated once. The post-update kernels
-(:mod:`runtime.kernels.post_update`) are the only writers after admission: the immediate phase
+(:mod:`runtime.worker.kernels.post_update`) are the only writers after admission: the immediate phase
 (+query length after the forward, every rank) and the sampled phase (last rank right after
 sampling, other ranks on the deferred consume ``pp_size`` steps later).
 """
@@ -15,7 +15,7 @@ import torch
 
 from ppstate.batch import NewRequest
 from ppstate.mirror import MIRROR_FIELDS, CpuMirror
-from runtime.kernels.post_update import post_update_computed, post_update_sampled
+from runtime.worker.kernels.post_update import post_update_computed, post_update_sampled
 
 
 class DeviceState:

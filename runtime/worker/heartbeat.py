@@ -4,7 +4,7 @@ alive and not frozen, and which step it is in.
 It has its own zmq PUSH socket (zmq sockets are not thread-safe; the context is). A rank killed
 (SIGKILL) or frozen (SIGSTOP, a hang holding the GIL) stops beating; the engine fails every
 in-flight request once a rank has been silent for ``EngineConfig.heartbeat_timeout_s`` seconds
-(see :meth:`runtime.launcher.WorkerPool.silent_ranks`). A rank alive but stuck inside one step
+(see :meth:`runtime.engine.launcher.WorkerPool.silent_ranks`). A rank alive but stuck inside one step
 (e.g. waiting on a collective whose peer hangs) keeps beating; its ``in_step_s`` grows, and
 ``step_timeout_s`` (the limit on every receive and collective, and the engine's progress check)
 ends it. Source of the scheme: torch elastic's / vLLM's worker liveness checks (heartbeats plus

@@ -22,7 +22,7 @@ from ppstate.events import NULL_SINK, EventSink
 from ppstate.pp_handler import PPHandler, need_sampled_mask
 from runtime.model.paged_stage import PagedMeta, PagedStage
 from runtime.model.stage import BatchMeta, StageModel
-from runtime.sampler import SamplingBatch, TokenHistory, sample
+from runtime.worker.sampler import SamplingBatch, TokenHistory, sample
 from runtime.sampling_params import SamplingParams
 from runtime.worker.cuda_graphs import DecodeGraphs
 from runtime.worker.device_state import DeviceState

@@ -1,4 +1,4 @@
-"""Triton kernel bodies of the paged attention (see :mod:`runtime.kernels.attention` for the contract).
+"""Triton kernel bodies of the paged attention (see :mod:`runtime.worker.kernels.attention` for the contract).
 
 Three kernels:
 
@@ -32,7 +32,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from runtime.kernels._jit import kernel_wrapper
+from runtime.worker.kernels._jit import kernel_wrapper
 
 
 def _write_kv_kernel(

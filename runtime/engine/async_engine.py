@@ -4,7 +4,7 @@ The engine owns the ppstate :class:`~ppstate.scheduler.Scheduler`. Its loop issu
 scheduler allows (pp_size + 1 in flight in overlapped mode, 1 in sync mode), sends each
 :class:`SchedulerOutput` to every rank, and turns the last rank's :class:`StepResult` into
 per-request stream increments. Which failures end one request and which stop the engine is
-decided in :mod:`runtime.faults`: a failure inside a request's own work (building its sampling
+decided in :mod:`runtime.engine.faults`: a failure inside a request's own work (building its sampling
 parameters or stop-string matcher, encoding it, detokenizing its tokens, its logprobs) fails that
 request only; a worker error, a dead worker or a step past ``step_timeout_s`` fails every in-flight
 request with that error and stops all processes (never a hang).
@@ -23,14 +23,14 @@ from ppstate.events import NULL_SINK, JsonlSink
 from ppstate.trace.run import ENGINE_FILE, new_run_dir, package_versions, write_header
 from ppstate.scheduler import RequestSpec, Scheduler, SchedulerConfig
 from runtime.config import EngineConfig
-from runtime.faults import ENGINE, REQUEST, RequestFailure, request_scope
-from runtime.launcher import WorkerPool
+from runtime.engine.faults import ENGINE, REQUEST, RequestFailure, request_scope
+from runtime.engine.launcher import WorkerPool
 from runtime.messages import NewRequestMsg, new_request_round_trip
 from runtime.model.detokenizer import IncrementalDetokenizer
 from runtime.model.tokenizer import Tokenizer, load_tokenizer
-from runtime.outputs import RequestOutput, TokenLogprob
-from runtime.request_stream import RequestStream
-from runtime.sampler import SamplingBatch
+from runtime.engine.outputs import RequestOutput, TokenLogprob
+from runtime.engine.request_stream import RequestStream
+from runtime.worker.sampler import SamplingBatch
 from runtime.sampling_params import SamplingParams
 from runtime.worker.kv_capacity import capacity_summary
 
@@ -136,7 +136,7 @@ class AsyncEngine:
                 than ``max_model_len``, id of a live request (field ``request_id``; the id of a
                 finished or aborted request may be used again, as in vLLM).
             RequestFailure: the request's own admission work failed (stages ``sampling_params``,
-                ``encode``, ``stop_strings`` of :mod:`runtime.faults`); nothing was queued.
+                ``encode``, ``stop_strings`` of :mod:`runtime.engine.faults`); nothing was queued.
         """
         if not self.is_alive:
             raise EngineDeadError(self._error or "engine is shut down")

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from runtime.model.detokenizer import IncrementalDetokenizer
-from runtime.outputs import RequestOutput, TokenLogprob
+from runtime.engine.outputs import RequestOutput, TokenLogprob
 from runtime.sampling_params import SamplingParams
 
 
@@ -59,7 +59,7 @@ class RequestStream:
 
     def finish(self, reason: str, error: str | None = None, error_kind: str | None = None) -> None:
         """Queue the final (token-less) increment: abort, request failure or engine failure
-        (``error_kind`` ``"request"`` / ``"engine"``, see :mod:`runtime.faults`)."""
+        (``error_kind`` ``"request"`` / ``"engine"``, see :mod:`runtime.engine.faults`)."""
         if self.finished:
             return
         self._put(RequestOutput(self.req_id, [], "", True, reason, self.num_prompt_tokens,

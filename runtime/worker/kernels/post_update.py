@@ -122,7 +122,7 @@ def post_update_computed(idx_mapping: torch.Tensor, query_lens: torch.Tensor,
         num_computed_prefill_tokens[s] = (done + torch.minimum(q, remaining)).to(
             num_computed_prefill_tokens.dtype)
         return
-    from runtime.kernels._triton_post_update import get_kernels
+    from runtime.worker.kernels._triton_post_update import get_kernels
     kernel = get_kernels(_launch_interpreted(dev)).computed
     kernel[(rows,)](idx_mapping, query_lens, num_computed_tokens, num_computed_prefill_tokens,
                     prefill_len)
@@ -177,7 +177,7 @@ def post_update_sampled(idx_mapping: torch.Tensor, sampled_token_ids: torch.Tens
         _sampled_torch(idx_mapping, sampled_token_ids, num_sampled, num_rejected,
                        last_sampled_tokens, all_token_ids, total_len, num_computed_tokens)
         return
-    from runtime.kernels._triton_post_update import block_for, get_kernels
+    from runtime.worker.kernels._triton_post_update import block_for, get_kernels
     kernel = get_kernels(_launch_interpreted(dev)).sampled
     kernel[(rows,)](idx_mapping, sampled_token_ids, sampled_token_ids.stride(0), num_sampled,
                     num_rejected, last_sampled_tokens, last_sampled_tokens.stride(0),

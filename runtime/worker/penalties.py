@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from runtime.sampler import SamplingBatch
+    from runtime.worker.sampler import SamplingBatch
 
 
 @dataclass

@@ -6,9 +6,9 @@ All messages are msgspec/msgpack (:mod:`runtime.transport`); nothing is unpickle
 
 ``launcher="spawn"``: every rank is spawned here; sockets are ipc, the rendezvous a free local port.
 ``launcher="torchrun"``: only rank 0 is spawned here (``env://`` rendezvous); ranks > 0 are the
-other torchrun processes (:mod:`runtime.torchrun`), so the sockets are TCP on every interface at
+other torchrun processes (:mod:`runtime.engine.torchrun`), so the sockets are TCP on every interface at
 ``engine_port`` (results) and ``engine_port + 1 + rank`` (steps), and the pool pings every rank
-each :data:`runtime.torchrun.HEARTBEAT_S` seconds so that orphaned workers can exit.
+each :data:`runtime.engine.torchrun.HEARTBEAT_S` seconds so that orphaned workers can exit.
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ class WorkerPool:
         await self._wait_ready(ready_timeout_s)
 
     async def _ping_loop(self) -> None:
-        from runtime.torchrun import HEARTBEAT_S
+        from runtime.engine.torchrun import HEARTBEAT_S
         ping = tp.encode(tp.ControlMsg(kind="ping"))
         while True:
             for s in self._push:

@@ -6,7 +6,7 @@ server, generate) and spawns its own rank-0 worker as a local subprocess; it bin
 zmq sockets on every interface: results PULL at ``tcp://*:{engine_port}``, the step PUSH of rank
 ``r`` at ``tcp://*:{engine_port + 1 + r}``. Every ``RANK`` > 0 process skips the engine and runs
 :func:`runtime.worker.main.run_worker` itself, connected to ``tcp://MASTER_ADDR:{port}``; its layer
-range comes from the same deterministic partition (:func:`runtime.launcher.plan_layers`), so there
+range comes from the same deterministic partition (:func:`runtime.engine.launcher.plan_layers`), so there
 is no extra handshake. torch.distributed joins over ``env://``. The engine pings every rank each
 :data:`HEARTBEAT_S` seconds; a worker that hears nothing for :data:`WORKER_IDLE_EXIT_S` seconds
 assumes the engine is gone and exits. See docs/torchrun.md.
@@ -97,14 +97,14 @@ def resolve_cli(values: dict, environ: Mapping[str, str] | None = None) -> dict:
 
 
 def remote_worker_args(config: EngineConfig, env: TorchrunEnv):
-    """The :class:`~runtime.launcher.WorkerArgs` of a ``RANK`` > 0 process: layers from the
+    """The :class:`~runtime.engine.launcher.WorkerArgs` of a ``RANK`` > 0 process: layers from the
     local model config, sockets on the engine's host, ``env://`` rendezvous, idle exit.
 
     Raises:
         runtime.model.errors.ModelError: the model is not installed on this machine.
         ValueError: bad ``--pp-layer-partition``.
     """
-    from runtime.launcher import WorkerArgs, plan_layers
+    from runtime.engine.launcher import WorkerArgs, plan_layers
     from runtime.model.registry import resolve_model_path
     from runtime.model.stage import load_model_config
 

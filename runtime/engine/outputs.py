@@ -28,7 +28,7 @@ class RequestOutput:
         logprobs: one entry per new token when requested.
         error: message when the request failed (itself, or because the engine failed).
         error_kind: ``"request"`` (only this request failed; the engine goes on) or ``"engine"``
-            (the engine stopped), see :mod:`runtime.faults`; None without an error.
+            (the engine stopped), see :mod:`runtime.engine.faults`; None without an error.
     """
     req_id: str
     new_token_ids: list[int]

@@ -3,7 +3,7 @@
 Importing this package does not import Triton; the Triton kernels are built on first use.
 """
 
-from runtime.kernels.post_update import (
+from runtime.worker.kernels.post_update import (
     BACKENDS,
     post_update_computed,
     post_update_sampled,

@@ -25,7 +25,7 @@ Penalties (rows that ask for any) come first, on the logits, before temperature 
 vLLM's order: repetition (transformers' ``RepetitionPenaltyLogitsProcessor``, from CTRL, Keskar et
 al. 2019: a logit of a token seen in the prompt or the output is divided by the penalty when
 positive, multiplied when negative), then OpenAI's ``logit -= frequency * count + presence * (count
-> 0)`` over the tokens generated so far (:mod:`runtime.penalties`).
+> 0)`` over the tokens generated so far (:mod:`runtime.worker.penalties`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from runtime.penalties import TokenHistory, apply_penalties  # noqa: F401  (re-exported)
+from runtime.worker.penalties import TokenHistory, apply_penalties  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:  # duck-typed at runtime: the GPU box has no pydantic
     from runtime.sampling_params import SamplingParams
