@@ -19,6 +19,7 @@ from runtime.cli_common import add_engine_flags, engine_config
 from runtime.engine import AsyncEngine, EngineDeadError, RequestRejected
 from runtime.sampling_params import SamplingParams
 from runtime.engine.torchrun import run_remote_rank
+from runtime.model.errors import ModelError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ids = tokenize_all(p, prompts, config, params.max_tokens)
         results = asyncio.run(run(ids, params, config))
-    except (EngineDeadError, RequestRejected, PPStateError, ValueError) as exc:
+    except (EngineDeadError, RequestRejected, PPStateError, ModelError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

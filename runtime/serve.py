@@ -188,9 +188,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     from ppstate.errors import PPStateError
     from runtime.engine import EngineDeadError
+    from runtime.model.errors import ModelError
     try:
         return asyncio.run(serve(config, args, sock))
-    except (EngineDeadError, PPStateError, ValueError) as exc:  # model / flag problems found late
+    except (EngineDeadError, PPStateError, ModelError, ValueError) as exc:  # model / flag problems found late
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C while the model was loading

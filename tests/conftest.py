@@ -23,7 +23,8 @@ if not any(ep.value == PLUGIN for ep in entry_points(group="pytest11")):
 def model_weights():
     """``(ModelConfig, {canonical name: fp32 tensor})`` of the whole default model."""
     from runtime.model.registry import resolve_model_path
-    from runtime.model.weights import load_tensors, open_checkpoint, stage_tensor_names
+    from runtime.model.tensor_names import stage_tensor_names
+    from runtime.model.weights import load_tensors, open_checkpoint
     ckpt = open_checkpoint(resolve_model_path("default"))
     names = stage_tensor_names(ckpt.config, (0, ckpt.config.num_layers))
     return ckpt.config, load_tensors(ckpt, names, dtype=torch.float32, device="cpu", progress=False)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from runtime.config import EngineConfig
-from runtime.engine.launcher import check_resources
+from runtime.engine.plan import check_resources
 from runtime.model.stage import load_model_config
 
 

@@ -61,7 +61,7 @@ def test_cli_flags_and_error_naming_the_flag(capsys):
 
 
 def test_resource_check_uses_the_kv_budget():
-    from runtime.engine.launcher import check_resources
+    from runtime.engine.plan import check_resources
     huge = dict(max_num_seqs=4096, max_model_len=8192, device="cpu")
     big = CFG.model_copy(update={"num_layers": 30, "max_position_embeddings": 8192})
     with pytest.raises(ValueError, match="--max-model-len / --max-num-seqs"):

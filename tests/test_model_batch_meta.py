@@ -11,7 +11,7 @@ from runtime.model.config import ModelConfig
 from runtime.model.layers import attend, linear
 from runtime.model.paged_attention import paged_attention_reference
 from runtime.model.stage import StageModel
-from runtime.model.weights import stage_tensor_names, expected_shape
+from runtime.model.tensor_names import stage_tensor_names, expected_shape
 
 
 def test_build_exact_values():

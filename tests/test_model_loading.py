@@ -18,7 +18,7 @@ from runtime.model.errors import (INSTALL_HINT, ModelError, ModelIntegrityError,
                                   PartitionError, UnsupportedModelError, WeightShapeError)
 from runtime.model.gguf_loader import GGUFCheckpoint, unpermute_qk
 from runtime.model.stage import load_model_config, load_stage
-from runtime.model.weights import EMBED, LM_HEAD, stage_tensor_names
+from runtime.model.tensor_names import EMBED, LM_HEAD, stage_tensor_names
 
 IDS = [1, 504, 3575, 282, 4649, 314, 2, 198, 1780, 314]
 

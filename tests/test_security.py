@@ -14,6 +14,7 @@ import pytest
 from runtime import transport as tp
 from runtime.config import EngineConfig
 from runtime.engine.launcher import WorkerPool
+from runtime.engine.plan import plan_pipeline
 from runtime.serve import parse_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +27,8 @@ def test_server_binds_loopback_unless_told():
 
 
 def test_spawned_workers_talk_over_private_ipc_and_loopback():
-    pool = WorkerPool(EngineConfig(pp_size=2))
+    config = EngineConfig(pp_size=2)
+    pool = WorkerPool(config, plan_pipeline(config))
     result, steps, rendezvous = pool._addresses()
     for addr in [result, *steps]:
         assert addr.startswith("ipc://")
@@ -37,7 +39,8 @@ def test_spawned_workers_talk_over_private_ipc_and_loopback():
 
 
 def test_torchrun_is_the_only_launcher_listening_beyond_loopback():
-    pool = WorkerPool(EngineConfig(pp_size=2, launcher="torchrun", engine_port=29700))
+    config = EngineConfig(pp_size=2, launcher="torchrun", engine_port=29700)
+    pool = WorkerPool(config, plan_pipeline(config))
     result, steps, rendezvous = pool._addresses()
     assert result == "tcp://*:29700" and rendezvous == "env://"  # multi-node: the user's choice
 
@@ -49,7 +52,7 @@ def test_a_pickle_on_the_socket_is_rejected_not_loaded(payload):
 
 
 def test_no_pickle_in_the_socket_code():
-    files = ["runtime/transport.py", "runtime/messages.py", "runtime/engine/launcher.py",
+    files = ["runtime/transport.py", "runtime/messages.py", "runtime/engine/launcher.py", "runtime/engine/plan.py",
              "runtime/worker/main.py", "runtime/worker/heartbeat.py", "runtime/engine/async_engine.py",
              "runtime/engine/torchrun.py"]
     for f in files:

@@ -15,7 +15,7 @@ import torch
 
 from runtime.model.config import ModelConfig
 from runtime.model.stage import StageModel
-from runtime.model.weights import expected_shape, stage_tensor_names
+from runtime.model.tensor_names import expected_shape, stage_tensor_names
 
 SHAPES: dict[str, dict] = {
     "smollm2-135m": {

@@ -25,6 +25,7 @@ from ppstate.scheduler import RequestSpec, Scheduler, SchedulerConfig
 from runtime.config import EngineConfig
 from runtime.engine.faults import ENGINE, REQUEST, RequestFailure, request_scope
 from runtime.engine.launcher import WorkerPool
+from runtime.engine.plan import plan_pipeline
 from runtime.messages import NewRequestMsg, new_request_round_trip
 from runtime.model.detokenizer import IncrementalDetokenizer
 from runtime.model.tokenizer import Tokenizer, load_tokenizer
@@ -59,7 +60,7 @@ class AsyncEngine:
 
     def __init__(self, config: EngineConfig, pool: WorkerPool, tokenizer: Tokenizer) -> None:
         self.config, self.pool, self.tokenizer = config, pool, tokenizer
-        self.model_name = config.served_model_name or pool.model_name
+        self.model_name = pool.plan.served_name
         self.sink = (JsonlSink(Path(config.trace_dir) / ENGINE_FILE, config.trace_prompts)
                      if config.trace_dir else NULL_SINK)
         self.sched = Scheduler(scheduler_config(config, pool.num_kv_blocks), sink=self.sink)
@@ -86,8 +87,9 @@ class AsyncEngine:
         """
         if config.trace_dir:  # a fresh run directory; workers write their files into it
             config = config.model_copy(update={"trace_dir": str(start_trace_run(config))})
-        pool = WorkerPool(config)
-        tokenizer = load_tokenizer(pool.model_path)
+        plan = plan_pipeline(config)
+        pool = WorkerPool(config, plan)
+        tokenizer = load_tokenizer(plan.model_path)
         try:
             await pool.start()
         except BaseException as exc:  # cancellation too: never leave worker processes behind

@@ -21,18 +21,15 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
 
 from ppstate.batch import SchedulerOutput, StepResult
 from runtime import transport as tp
-from runtime.config import EngineConfig, parse_kv_memory
-from runtime.model.config import ModelConfig
-from runtime.model.partition import parse_partition, split_layers
-from runtime.model.registry import resolve_model_path
-from runtime.model.stage import load_model_config
+from runtime.config import EngineConfig
+from runtime.engine.plan import PipelinePlan, WorkerArgs
+from runtime.engine.torchrun import HEARTBEAT_S
 
 
 def free_port() -> int:
@@ -42,87 +39,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@dataclass(frozen=True)
-class WorkerArgs:
-    """Everything a worker process needs (passed to the spawned process by multiprocessing)."""
-    rank: int
-    config: dict
-    layer_range: tuple[int, int]
-    model_path: str
-    init_method: str
-    step_addr: str
-    result_addr: str
-    idle_exit_s: float | None = None  # exit after this many seconds without an engine message
-
-
-def plan_layers(config: EngineConfig, model_cfg: ModelConfig) -> list[tuple[int, int]]:
-    """The ``(start, end)`` layers of every rank: ``--pp-layer-partition`` or the cost-balanced
-    split. Deterministic, so torchrun ranks compute it locally without a handshake.
-
-    Raises:
-        ValueError: bad ``pp_layer_partition`` (message names ``--pp-layer-partition``).
-    """
-    n, pp = model_cfg.num_layers, config.pp_size
-    return (parse_partition(config.pp_layer_partition, n, pp) if config.pp_layer_partition
-            else split_layers(n, pp, model_cfg))
-
-
-def check_resources(config: EngineConfig, model_cfg: ModelConfig) -> None:
-    """Refuse, before any process starts, configurations that cannot work.
-
-    Raises:
-        ValueError: ``max_model_len`` beyond the model's context, CUDA asked for but absent, or
-            (on CPU) KV caches larger than 80% of this machine's memory, or a fractional
-            ``--kv-cache-memory`` without CUDA; names the flag.
-    """
-    if config.max_model_len > model_cfg.max_position_embeddings:
-        raise ValueError(f"--max-model-len: {config.max_model_len} exceeds the model's context "
-                         f"length {model_cfg.max_position_embeddings}")
-    import torch
-    if config.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device: cuda was asked for but torch sees no CUDA device "
-                         f"(torch {torch.__version__})")
-    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
-        return
-    mem = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    if config.kv_cache_memory is not None:
-        size, _ = parse_kv_memory(config.kv_cache_memory)
-        if size is None:
-            raise ValueError(f"--kv-cache-memory: a fraction ({config.kv_cache_memory}) needs a "
-                             "CUDA device; give a size such as 24MB on the CPU")
-        if size * config.pp_size > 0.8 * mem:
-            raise ValueError(f"--kv-cache-memory: {config.pp_size} ranks x "
-                             f"{config.kv_cache_memory} is more than 80% of this machine's "
-                             f"{mem / 2**30:.1f} GiB")
-        return
-    elem = 2 if config.dtype in ("bfloat16", "float16") else 4
-    kv = (2 * model_cfg.num_layers * config.max_num_seqs * model_cfg.num_kv_heads
-          * (-(-config.max_model_len // config.block_size) * config.block_size)
-          * model_cfg.head_dim * elem)
-    if kv > 0.8 * mem:
-        raise ValueError(
-            f"--max-model-len / --max-num-seqs: KV caches of {config.max_num_seqs} x "
-            f"{config.max_model_len} tokens need {kv / 2**30:.1f} GiB, more than 80% of this "
-            f"machine's {mem / 2**30:.1f} GiB")
-
-
 class WorkerPool:
     """The worker processes of one pipeline.
 
     Args:
-        config: engine configuration (pp_size, model, partition, ...).
-
-    Raises:
-        ValueError: bad ``pp_layer_partition`` (message names ``--pp-layer-partition``).
+        config: engine configuration (pp_size, launcher, ports, ...).
+        plan: the model and layer ranges (:func:`runtime.engine.plan.plan_pipeline`).
     """
 
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.model_path = resolve_model_path(config.model)
-        self.model_cfg = load_model_config(self.model_path)
-        check_resources(config, self.model_cfg)
-        self.model_name = served_name(self.model_path)
-        self.layer_ranges = plan_layers(config, self.model_cfg)
+    def __init__(self, config: EngineConfig, plan: PipelinePlan) -> None:
+        self.config, self.plan = config, plan
         self.ctx = zmq.asyncio.Context()   # the result PULL socket (awaited)
         self.sync_ctx = zmq.Context()      # step PUSH sockets (never block: no high-water mark)
         self.torchrun = config.launcher == "torchrun"
@@ -161,8 +87,8 @@ class WorkerPool:
             self._heartbeat = asyncio.ensure_future(self._ping_loop())
         spawn = mp.get_context("spawn")
         for rank in self.local_ranks:  # a local rank connects to a "*" bind via the loopback
-            args = WorkerArgs(rank, self.config.model_dump(), tuple(self.layer_ranges[rank]),
-                              str(self.model_path), init, step_addrs[rank].replace("*", "127.0.0.1"),
+            args = WorkerArgs(rank, self.config.model_dump(), tuple(self.plan.layer_ranges[rank]),
+                              str(self.plan.model_path), init, step_addrs[rank].replace("*", "127.0.0.1"),
                               result_addr.replace("*", "127.0.0.1"))
             proc = spawn.Process(target=_worker_entry, args=(args,), name=f"ppstate-rank{rank}",
                                  daemon=True)
@@ -171,7 +97,6 @@ class WorkerPool:
         await self._wait_ready(ready_timeout_s)
 
     async def _ping_loop(self) -> None:
-        from runtime.engine.torchrun import HEARTBEAT_S
         ping = tp.encode(tp.ControlMsg(kind="ping"))
         while True:
             for s in self._push:
@@ -278,19 +203,6 @@ class WorkerPool:
         self.ctx.destroy(linger=0)
         if not self.sync_ctx.closed:
             self.sync_ctx.destroy(linger=0)
-
-
-def served_name(model_path) -> str:
-    """Name reported by /v1/models: the GGUF file name without extension and quantisation
-    suffix (``SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct``), or the HF folder's
-    name."""
-    from pathlib import Path
-    p = Path(model_path)
-    if p.is_dir():
-        return p.name
-    stem = p.name[:-len(".gguf")] if p.name.endswith(".gguf") else p.stem
-    head, _, tail = stem.rpartition(".")
-    return head if head and (tail.upper().startswith(("Q", "F", "BF", "IQ"))) else stem
 
 
 def _start_ignoring_sigint(proc: mp.Process) -> None:

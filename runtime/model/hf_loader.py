@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from runtime.model.config import ModelConfig
 from runtime.model.errors import ModelError, ModelNotFoundError
-from runtime.model.weights import EMBED, LM_HEAD
+from runtime.model.tensor_names import EMBED, LM_HEAD
 
 
 class HFCheckpoint:

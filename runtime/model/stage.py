@@ -14,8 +14,9 @@ from runtime.model.config import ModelConfig
 from runtime.model.errors import PartitionError
 from runtime.model.layers import DecoderLayer, linear, rms_norm, rope_inv_freq, rope_tables
 from runtime.model.registry import resolve_model_path
-from runtime.model.weights import (EMBED, FINAL_NORM, LAYER_SUFFIXES, LM_HEAD, layer_name,
-                                   load_tensors, open_checkpoint, stage_tensor_names)
+from runtime.model.tensor_names import (EMBED, FINAL_NORM, LAYER_SUFFIXES, LM_HEAD, layer_name,
+                                        stage_tensor_names)
+from runtime.model.weights import load_tensors, open_checkpoint
 
 __all__ = ["BatchMeta", "StageModel", "load_stage", "load_model_config"]
 
@@ -25,7 +26,7 @@ INVARIANT_ROWS = 16  # GEMM rows below which CPU sgemm changes kernel (see layer
 class StageModel(nn.Module):
     """Layers ``[layer_start, layer_end)`` of a Llama model plus their paged KV cache.
 
-    Built from a dict of canonical-name tensors (see ``weights.stage_tensor_names``); tensors are
+    Built from a dict of canonical-name tensors (see ``tensor_names.stage_tensor_names``); tensors are
     moved/cast to ``device`` / ``dtype`` when they differ. Use :func:`load_stage` to read them.
 
     Attributes:

@@ -21,6 +21,7 @@ from ppstate.events import NULL_SINK, JsonlSink
 from ppstate.trace.run import HEADER, new_run_dir
 from runtime import transport as tp
 from runtime.config import EngineConfig
+from runtime.device import uses_cuda
 from runtime.model.stage import load_stage
 from runtime.worker.device_state import DeviceState
 from runtime.worker.groups import destroy_groups, init_groups
@@ -32,7 +33,7 @@ from runtime.worker.runner import StageRunner
 def pick_device(cfg: EngineConfig, rank: int) -> torch.device:
     """``cuda:<i % n>`` when CUDA is asked for (or auto and available), else CPU; ``i`` is the
     rank, or ``LOCAL_RANK`` (the rank on this machine) under the torchrun launcher."""
-    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+    if uses_cuda(cfg.device):
         if cfg.launcher == "torchrun" and "LOCAL_RANK" in os.environ:
             rank = int(os.environ["LOCAL_RANK"])
         return torch.device("cuda", rank % max(torch.cuda.device_count(), 1))

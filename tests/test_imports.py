@@ -1,0 +1,128 @@
+"""The import graph of ``ppstate`` and ``runtime``, read statically (``ast``; nothing is imported).
+
+Two rules (docs/design.md §3): no import cycle between modules, and the core ``ppstate`` imports
+no torch, torch.distributed, asyncio, zmq and nothing of ``runtime``. Every import statement
+counts, also one inside a function (a lazy import still makes a cycle at run time); only imports
+under ``if TYPE_CHECKING:`` are left out, as they never run.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("ppstate", "runtime")
+FORBIDDEN_IN_CORE = ("torch", "asyncio", "zmq", "runtime")  # torch covers torch.distributed
+
+# The two cycles inside ppstate that helper i17a removes on its branch: scheduler <-> scheduler_rows,
+# and sim <-> sim_cli (whose strongly connected component also holds sim_trace, which sim_cli imports
+# and which imports sim), with ppstate/sim*.py becoming the ppstate/sim/ package. The coordinator
+# deletes this allow-list after merging i17a; nothing else may be added to it.
+ALLOWED_CYCLES = {
+    frozenset({"ppstate.scheduler", "ppstate.scheduler_rows"}),
+    frozenset({"ppstate.sim", "ppstate.sim_cli", "ppstate.sim_trace"}),
+}
+
+
+def module_files() -> dict[str, Path]:
+    """Dotted module name -> file, for every module of the two packages."""
+    out = {}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def imported_names(module: str, path: Path) -> set[str]:
+    """Every dotted name an import statement of ``path`` names (``from a import b``: ``a.b``, which
+    :func:`import_graph` maps to module ``a.b`` or, if ``b`` is no module, to ``a``; relative
+    imports resolved), except under ``if TYPE_CHECKING:``. Parent packages, which Python imports
+    first, are not edges: each package's own imports are read from its ``__init__``."""
+    tree = ast.parse(path.read_text(), str(path))
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node)
+            for child in node.body for n in ast.walk(child)}
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package[:len(package) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            names.update(f"{base}.{a.name}" for a in node.names)
+    return names
+
+
+def import_graph() -> nx.DiGraph:
+    """Module -> module it imports, within the two packages (longest module prefix of a name)."""
+    files = module_files()
+    graph = nx.DiGraph()
+    graph.add_nodes_from(files)
+    for module, path in files.items():
+        for name in imported_names(module, path):
+            while name and name not in files:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                graph.add_edge(module, name)
+    return graph
+
+
+def test_graph_sees_the_known_edges():
+    """The reader is not blind: edges that exist today, a lazy one and a relative-free one."""
+    g = import_graph()
+    assert g.has_edge("runtime.engine.async_engine", "ppstate.scheduler")
+    assert g.has_edge("runtime.engine.launcher", "runtime.engine.torchrun")
+    assert g.has_edge("runtime.engine.torchrun", "runtime.engine.plan")  # inside a function
+    assert not g.has_edge("runtime.worker.penalties", "runtime.worker.sampler")  # TYPE_CHECKING only
+
+
+def test_no_import_cycles():
+    cycles = [sorted(c) for c in nx.strongly_connected_components(import_graph()) if len(c) > 1]
+    unexpected = [c for c in cycles if frozenset(c) not in ALLOWED_CYCLES]
+    assert unexpected == [], f"import cycles: {unexpected}"
+
+
+def test_core_imports_no_runtime_torch_asyncio_zmq():
+    files = module_files()
+    bad = sorted((m, name) for m, p in files.items() if m.split(".")[0] == "ppstate"
+                 for name in imported_names(m, p)
+                 if name.split(".")[0] in FORBIDDEN_IN_CORE)
+    assert bad == []
+
+
+def test_model_package_imports_no_core():
+    """``runtime.model`` (loaders, layers, tokenizer) stands on its own: its errors have their own
+    root, and nothing there imports ``ppstate``."""
+    files = module_files()
+    bad = sorted((m, name) for m, p in files.items() if m.startswith("runtime.model")
+                 for name in imported_names(m, p) if name.split(".")[0] == "ppstate")
+    assert bad == []
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("import torch.distributed as dist", {"torch.distributed"}),
+    ("from . import events", {"ppstate.events"}),
+    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n", {"typing.TYPE_CHECKING"}),
+    ("def f():\n    import asyncio\n", {"asyncio"}),
+])
+def test_imported_names(tmp_path, source, expected):
+    path = tmp_path / "mod.py"
+    path.write_text(source)
+    assert imported_names("ppstate.mod", path) == expected
