@@ -59,6 +59,12 @@ class SchedulerConfig:
             raise SchedulerError(f"SchedulerConfig.mode must be 'overlapped' or 'sync', "
                                  f"got {self.mode!r}")
 
+    def output_room(self, prompt_len: int) -> int:
+        """New tokens a prompt of ``prompt_len`` tokens leaves room for: ``max_model_len -
+        prompt_len``. The prompt-length rule, in one place: a prompt is accepted only if this is
+        >= 1, and a request's new tokens are capped at it (scheduler, engine, server, generate)."""
+        return self.max_model_len - prompt_len
+
     @property
     def watermark_blocks(self) -> int:
         """Blocks an admission must leave free for running requests (1%, vLLM's default)."""

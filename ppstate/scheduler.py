@@ -124,14 +124,14 @@ class Scheduler:
             raise SchedulerError(f"duplicate request id {rid!r}: a request with this id is live")
         if plen == 0:
             raise SchedulerError(f"request {rid!r}: empty prompt")
-        if plen >= self.config.max_model_len:
+        if self.config.output_room(plen) < 1:
             raise SchedulerError(f"request {rid!r}: prompt of {plen} tokens does not fit "
                                  f"max_model_len={self.config.max_model_len}")
         if spec.max_tokens < 1:
             raise SchedulerError(f"request {rid!r}: max_tokens must be >= 1, got {spec.max_tokens}")
         if self.sink.enabled:
             self.sink.emit("arrival", step=self._next_step, **arrival_fields(spec, self.sink, self.config))
-        max_tokens = min(spec.max_tokens, self.config.max_model_len - plen)
+        max_tokens = min(spec.max_tokens, self.config.output_room(plen))
         cap = self.config.kv_capacity_tokens
         if plen + max_tokens - 1 > cap:  # the last sampled token is never fed back
             raise SchedulerError(f"request {rid!r}: prompt of {plen} tokens + max_tokens "

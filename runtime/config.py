@@ -1,75 +1,124 @@
-"""Engine configuration (pydantic). CLI flags of ``runtime.serve`` / ``runtime.generate`` map 1:1."""
+"""Engine configuration (pydantic): the scheduler's :class:`~ppstate.budget.SchedulerConfig`, contained,
+plus what only the runtime needs. The CLI flags of ``runtime.serve`` / ``runtime.generate`` /
+``runtime.bench`` are generated from these fields (:mod:`runtime.cli_common`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from ppstate.budget import SchedulerConfig
+
+#: the scheduler fields; ``EngineConfig(max_num_seqs=8)`` is short for ``scheduler={...: 8}``
+SCHEDULER_FIELDS = tuple(f.name for f in dataclasses.fields(SchedulerConfig))
+#: the engine's defaults where they differ from the scheduler's own (a server-sized budget)
+ENGINE_SCHEDULER_DEFAULTS = {"max_num_seqs": 32, "max_num_batched_tokens": 512,
+                             "max_prefill_chunk": 128}
+#: the engine's bounds on scheduler fields (inclusive; None: unbounded): the scheduler itself
+#: only needs them >= 1, the engine caps what one machine can hold
+SCHEDULER_BOUNDS = {"pp_size": (1, 64), "max_num_seqs": (1, 4096), "max_model_len": (16, None),
+                    "max_num_batched_tokens": (1, None), "max_prefill_chunk": (1, None),
+                    "block_size": (1, 1024)}
+
+
+def default_scheduler() -> SchedulerConfig:
+    """The scheduler part of ``EngineConfig()``."""
+    return SchedulerConfig(**ENGINE_SCHEDULER_DEFAULTS)
 
 
 class EngineConfig(BaseModel):
     """Everything needed to start a pipeline.
 
-    Attributes:
-        model: ``default`` (embedded SmolLM2-135M-Instruct GGUF), a .gguf file or an HF folder.
-        pp_size: pipeline stages = worker processes.
-        pp_layer_partition: manual layers per stage, e.g. ``"19,11"``; None balances by cost.
-        pp_schedule: ``overlapped`` (bubble-free, pp_size + 1 batches in flight) or ``sync``
-            (one batch in flight; the baseline).
-        max_num_seqs: live requests at most (also the number of slots).
-        max_model_len: prompt + output tokens per request at most.
-        max_num_batched_tokens: tokens per step at most.
-        max_prefill_chunk: prefill tokens of one request per step at most.
-        validate_mirrors: ``every`` step, every N steps (``"4"``) or ``off``.
-        device: ``cpu``, ``cuda`` or ``auto`` (cuda when available).
-        dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto`` (fp32 on CPU, bf16 on CUDA).
-        torch_threads: torch intra-op threads per rank (CPU).
-        step_timeout_s: seconds any collective, receive or step may take before the engine fails.
-        heartbeat_timeout_s: seconds a rank may send nothing (each beats once a second, see
-            :mod:`runtime.worker.heartbeat`) before the engine declares it dead or frozen and fails.
-        trace_dir: record the run: a new ``run-*`` directory there with a header and one JSON-lines
-            event file per process (None: off; docs/trace_format.md).
-        trace_prompts: also record prompt token ids (otherwise only prompt lengths).
-        served_model_name: name reported by /v1/models (default: derived from the model).
-        launcher: ``spawn`` (the engine starts one process per rank on this machine) or
-            ``torchrun`` (ranks are torchrun's processes, possibly on several machines; see
-            :mod:`runtime.engine.torchrun`).
-        engine_port: torchrun only: the engine's TCP ports on the rank-0 host are
-            ``engine_port`` (results) and ``engine_port + 1 + rank`` (steps of each rank).
-        block_size: tokens per KV-cache block.
-        kv_cache_memory: KV-cache memory per rank: bytes with an optional KB/MB/GB suffix
-            (powers of 1024, e.g. ``24MB``), or a fraction in (0, 1] of the device memory free
-            after the weights are loaded (CUDA only). None: room for ``max_model_len`` tokens in
-            every slot (``max_num_seqs * ceil(max_model_len / block_size)`` blocks).
-        enable_prefix_caching: reuse the KV blocks of identical prompt prefixes across requests.
-        enforce_eager: CUDA: run decode steps eagerly instead of replaying captured CUDA graphs.
+    The scheduler fields (``pp_size``, ``max_num_seqs``, ``max_model_len``,
+    ``max_num_batched_tokens``, ``max_prefill_chunk``, ``mode``, ``block_size``,
+    ``enable_prefix_caching``) live in :attr:`scheduler`, declared once in
+    :class:`~ppstate.budget.SchedulerConfig`; they may be given flat
+    (``EngineConfig(pp_size=2, max_model_len=64)``) or as ``scheduler={...}``, and unset ones take
+    :data:`ENGINE_SCHEDULER_DEFAULTS`, then the scheduler's defaults. ``scheduler.num_kv_blocks``
+    is replaced at start by the smallest KV block count the ranks report (``kv_cache_memory``).
+    Every other field's meaning is its ``description`` (also the help of its CLI flag).
+
+    Raises:
+        pydantic.ValidationError: a bad field; ``loc`` (or, for a scheduler bound, ``ctx.field``)
+            names it.
     """
     model_config = ConfigDict(extra="forbid")
 
-    model: str = "default"
-    pp_size: int = Field(default=2, ge=1, le=64)
-    pp_layer_partition: str | None = None
-    pp_schedule: Literal["overlapped", "sync"] = "overlapped"
-    max_num_seqs: int = Field(default=32, ge=1, le=4096)
-    max_model_len: int = Field(default=2048, ge=16)
-    max_num_batched_tokens: int = Field(default=512, ge=1)
-    max_prefill_chunk: int = Field(default=128, ge=1)
-    validate_mirrors: str = "every"
-    device: Literal["cpu", "cuda", "auto"] = "auto"
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
-    torch_threads: int = Field(default=1, ge=1)
-    step_timeout_s: float = Field(default=120.0, gt=0)
-    heartbeat_timeout_s: float = Field(default=6.0, gt=1.0)
-    trace_dir: str | None = None
-    trace_prompts: bool = False
-    served_model_name: str | None = None
-    launcher: Literal["spawn", "torchrun"] = "spawn"
-    engine_port: int = Field(default=29600, ge=1, le=65535 - 65)
-    block_size: int = Field(default=16, ge=1, le=1024)
-    kv_cache_memory: str | None = None
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = False
+    model: str = Field(default="default", description="'default' (embedded SmolLM2-135M-Instruct "
+                       "GGUF), a .gguf file or a Hugging Face folder")
+    scheduler: SchedulerConfig = Field(default_factory=default_scheduler,
+                                       description="the scheduler's budgets and PP schedule")
+    pp_layer_partition: str | None = Field(default=None, description="layers per stage, e.g. "
+                                           "19,11 (default: balanced by estimated cost)")
+    validate_mirrors: str = Field(default="every", description="compare the CPU mirrors with "
+                                  "device state every step, every N steps, or off")
+    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto: cuda "
+                                                   "when torch sees a CUDA device, else cpu")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto", description="auto: float32 on the CPU, bfloat16 on CUDA")
+    torch_threads: int = Field(default=1, ge=1, description="torch intra-op threads per rank (CPU)")
+    step_timeout_s: float = Field(default=120.0, gt=0, description="seconds any receive, "
+                                  "collective or step may take (then the engine fails)")
+    heartbeat_timeout_s: float = Field(default=6.0, gt=1.0, description="seconds a rank may be "
+                                       "silent (killed, frozen; ranks beat once a second) before "
+                                       "the engine fails")
+    trace_dir: str | None = Field(default=None, description="record the run in a new run-* "
+                                  "directory here (header + one JSONL event file per process; "
+                                  "replay with python -m ppstate.replay DIR)")
+    trace_prompts: bool = Field(default=False, description="with a trace directory: also record "
+                                "prompt token ids (default: prompt lengths only)")
+    served_model_name: str | None = Field(default=None, description="name reported by "
+                                          "/v1/models (default: derived from the model file)")
+    launcher: Literal["spawn", "torchrun"] = Field(
+        default="spawn", description="spawn: one process per rank on this machine; torchrun: the "
+        "ranks are torchrun's processes, possibly on several machines (docs/torchrun.md)")
+    engine_port: int = Field(default=29600, ge=1, le=65535 - 65, description="torchrun: the "
+                             "engine's TCP ports on the rank-0 host are PORT (results) and "
+                             "PORT + 1 + rank (steps)")
+    kv_cache_memory: str | None = Field(
+        default=None, description="KV cache per rank: bytes with an optional KB/MB/GB suffix "
+        "(powers of 1024, e.g. 24MB), or a fraction in (0, 1] of the device memory free after "
+        "loading the weights (CUDA, e.g. 0.9); default: max_model_len tokens in every slot")
+    enforce_eager: bool = Field(default=False, description="CUDA: run decode steps eagerly "
+                                "instead of replaying captured CUDA graphs")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gather_scheduler(cls, data: Any) -> Any:
+        """Flat scheduler fields and a partial ``scheduler`` dict become one scheduler dict over
+        the engine's defaults (a :class:`SchedulerConfig` given alone is taken as it is)."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        flat = {k: data.pop(k) for k in SCHEDULER_FIELDS if k in data}
+        given = data.get("scheduler")
+        if isinstance(given, SchedulerConfig):
+            if not flat:
+                return data
+            given = dataclasses.asdict(given)
+        values = {**ENGINE_SCHEDULER_DEFAULTS, **(given or {}), **flat}
+        if flat.keys() & {"max_num_seqs", "max_model_len", "block_size"} and "num_kv_blocks" not in flat:
+            values.pop("num_kv_blocks", None)  # derived again from the new sizes
+        data["scheduler"] = values
+        return data
+
+    @field_validator("scheduler", mode="before")
+    @classmethod
+    def _check_scheduler_bounds(cls, v: Any) -> Any:
+        values = dataclasses.asdict(v) if isinstance(v, SchedulerConfig) else v
+        if isinstance(values, dict):
+            for name, (low, high) in SCHEDULER_BOUNDS.items():
+                x = values.get(name)
+                if isinstance(x, int) and not isinstance(x, bool) and (
+                        x < low or (high is not None and x > high)):
+                    bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+                    raise PydanticCustomError("engine_bound", "{field} must be {bound}, got {value}",
+                                              {"field": name, "bound": bound, "value": x})
+        return v
 
     @field_validator("kv_cache_memory")
     @classmethod
@@ -87,7 +136,7 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_budgets(self) -> "EngineConfig":
-        if self.max_prefill_chunk > self.max_num_batched_tokens:
+        if self.scheduler.max_prefill_chunk > self.scheduler.max_num_batched_tokens:
             raise ValueError("max_prefill_chunk must be <= max_num_batched_tokens")
         return self
 

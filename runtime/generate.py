@@ -87,9 +87,9 @@ def tokenize_all(p: argparse.ArgumentParser, prompts: list, config, max_tokens: 
         ids = tok.encode_chat(pr) if isinstance(pr, list) else tok.encode(pr)
         if not ids:
             p.error(f"prompt {i} is empty")
-        if len(ids) + max_tokens > config.max_model_len:
+        if max_tokens > config.scheduler.output_room(len(ids)):
             p.error(f"--max-tokens: prompt {i} has {len(ids)} tokens; with --max-tokens "
-                    f"{max_tokens} that exceeds --max-model-len {config.max_model_len}")
+                    f"{max_tokens} that exceeds --max-model-len {config.scheduler.max_model_len}")
         out.append(ids)
     return out
 

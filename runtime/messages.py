@@ -96,22 +96,20 @@ class ResultMsg(_Msg, tag="result"):
 
     Attributes:
         busy_s: seconds this rank spent computing the step (forward, sampling), not waiting.
-        wall_s: seconds from receiving the step to replying (includes waits on p2p/broadcast).
         logprobs: optional msgpack-able payload (numpy scalars/arrays become Python numbers/lists).
     """
     step: int
     rank: int
     busy_s: float = 0.0
-    wall_s: float = 0.0
     sampled_token_ids: NdArray | None = None
     num_sampled: NdArray | None = None
     num_rejected: NdArray | None = None
     logprobs: Any = None
 
     @classmethod
-    def timing_only(cls, step: int, rank: int, busy_s: float, wall_s: float = 0.0) -> "ResultMsg":
+    def timing_only(cls, step: int, rank: int, busy_s: float) -> "ResultMsg":
         """A non-last rank's reply: no sampled tokens, only its timing."""
-        return cls(step=step, rank=rank, busy_s=float(busy_s), wall_s=float(wall_s))
+        return cls(step=step, rank=rank, busy_s=float(busy_s))
 
     @property
     def has_result(self) -> bool:
@@ -257,10 +255,9 @@ def to_scheduler_output(msg: StepMsg) -> SchedulerOutput:
         block_table_slots=bt[0], block_table_cols=bt[1], block_table_ids=bt[2])
 
 
-def from_step_result(res: StepResult, rank: int, busy_s: float = 0.0,
-                     wall_s: float = 0.0) -> ResultMsg:
+def from_step_result(res: StepResult, rank: int, busy_s: float = 0.0) -> ResultMsg:
     """ResultMsg of the last rank's ``res`` (its ``logprobs`` travel as the payload)."""
-    return ResultMsg(step=int(res.step), rank=rank, busy_s=float(busy_s), wall_s=float(wall_s),
+    return ResultMsg(step=int(res.step), rank=rank, busy_s=float(busy_s),
                      sampled_token_ids=NdArray.of(res.sampled_token_ids),
                      num_sampled=NdArray.of(res.num_sampled),
                      num_rejected=NdArray.of(res.num_rejected), logprobs=res.logprobs)

@@ -103,8 +103,8 @@ async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.soc
     from runtime.server.startup import StartupApp
 
     t0 = time.perf_counter()
-    print(f"loading model '{config.model}' over {config.pp_size} pipeline stage(s) "
-          f"({config.pp_schedule} schedule); {url_of(sock, args.host)}/health answers 503 "
+    print(f"loading model '{config.model}' over {config.scheduler.pp_size} pipeline stage(s) "
+          f"({config.scheduler.mode} schedule); {url_of(sock, args.host)}/health answers 503 "
           "'loading' until ready ...", flush=True)
     front = StartupApp()
     server = _Server(uvicorn.Config(front, log_level=args.log_level, timeout_graceful_shutdown=5,
@@ -145,7 +145,7 @@ async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.soc
                 await asyncio.sleep(0.05)
             if server.started:
                 print(f"ready: {url_of(sock, args.host)}  (model '{engine.model_name}', "
-                      f"pp={config.pp_size}, up in {time.perf_counter() - t0:.1f} s)", flush=True)
+                      f"pp={config.scheduler.pp_size}, up in {time.perf_counter() - t0:.1f} s)", flush=True)
             while not server.should_exit:
                 if not engine.is_alive:
                     print(f"error: the engine died: {getattr(engine, 'error', None)}", file=sys.stderr,

@@ -56,7 +56,7 @@ def test_engine_greedy_equals_transformers(folder, pp, eager):
     path, hf = folder
     cfg = EngineConfig(model=str(path), pp_size=pp, device="cuda", dtype="bfloat16",
                        max_num_seqs=8, max_model_len=128, enforce_eager=eager,
-                       pp_schedule="overlapped", engine_port=29700 + 10 * pp + eager)
+                       mode="overlapped", engine_port=29700 + 10 * pp + eager)
     got = asyncio.run(_generate(cfg))
     matched = 0
     for p, ours in zip(PROMPTS, got):

@@ -54,7 +54,7 @@ def test_cli_flags_and_error_naming_the_flag(capsys):
     add_engine_flags(p)
     cfg = engine_config(p, p.parse_args(["--block-size", "64", "--kv-cache-memory", "24MB",
                                          "--no-enable-prefix-caching", "--pp", "1"]))
-    assert (cfg.block_size, cfg.kv_cache_memory, cfg.enable_prefix_caching) == (64, "24MB", False)
+    assert (cfg.scheduler.block_size, cfg.kv_cache_memory, cfg.scheduler.enable_prefix_caching) == (64, "24MB", False)
     with pytest.raises(SystemExit):
         engine_config(p, p.parse_args(["--kv-cache-memory", "lots", "--pp", "1"]))
     assert "--kv-cache-memory" in capsys.readouterr().err

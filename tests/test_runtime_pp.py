@@ -93,7 +93,7 @@ def test_concurrent_greedy_matches_pp1_and_transformers(pp_size, pp2, pp1_tokens
 
 
 def test_sync_and_overlapped_modes_agree(pp2, pp1_tokens):
-    sync = _engine(pp_size=2, pp_schedule="sync")
+    sync = _engine(pp_size=2, mode="sync")
     try:
         got = [r["token_ids"] for r in sync.generate(MIXED, GREEDY, prefix="sync-")]
     finally:

@@ -67,7 +67,7 @@ class FakeEngine:
     def add_request(self, req_id, prompt_token_ids, params):
         if not self.is_alive:
             raise EngineDeadError("engine is shut down")
-        if len(prompt_token_ids) >= self.config.max_model_len:
+        if len(prompt_token_ids) >= self.config.scheduler.max_model_len:
             raise RequestRejected("prompt", "too long")
         self.live[req_id] = asyncio.Event()
         return self._run(req_id, len(prompt_token_ids), params)

@@ -24,7 +24,7 @@ def parse(*argv: str):
 def test_defaults():
     args, cfg = parse()
     assert (args.host, args.port, args.api_key, args.max_body_bytes) == ("127.0.0.1", 8000, None, 1 << 20)
-    assert (cfg.model, cfg.pp_size, cfg.pp_schedule, cfg.trace_dir) == ("default", 2, "overlapped", None)
+    assert (cfg.model, cfg.scheduler.pp_size, cfg.scheduler.mode, cfg.trace_dir) == ("default", 2, "overlapped", None)
 
 
 def test_flags_map_to_config():
@@ -32,8 +32,8 @@ def test_flags_map_to_config():
                       "--max-num-seqs", "16", "--max-model-len", "1024", "--max-prefill-chunk", "64",
                       "--pp-schedule", "sync", "--api-key", "sk-x", "--trace-dir", "/tmp/tr")
     assert (args.host, args.port, args.api_key) == ("0.0.0.0", 9001, "sk-x")
-    assert (cfg.model, cfg.pp_size, cfg.max_num_seqs, cfg.max_model_len, cfg.max_prefill_chunk,
-            cfg.pp_schedule, cfg.trace_dir) == ("/models/llama", 4, 16, 1024, 64, "sync", "/tmp/tr")
+    assert (cfg.model, cfg.scheduler.pp_size, cfg.scheduler.max_num_seqs, cfg.scheduler.max_model_len, cfg.scheduler.max_prefill_chunk,
+            cfg.scheduler.mode, cfg.trace_dir) == ("/models/llama", 4, 16, 1024, 64, "sync", "/tmp/tr")
 
 
 @pytest.mark.parametrize("argv, flag", [

@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+import runtime.engine.admission as admission_mod
 import runtime.engine.async_engine as engine_mod
 from app_harness import CHAT, COMP, AppEngine
 from runtime.config import EngineConfig
@@ -113,21 +114,21 @@ class _FaultyDetok(IncrementalDetokenizer):
 
 
 def _plant(monkeypatch, eng, stage: str) -> None:
-    real_build, real_trip, real_lp = engine_mod.SamplingBatch.build, engine_mod.new_request_round_trip, engine_mod._logprobs_for
+    real_build, real_trip, real_lp = admission_mod.SamplingBatch.build, admission_mod.new_request_round_trip, engine_mod.logprobs_for
     if stage == "sampling_params":
-        class Batch(engine_mod.SamplingBatch):
+        class Batch(admission_mod.SamplingBatch):
             @classmethod
             def build(cls, params, index, device="cpu"):
                 if params[0].seed == MARK_SEED:
                     raise OverflowError("planted: sampling parameters")
                 return real_build(params, index, device)
-        monkeypatch.setattr(engine_mod, "SamplingBatch", Batch)
+        monkeypatch.setattr(admission_mod, "SamplingBatch", Batch)
     elif stage == "encode":
         def trip(msg):
             if msg.sampling.get("seed") == MARK_SEED:
                 raise TransportError("planted: message encoding")
             return real_trip(msg)
-        monkeypatch.setattr(engine_mod, "new_request_round_trip", trip)
+        monkeypatch.setattr(admission_mod, "new_request_round_trip", trip)
     elif stage in ("stop_strings", "detokenize", "stop_match"):
         mode = {"stop_strings": "init", "detokenize": "push", "stop_match": "match"}[stage]
         monkeypatch.setattr(_FaultyDetok, "mode", mode)
@@ -138,7 +139,7 @@ def _plant(monkeypatch, eng, stage: str) -> None:
             if stream is not None and stream.params.seed == MARK_SEED and stream.num_output_tokens >= 2:
                 raise KeyError("planted: logprobs")
             return real_lp(result, row_of, req_id, token_ids)
-        monkeypatch.setattr(engine_mod, "_logprobs_for", lp)
+        monkeypatch.setattr(engine_mod, "logprobs_for", lp)
     elif stage == "tokenize":
         tok = eng.engine.tokenizer
         real_encode = tok.encode

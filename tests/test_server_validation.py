@@ -109,7 +109,7 @@ def check_error(status: int, body: dict, param: str | None, code: str) -> None:
         assert param.split("[")[0].split(".")[0] in err["message"], err["message"]
 
 
-@pytest.mark.parametrize("case", malformed_cases(CONFIG.max_model_len), ids=lambda c: str(c[2]))
+@pytest.mark.parametrize("case", malformed_cases(CONFIG.scheduler.max_model_len), ids=lambda c: str(c[2]))
 async def test_malformed_request_is_400(case):
     path, body, param, code = case
     async with client_for(FakeEngine()) as c:

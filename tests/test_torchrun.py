@@ -75,7 +75,7 @@ def test_engine_config_flags(monkeypatch, capsys):
         monkeypatch.setenv(k, v)
     args = p.parse_args(["--engine-port", "31000"])
     cfg = engine_config(p, args)
-    assert (cfg.launcher, cfg.pp_size, cfg.engine_port, args.pp) == ("torchrun", 3, 31000, 3)
+    assert (cfg.launcher, cfg.scheduler.pp_size, cfg.engine_port, args.pp) == ("torchrun", 3, 31000, 3)
     with pytest.raises(SystemExit) as e:
         engine_config(p, p.parse_args(["--pp", "2"]))
     assert e.value.code == 2

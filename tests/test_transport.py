@@ -64,15 +64,15 @@ def test_arrays_keep_dtype_and_shape(dtype):
 def test_step_result_round_trip_and_timing_only():
     res = StepResult(9, np.array([[11], [0], [13]], dtype=np.int64), np.array([1, 0, 1], dtype=np.int32),
                      np.array([0, 0, 0], dtype=np.int32), logprobs=[{"lp": -0.5}, None, {"lp": np.float32(-1.5)}])
-    msg = tp.decode(tp.encode(tp.from_step_result(res, rank=1, busy_s=0.25, wall_s=0.5)))
-    assert (msg.kind, msg.step, msg.rank, msg.busy_s, msg.wall_s) == ("result", 9, 1, 0.25, 0.5)
+    msg = tp.decode(tp.encode(tp.from_step_result(res, rank=1, busy_s=0.25)))
+    assert (msg.kind, msg.step, msg.rank, msg.busy_s) == ("result", 9, 1, 0.25)
     back = tp.to_step_result(msg)
     assert back.sampled_token_ids.dtype == np.int64 and back.sampled_token_ids.tolist() == [[11], [0], [13]]
     assert back.num_sampled.dtype == np.int32 and back.num_sampled.tolist() == [1, 0, 1]
     assert back.num_rejected.tolist() == [0, 0, 0]
     assert back.logprobs == [{"lp": -0.5}, None, {"lp": -1.5}]
-    t = tp.decode(tp.encode(tp.ResultMsg.timing_only(9, 0, 0.125, 0.75)))
-    assert (t.kind, t.rank, t.busy_s, t.wall_s, t.has_result) == ("result", 0, 0.125, 0.75, False)
+    t = tp.decode(tp.encode(tp.ResultMsg.timing_only(9, 0, 0.125)))
+    assert (t.kind, t.rank, t.busy_s, t.has_result) == ("result", 0, 0.125, False)
     with pytest.raises(tp.TransportError, match="step 9: rank 0 sent no sampled tokens"):
         tp.to_step_result(t)
 

@@ -59,7 +59,7 @@ async def run_mode(config, prompts: list[list[int]], max_tokens: int) -> dict:
     busy = [b - a for a, b in zip(s0["rank_busy_seconds"], s1["rank_busy_seconds"])]
     queried = s1["prefix_cache_query_tokens"] - s0["prefix_cache_query_tokens"]
     hits = s1["prefix_cache_hit_tokens"] - s0["prefix_cache_hit_tokens"]
-    return {"mode": config.pp_schedule, "pp_size": config.pp_size, "wall_s": wall,
+    return {"mode": config.scheduler.mode, "pp_size": config.scheduler.pp_size, "wall_s": wall,
             "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
             "steps": s1["steps_total"] - s0["steps_total"],
             "mean_ttft_s": statistics.mean(r["ttft_s"] for r in res),

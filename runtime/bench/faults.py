@@ -35,7 +35,7 @@ async def measure(config, fault: str, rank: int, n_requests: int) -> dict:
     """One engine, one fault; returns the timings and the error the streams got."""
     engine = await AsyncEngine.start(config)
     procs = list(engine.pool.procs)
-    params = SamplingParams(max_tokens=config.max_model_len - 16, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=config.scheduler.max_model_len - 16, temperature=0.0, ignore_eos=True)
     tasks = [asyncio.ensure_future(_stream(engine, f"f{i}", params)) for i in range(n_requests)]
     while engine.stats()["generated_tokens_total"] < 2 * n_requests:
         await asyncio.sleep(0.01)
@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_flags(p)
     args = p.parse_args(argv)
     config = engine_config(p, args)
-    if not 0 <= args.rank < config.pp_size:
-        p.error(f"--rank: must be in 0..{config.pp_size - 1}")
+    if not 0 <= args.rank < config.scheduler.pp_size:
+        p.error(f"--rank: must be in 0..{config.scheduler.pp_size - 1}")
     status = 0
     for fault in args.faults.split(","):
         if not hasattr(signal, fault):

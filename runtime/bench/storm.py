@@ -108,7 +108,7 @@ async def storm(engine: AsyncEngine, n_streams: int, n_leave: int, max_tokens: i
                 seed: int) -> dict:
     """Run the storm on a started engine; returns the counts and a list of failed checks."""
     rng = random.Random(seed)
-    chunk = engine.config.max_prefill_chunk
+    chunk = engine.config.scheduler.max_prefill_chunk
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     kinds = ["before_first", "mid_decode", "prefill"]  # a third of the leavers each
     leave_of = {i: kinds[j % 3] for j, i in enumerate(sorted(rng.sample(range(n_streams), n_leave)))}

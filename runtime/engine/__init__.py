@@ -11,7 +11,10 @@ _EXPORTS = ("AsyncEngine", "EngineDeadError", "RequestRejected")
 
 
 def __getattr__(name: str):
+    if name == "AsyncEngine":
+        from runtime.engine.async_engine import AsyncEngine
+        return AsyncEngine
     if name in _EXPORTS:
-        from runtime.engine import async_engine
-        return getattr(async_engine, name)
+        from runtime.engine import errors
+        return getattr(errors, name)
     raise AttributeError(f"module 'runtime.engine' has no attribute {name!r}")

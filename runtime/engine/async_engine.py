@@ -20,18 +20,19 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from ppstate.events import NULL_SINK, JsonlSink
-from ppstate.trace.run import ENGINE_FILE, new_run_dir, package_versions, write_header
-from ppstate.scheduler import RequestSpec, Scheduler, SchedulerConfig
+from ppstate.scheduler import RequestSpec, Scheduler
+from ppstate.trace.run import ENGINE_FILE
 from runtime.config import EngineConfig
+from runtime.engine.admission import admission_checks, check_kv_fit, check_prompt
+from runtime.engine.errors import EngineDeadError, RequestRejected
 from runtime.engine.faults import ENGINE, REQUEST, RequestFailure, request_scope
 from runtime.engine.launcher import WorkerPool
+from runtime.engine.outputs import RequestOutput, logprobs_for
 from runtime.engine.plan import plan_pipeline
-from runtime.messages import NewRequestMsg, new_request_round_trip
+from runtime.engine.request_stream import RequestStream
+from runtime.engine.trace import scheduler_config, start_trace_run, write_trace_header
 from runtime.model.detokenizer import IncrementalDetokenizer
 from runtime.model.tokenizer import Tokenizer, load_tokenizer
-from runtime.engine.outputs import RequestOutput, TokenLogprob
-from runtime.engine.request_stream import RequestStream
-from runtime.worker.sampler import SamplingBatch
 from runtime.sampling_params import SamplingParams
 from runtime.worker.kv_capacity import capacity_summary
 
@@ -40,20 +41,8 @@ HEALTH_CHECK_S = 1.0  # seconds between two checks of the ranks' liveness and pr
 DEATH_GRACE_S = 1.0   # seconds the ranks get to exit by themselves after an engine failure
 
 
-class EngineDeadError(RuntimeError):
-    """The engine stopped (worker failure, timeout or shutdown); no request can be served."""
-
-
-class RequestRejected(ValueError):
-    """Bad request input; ``field`` names the offending field (the server answers HTTP 400)."""
-
-    def __init__(self, field: str, message: str) -> None:
-        self.field = field
-        super().__init__(message)
-
-
 class AsyncEngine:
-    """Serve requests over a pipeline of ``config.pp_size`` worker processes.
+    """Serve requests over a pipeline of ``config.scheduler.pp_size`` worker processes.
 
     Create with ``await AsyncEngine.start(config)``; stop with ``await engine.shutdown()``.
     """
@@ -72,7 +61,7 @@ class AsyncEngine:
         self._tasks: list[asyncio.Task] = []
         self._steps_total = 0
         self._tokens_total = 0
-        self._busy = [0.0] * config.pp_size
+        self._busy = [0.0] * config.scheduler.pp_size
         self._active_s = 0.0
         self._active_since: float | None = None
         self._last_progress = time.monotonic()
@@ -143,10 +132,13 @@ class AsyncEngine:
         if not self.is_alive:
             raise EngineDeadError(self._error or "engine is shut down")
         req_id = req_id or uuid.uuid4().hex
-        self._check_prompt(req_id, prompt_token_ids)
-        self._check_kv_fit(len(prompt_token_ids), params.max_tokens)
+        if req_id in self._streams or self.sched.is_live(req_id):
+            raise RequestRejected("request_id", f"request id {req_id!r} is already in use by a "
+                                  "live request")
+        check_prompt(prompt_token_ids, self.tokenizer.vocab_size, self.config.scheduler)
+        check_kv_fit(len(prompt_token_ids), params.max_tokens, self.sched.config)
         prompt = tuple(int(t) for t in prompt_token_ids)
-        sampling = self._admission_checks(req_id, prompt, params)
+        sampling = admission_checks(req_id, prompt, params, self.config.scheduler.max_model_len)
         with request_scope(req_id, "stop_strings"):
             detok = IncrementalDetokenizer(self.tokenizer, prompt, stop=params.stop)
         eos = self.tokenizer.eos_token_id
@@ -160,47 +152,6 @@ class AsyncEngine:
         self._streams[req_id] = stream
         self._wake.set()
         return stream.iterate(self.abort)
-
-    def _admission_checks(self, req_id: str, prompt: tuple[int, ...], params: SamplingParams) -> dict:
-        """The request's sampling dict after the worker-message round trip, with the last rank's
-        own parameter build (``SamplingParams`` + a one-row ``SamplingBatch``) run on it here.
-
-        Raises:
-            RequestFailure: stage ``encode`` or ``sampling_params``.
-        """
-        with request_scope(req_id, "encode"):
-            wire = new_request_round_trip(NewRequestMsg(req_id, 0, list(prompt),
-                                                        self.config.max_model_len, params.model_dump()))
-        with request_scope(req_id, "sampling_params"):
-            SamplingBatch.build([SamplingParams(**wire.sampling)], [0], "cpu")
-        return dict(wire.sampling)
-
-    def _check_prompt(self, req_id: str, ids: list[int]) -> None:
-        if req_id in self._streams or self.sched.is_live(req_id):
-            raise RequestRejected("request_id", f"request id {req_id!r} is already in use by a "
-                                  "live request")
-        if not ids:
-            raise RequestRejected("prompt", "the prompt is empty")
-        if len(ids) >= self.config.max_model_len:
-            raise RequestRejected(
-                "prompt", f"the prompt has {len(ids)} tokens; this server's max_model_len is "
-                f"{self.config.max_model_len} (prompt + at least one new token must fit)")
-        vocab = self.tokenizer.vocab_size
-        bad = next((t for t in ids if not 0 <= int(t) < vocab), None)
-        if bad is not None:
-            raise RequestRejected("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})")
-
-    def _check_kv_fit(self, prompt_len: int, max_tokens: int) -> None:
-        """A request whose prompt + max_tokens can never fit the KV cache is rejected (400)."""
-        cap = self.sched.config.kv_capacity_tokens
-        need = prompt_len + min(max_tokens, self.config.max_model_len - prompt_len) - 1
-        if prompt_len > cap:
-            raise RequestRejected("prompt", f"the prompt has {prompt_len} tokens; this server's "
-                                  f"KV cache holds {cap} tokens")
-        if need > cap:
-            raise RequestRejected("max_tokens", f"prompt ({prompt_len} tokens) + max_tokens "
-                                  f"({max_tokens}) needs KV cache for {need} tokens; this "
-                                  f"server's KV cache holds {cap} tokens")
 
     async def abort(self, req_id: str) -> None:
         """Abort ``req_id`` (idempotent). Its stream ends with finish_reason ``abort`` and its slot
@@ -263,7 +214,7 @@ class AsyncEngine:
             self._die(f"rank {msg.rank} failed at step {msg.step}: {msg.error_type}: {msg.message}")
         elif kind == "result":
             self._busy[msg.rank] += msg.busy_s
-            if msg.rank == self.config.pp_size - 1:
+            if msg.rank == self.config.scheduler.pp_size - 1:
                 self._on_result(self.pool.to_step_result(msg))
 
     def _on_result(self, result) -> None:
@@ -278,7 +229,7 @@ class AsyncEngine:
             self._tokens_total += len(upd.token_ids)
             try:
                 with request_scope(upd.req_id, "logprobs"):
-                    lps = _logprobs_for(result, row_of, upd.req_id, upd.token_ids)
+                    lps = logprobs_for(result, row_of, upd.req_id, upd.token_ids)
                 with request_scope(upd.req_id, "detokenize"):
                     reason = stream.push_tokens(upd.token_ids, upd.finish_reason, lps)
             except RequestFailure as failure:
@@ -344,44 +295,9 @@ class AsyncEngine:
         """
         active = self._active_s + (time.monotonic() - self._active_since
                                    if self._active_since is not None else 0.0)
-        pp = self.config.pp_size
+        pp = self.config.scheduler.pp_size
         bubble = max(0.0, 1.0 - sum(self._busy) / (pp * active)) if active > 0 else 0.0
         return {"num_running": self.sched.num_running, "num_waiting": self.sched.num_waiting,
                 "steps_total": self._steps_total, "generated_tokens_total": self._tokens_total,
                 "rank_busy_seconds": list(self._busy), "bubble_fraction": bubble, "pp_size": pp,
                 **self.sched.kv_stats()}
-
-
-def scheduler_config(config: EngineConfig, num_kv_blocks: int | None = None) -> SchedulerConfig:
-    """The scheduler's configuration derived from the engine's; ``num_kv_blocks`` is the smallest
-    KV block count the ranks reported after loading (None before the workers started)."""
-    return SchedulerConfig(
-        pp_size=config.pp_size, max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        max_prefill_chunk=config.max_prefill_chunk, max_model_len=config.max_model_len,
-        mode=config.pp_schedule, block_size=config.block_size, num_kv_blocks=num_kv_blocks,
-        enable_prefix_caching=config.enable_prefix_caching)
-
-
-def start_trace_run(config: EngineConfig) -> Path:
-    """Create a new run directory under ``config.trace_dir`` and write its header."""
-    run_dir = new_run_dir(config.trace_dir)
-    write_trace_header(run_dir, config, scheduler_config(config))
-    return run_dir
-
-
-def write_trace_header(run_dir: Path, config: EngineConfig, sched: SchedulerConfig) -> None:
-    """(Re)write ``header.json`` of ``run_dir``; the scheduler's config must be the one replay
-    rebuilds the scheduler with (its KV block count is known only once the ranks loaded)."""
-    write_header(run_dir, "engine", sched, config.model_dump(),
-                 trace_prompts=config.trace_prompts, versions=package_versions("torch"))
-
-
-def _logprobs_for(result, row_of, req_id: str, token_ids: list[int]) -> list[TokenLogprob] | None:
-    if row_of is None or req_id not in row_of or not token_ids:
-        return None
-    entry = result.logprobs[row_of[req_id]]
-    if entry is None:
-        return None
-    lp, top = entry
-    return [TokenLogprob(token_ids[0], float(lp), {int(k): float(v) for k, v in top.items()})]

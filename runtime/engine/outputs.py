@@ -40,3 +40,21 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     error_kind: str | None = None
+
+
+def logprobs_for(result, row_of: dict[str, int] | None, req_id: str,
+                 token_ids: list[int]) -> list[TokenLogprob] | None:
+    """The logprob entry of ``req_id``'s first new token in a step result, if it asked for one.
+
+    Args:
+        result: the last rank's ``StepResult``; ``result.logprobs`` holds one ``(logprob,
+            {token id: logprob})`` or None per batch row.
+        row_of: request id -> batch row of that step (None: the step carries no logprobs).
+    """
+    if row_of is None or req_id not in row_of or not token_ids:
+        return None
+    entry = result.logprobs[row_of[req_id]]
+    if entry is None:
+        return None
+    lp, top = entry
+    return [TokenLogprob(token_ids[0], float(lp), {int(k): float(v) for k, v in top.items()})]

@@ -69,7 +69,7 @@ def plan_layers(config: EngineConfig, model_cfg: ModelConfig) -> list[tuple[int,
     Raises:
         ValueError: bad ``pp_layer_partition`` (message names ``--pp-layer-partition``).
     """
-    n, pp = model_cfg.num_layers, config.pp_size
+    n, pp = model_cfg.num_layers, config.scheduler.pp_size
     return (parse_partition(config.pp_layer_partition, n, pp) if config.pp_layer_partition
             else split_layers(n, pp, model_cfg))
 
@@ -82,8 +82,8 @@ def check_resources(config: EngineConfig, model_cfg: ModelConfig) -> None:
             (on CPU) KV caches larger than 80% of this machine's memory, or a fractional
             ``--kv-cache-memory`` without CUDA; names the flag.
     """
-    if config.max_model_len > model_cfg.max_position_embeddings:
-        raise ValueError(f"--max-model-len: {config.max_model_len} exceeds the model's context "
+    if config.scheduler.max_model_len > model_cfg.max_position_embeddings:
+        raise ValueError(f"--max-model-len: {config.scheduler.max_model_len} exceeds the model's context "
                          f"length {model_cfg.max_position_embeddings}")
     if uses_cuda(config.device):
         return
@@ -93,19 +93,19 @@ def check_resources(config: EngineConfig, model_cfg: ModelConfig) -> None:
         if size is None:
             raise ValueError(f"--kv-cache-memory: a fraction ({config.kv_cache_memory}) needs a "
                              "CUDA device; give a size such as 24MB on the CPU")
-        if size * config.pp_size > 0.8 * mem:
-            raise ValueError(f"--kv-cache-memory: {config.pp_size} ranks x "
+        if size * config.scheduler.pp_size > 0.8 * mem:
+            raise ValueError(f"--kv-cache-memory: {config.scheduler.pp_size} ranks x "
                              f"{config.kv_cache_memory} is more than 80% of this machine's "
                              f"{mem / 2**30:.1f} GiB")
         return
     elem = 2 if config.dtype in ("bfloat16", "float16") else 4
-    kv = (2 * model_cfg.num_layers * config.max_num_seqs * model_cfg.num_kv_heads
-          * (-(-config.max_model_len // config.block_size) * config.block_size)
+    kv = (2 * model_cfg.num_layers * config.scheduler.max_num_seqs * model_cfg.num_kv_heads
+          * (-(-config.scheduler.max_model_len // config.scheduler.block_size) * config.scheduler.block_size)
           * model_cfg.head_dim * elem)
     if kv > 0.8 * mem:
         raise ValueError(
-            f"--max-model-len / --max-num-seqs: KV caches of {config.max_num_seqs} x "
-            f"{config.max_model_len} tokens need {kv / 2**30:.1f} GiB, more than 80% of this "
+            f"--max-model-len / --max-num-seqs: KV caches of {config.scheduler.max_num_seqs} x "
+            f"{config.scheduler.max_model_len} tokens need {kv / 2**30:.1f} GiB, more than 80% of this "
             f"machine's {mem / 2**30:.1f} GiB")
 
 

@@ -89,7 +89,7 @@ def resolve_cli(values: dict, environ: Mapping[str, str] | None = None) -> dict:
         raise ValueError(f"--launcher: torchrun needs the variables {', '.join(ENV_VARS)}; start "
                          "with 'torchrun ... -m runtime.serve' or use --launcher spawn")
     if out.get("pp_size") is None:
-        out["pp_size"] = env.world_size if out["launcher"] == "torchrun" else EngineConfig().pp_size
+        out["pp_size"] = env.world_size if out["launcher"] == "torchrun" else EngineConfig().scheduler.pp_size
     if out["launcher"] == "torchrun" and out["pp_size"] != env.world_size:
         raise ValueError(f"--pp: must equal torchrun's WORLD_SIZE={env.world_size} (one process per "
                          f"pipeline stage), got {out['pp_size']}; drop --pp to use WORLD_SIZE")

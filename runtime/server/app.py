@@ -143,7 +143,7 @@ def create_app(engine: Any, config: EngineConfig, api_key: str | None = None,
 
     def card() -> ModelCard:
         return ModelCard(id=handlers.model_name, created=created, root=config.model,
-                         max_model_len=config.max_model_len)
+                         max_model_len=config.scheduler.max_model_len)
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:

@@ -58,13 +58,12 @@ class OpenAIHandlers:
     def output_limit(self, requested: int | None, default: int | None, prompt_len: int,
                      prompt_field: str, limit_field: str) -> int:
         """Output tokens to allow; raises 400 when the prompt or the request does not fit."""
-        max_len = self.config.max_model_len
-        if prompt_len >= max_len:
+        max_len, room = self.config.scheduler.max_model_len, self.config.scheduler.output_room(prompt_len)
+        if room < 1:
             raise APIError(f"'{prompt_field}' is too long: this model's maximum context length is "
                            f"{max_len} tokens and the prompt has {prompt_len} tokens, leaving no room "
                            "for output.",
                            param=prompt_field, code="context_length_exceeded")
-        room = max_len - prompt_len
         if requested is None:
             return room if default is None else min(default, room)
         if requested > room:

@@ -31,7 +31,7 @@ class EngineFactory:
         """Start an engine of ``pp_size`` worker processes on ``model``.
 
         ``fields`` are further :class:`EngineConfig` fields (``max_model_len``,
-        ``max_prefill_chunk``, ``pp_schedule``, ...); ``device`` defaults to ``cpu``.
+        ``max_prefill_chunk``, ``mode``, ...; the scheduler fields given flat); ``device`` defaults to ``cpu``.
 
         Raises:
             pydantic.ValidationError: a bad field; runtime.engine.EngineDeadError: a worker

@@ -33,17 +33,17 @@ def rank_num_blocks(cfg: EngineConfig, model_cfg: ModelConfig, num_local_layers:
             message names ``--kv-cache-memory``.
     """
     if cfg.kv_cache_memory is None:
-        return cfg.max_num_seqs * -(-cfg.max_model_len // cfg.block_size)
+        return cfg.scheduler.max_num_seqs * -(-cfg.scheduler.max_model_len // cfg.scheduler.block_size)
     size, fraction = parse_kv_memory(cfg.kv_cache_memory)
     if fraction is not None:
         if device.type != "cuda":
             raise ValueError(f"--kv-cache-memory: a fraction ({cfg.kv_cache_memory}) needs a CUDA "
                              "device; give a size such as 24MB on the CPU")
         size = int(torch.cuda.mem_get_info(device)[0] * fraction)
-    per = bytes_per_block(model_cfg, num_local_layers, cfg.block_size, dtype)
+    per = bytes_per_block(model_cfg, num_local_layers, cfg.scheduler.block_size, dtype)
     if size < per:
         raise ValueError(f"--kv-cache-memory: {cfg.kv_cache_memory} holds no block of "
-                         f"{cfg.block_size} tokens ({per} bytes on this rank)")
+                         f"{cfg.scheduler.block_size} tokens ({per} bytes on this rank)")
     return size // per
 
 

@@ -67,24 +67,24 @@ class _Worker:
         device = pick_device(cfg, self.rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        self.groups = init_groups(self.rank, cfg.pp_size, self.args.init_method, device,
+        self.groups = init_groups(self.rank, cfg.scheduler.pp_size, self.args.init_method, device,
                                   cfg.step_timeout_s)
         dtype = pick_dtype(cfg, device)
         stage = load_stage(self.args.model_path, self.args.layer_range, dtype=dtype,
-                           device=device, max_num_reqs=cfg.max_num_seqs,
-                           max_model_len=cfg.max_model_len, progress=(self.rank == 0),
-                           block_size=cfg.block_size, num_blocks=1)
+                           device=device, max_num_reqs=cfg.scheduler.max_num_seqs,
+                           max_model_len=cfg.scheduler.max_model_len, progress=(self.rank == 0),
+                           block_size=cfg.scheduler.block_size, num_blocks=1)
         start, end = self.args.layer_range
         self.num_kv_blocks = rank_num_blocks(cfg, stage.cfg, end - start, dtype, device)
         stage.allocate_kv_cache(self.num_kv_blocks)
-        state = DeviceState(cfg.max_num_seqs, cfg.max_model_len, 1, device, self.rank,
-                            cfg.block_size)
+        state = DeviceState(cfg.scheduler.max_num_seqs, cfg.scheduler.max_model_len, 1, device, self.rank,
+                            cfg.scheduler.block_size)
         sink = NULL_SINK
         if cfg.trace_dir:
             sink = JsonlSink(rank_trace_path(cfg.trace_dir, self.rank),
                              trace_prompts=cfg.trace_prompts)
         fast, graphs = self._fast_path(stage, cfg, device)
-        self.runner = StageRunner(self.groups, stage, state, cfg.pp_schedule == "overlapped",
+        self.runner = StageRunner(self.groups, stage, state, cfg.scheduler.mode == "overlapped",
                                   cfg.validate_every, sink, fast=fast, graphs=graphs)
         self.sink = sink
 
@@ -100,8 +100,8 @@ class _Worker:
         fast = PagedStage(stage)
         if cfg.enforce_eager:
             return fast, None
-        graphs = DecodeGraphs(fast, cfg.max_num_seqs, -(-cfg.max_model_len // cfg.block_size),
-                              cfg.max_model_len)
+        graphs = DecodeGraphs(fast, cfg.scheduler.max_num_seqs, -(-cfg.scheduler.max_model_len // cfg.scheduler.block_size),
+                              cfg.scheduler.max_model_len)
         rep = graphs.capture(progress=(self.rank == 0))
         self.graph_report = {"buckets": len(rep.buckets), "seconds": round(rep.seconds, 2),
                              "bytes": rep.bytes}
@@ -138,20 +138,16 @@ class _Worker:
         out = tp.to_scheduler_output(msg)
         self.step = out.step
         self.heartbeat.enter_step(out.step)
-        t0 = time.perf_counter()
         result = self.runner.step(out)
         busy = self.runner.timing.busy_s
         if result is not None:
             self.push.send(tp.encode(tp.from_step_result(result, rank=self.rank, busy_s=busy)))
         else:
-            self.push.send(tp.encode(tp.ResultMsg.timing_only(out.step, self.rank, busy,
-                                                              time.perf_counter() - t0)))
+            self.push.send(tp.encode(tp.ResultMsg.timing_only(out.step, self.rank, busy)))
         self.heartbeat.leave_step()
 
     def report(self, exc: BaseException) -> None:
-        self.push.send(tp.encode(tp.ErrorMsg(
-            rank=self.rank, step=self.step, error_type=type(exc).__name__, message=str(exc),
-            traceback="".join(traceback.format_exception(exc)))))
+        self.push.send(tp.encode(tp.ErrorMsg.from_exception(self.rank, self.step, exc)))
 
 
 def report_error(result_addr: str, rank: int, exc: BaseException, linger_ms: int = 5000) -> None:
@@ -159,9 +155,7 @@ def report_error(result_addr: str, rank: int, exc: BaseException, linger_ms: int
     ``linger_ms`` ms for delivery; for failures before :func:`run_worker` could start."""
     ctx = zmq.Context()
     push = tp.make_push(ctx, result_addr, bind=False, linger_ms=linger_ms)
-    push.send(tp.encode(tp.ErrorMsg(
-        rank=rank, step=-1, error_type=type(exc).__name__, message=str(exc),
-        traceback="".join(traceback.format_exception(exc)))))
+    push.send(tp.encode(tp.ErrorMsg.from_exception(rank, -1, exc)))
     push.close()
     ctx.term()
 
