@@ -17,6 +17,8 @@ import numpy as np
 
 from ppstate.batch import NewRequest, SchedulerOutput, FreedSlot
 from ppstate.budget import StepBudget
+from ppstate.chunk_sizing import chunk_limit
+from ppstate.lanes import lane_open
 from ppstate.request import Request
 
 if TYPE_CHECKING:
@@ -69,6 +71,8 @@ class RowBuilder:
     def add_decodes(self) -> None:
         """One-token rows for decoding requests that are eligible and below max_tokens rows."""
         a = self.arrays
+        if not lane_open(self.step, self.sched.lanes, self.sched.config.pp_size):
+            return  # adaptive lanes (ppstate.lanes): this step's lane takes no decode rows
         eligible = [r for r in self.sched.running_requests()
                     if r.state == "decoding" and a.next_eligible_step[r.slot] <= self.step
                     and a.num_sampling_rows[r.slot] < a.max_tokens[r.slot]]
@@ -97,7 +101,8 @@ class RowBuilder:
     def _add_chunk(self, req: Request, counts_row: bool, fit: int | None = None) -> None:
         a, slot = self.arrays, req.slot
         remaining = int(a.prefill_len[slot] - a.num_computed_tokens[slot])
-        chunk = min(remaining, self.sched.config.max_prefill_chunk, self.budget.tokens)
+        limit = chunk_limit(self.sched.config, int(a.num_computed_tokens[slot]))  # issue 11
+        chunk = min(remaining, limit, self.budget.tokens)
         chunk = self._room(req, chunk) if fit is None else min(chunk, fit)
         if chunk < 1:
             return
@@ -130,7 +135,8 @@ class RowBuilder:
                 return
             hit = self.kv.prefix_hit(req)
             remaining = len(req.prefill_tokens) - len(hit) * self.kv.block_size
-            chunk = min(remaining, self.sched.config.max_prefill_chunk, self.budget.tokens)
+            limit = chunk_limit(self.sched.config, len(hit) * self.kv.block_size)  # issue 11
+            chunk = min(remaining, limit, self.budget.tokens)
             fit = self.kv.admissible_tokens(hit, chunk)
             if fit < 1:
                 return  # FCFS: the head waits for blocks
