@@ -73,15 +73,45 @@ class RowBuilder:
         a = self.arrays
         if not lane_open(self.step, self.sched.lanes, self.sched.config.pp_size):
             return  # adaptive lanes (ppstate.lanes): this step's lane takes no decode rows
-        eligible = [r for r in self.sched.running_requests()
-                    if r.state == "decoding" and a.next_eligible_step[r.slot] <= self.step
-                    and a.num_sampling_rows[r.slot] < a.max_tokens[r.slot]]
-        eligible.sort(key=lambda r: int(a.next_eligible_step[r.slot]))  # stable: admission order
-        for req in eligible:
+        running = [r for r in self.sched.running_requests() if r.state == "decoding"]
+        if not running:
+            return
+        slots = np.fromiter((r.slot for r in running), dtype=np.int64, count=len(running))
+        ok = (a.next_eligible_step[slots] <= self.step) & \
+            (a.num_sampling_rows[slots] < a.max_tokens[slots])               # [num_decoding]
+        picked = np.nonzero(ok)[0]
+        order = picked[np.argsort(a.next_eligible_step[slots[picked]], kind="stable")]
+        fast: list[int] = []   # slots of rows whose token fits a block the request holds
+        table, bs = self.kv.pool.table, self.kv.block_size
+        for i in order.tolist():
             if not self.budget.can_add():
-                return
-            if req.slot >= 0 and self._room(req, 1) == 1:  # slot < 0: preempted in this loop
+                break
+            req = running[i]
+            if req.slot < 0:  # preempted earlier in this loop
+                continue
+            computed = int(a.num_computed_tokens[req.slot])
+            if computed < len(table(req.req_id)) * bs:  # no new block, nothing to register
+                self._decode_row(req, computed)
+                fast.append(req.slot)
+            elif self._room(req, 1) == 1:
                 self._row(req, 1, True)
+        if fast:  # the per-slot effects of _row for the fast rows, in bulk (slots are distinct)
+            idx = np.asarray(fast, dtype=np.int64)
+            a.num_computed_tokens[idx] += 1
+            a.num_sampling_rows[idx] += 1
+            a.next_eligible_step[idx] = self.step + self.cadence
+
+    def _decode_row(self, req: Request, computed: int) -> None:
+        """A one-token decode row of ``req`` whose position ``computed`` lies in a KV block it
+        already holds (:meth:`_row` without the block work; the caller updates the arrays)."""
+        self.req_ids.append(req.req_id)
+        self.slots.append(req.slot)
+        self.num_tokens.append(1)
+        self.starts.append(computed)
+        self.final.append(True)
+        self.epochs.append(req.epoch)
+        self.budget.tokens -= 1
+        self.budget.rows -= 1
 
     def _room(self, req: Request, want: int) -> int:
         """Tokens (<= want, >= 1 unless 0) of ``req``'s next row the KV blocks can hold, preempting

@@ -23,6 +23,9 @@ ENGINE_FLAGS = {
     "--engine-port": "engine_port", "--block-size": "block_size",
     "--kv-cache-memory": "kv_cache_memory", "--enable-prefix-caching": "enable_prefix_caching",
     "--enforce-eager": "enforce_eager",
+    # issue 11
+    "--adaptive-lanes": "adaptive_lanes", "--dynamic-chunks": "dynamic_chunks",
+    "--step-cost": "step_cost",
 }
 
 
@@ -68,6 +71,15 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
                    help="CUDA: no CUDA graphs (decode steps run eagerly); capture time and memory "
                    "are printed at startup otherwise")
+    # ---- issue 11: scheduler policies from the step-cost model ----
+    g.add_argument("--adaptive-lanes", action=argparse.BooleanOptionalAction,
+                   default=d.adaptive_lanes, help="overlapped: fill only as many in-flight lanes "
+                   "as the step-cost model says are faster (never slower than sync at low load)")
+    g.add_argument("--dynamic-chunks", action=argparse.BooleanOptionalAction,
+                   default=d.dynamic_chunks, help="prefill chunks of equal estimated time as the "
+                   "cached prefix grows")
+    g.add_argument("--step-cost", default=None, metavar="FILE", help="step-cost coefficients "
+                   "(JSON written by python -m runtime.bench pp --calibrate); default: CPU values")
 
 
 def engine_config(p: argparse.ArgumentParser, args: argparse.Namespace) -> EngineConfig:

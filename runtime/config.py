@@ -44,6 +44,13 @@ class EngineConfig(BaseModel):
             every slot (``max_num_seqs * ceil(max_model_len / block_size)`` blocks).
         enable_prefix_caching: reuse the KV blocks of identical prompt prefixes across requests.
         enforce_eager: CUDA: run decode steps eagerly instead of replaying captured CUDA graphs.
+        adaptive_lanes: overlapped mode fills only as many in-flight lanes as the step-cost model
+            says are faster (``ppstate.lanes``).
+        dynamic_chunks: prefill chunks of equal estimated time as the cached prefix grows
+            (``ppstate.chunk_sizing``).
+        step_cost: JSON file with the step-cost coefficients (``python -m runtime.bench pp
+            --calibrate --json-out F`` writes one; its ``results.step_cost`` or top-level keys
+            are read); None: the CPU defaults of ``ppstate.step_cost``.
     """
     model_config = ConfigDict(extra="forbid")
 
@@ -70,12 +77,24 @@ class EngineConfig(BaseModel):
     kv_cache_memory: str | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    # ---- issue 11: scheduler policies from the step-cost model ----
+    adaptive_lanes: bool = False
+    dynamic_chunks: bool = False
+    step_cost: str | None = None
+    # ---- end issue 11 ----
 
     @field_validator("kv_cache_memory")
     @classmethod
     def _check_kv_memory(cls, v: str | None) -> str | None:
         if v is not None:
             parse_kv_memory(v)
+        return v
+
+    @field_validator("step_cost")
+    @classmethod
+    def _check_step_cost(cls, v: str | None) -> str | None:
+        if v is not None:
+            load_step_cost(v)
         return v
 
     @field_validator("validate_mirrors")
@@ -120,3 +139,23 @@ def parse_kv_memory(text: str) -> tuple[int | None, float | None]:
     if size <= 0:
         raise ValueError(f"{text!r} must be a positive size")
     return size, None
+
+
+def load_step_cost(path: str) -> dict[str, float]:
+    """The step-cost coefficients in JSON file ``path``: ``results.step_cost`` of a ``bench pp
+    --calibrate`` result, or a flat object of :class:`ppstate.step_cost.StepCostModel` fields.
+
+    Raises:
+        ValueError: unreadable file, not JSON, or coefficients out of range.
+    """
+    import json
+    from pathlib import Path
+    from ppstate.step_cost import StepCostModel
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read step-cost file {path!r}: {exc}") from None
+    data = doc.get("results", {}).get("step_cost", doc) if isinstance(doc, dict) else None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path!r} holds no step-cost coefficients")
+    return StepCostModel.from_dict(data).to_dict()

@@ -358,7 +358,15 @@ def scheduler_config(config: EngineConfig, num_kv_blocks: int | None = None) -> 
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_prefill_chunk=config.max_prefill_chunk, max_model_len=config.max_model_len,
         mode=config.pp_schedule, block_size=config.block_size, num_kv_blocks=num_kv_blocks,
-        enable_prefix_caching=config.enable_prefix_caching)
+        enable_prefix_caching=config.enable_prefix_caching, **policy_fields(config))
+
+
+def policy_fields(config: EngineConfig) -> dict:
+    """Issue 11: adaptive lanes, dynamic chunks and the step-cost coefficients of the scheduler."""
+    from runtime.config import load_step_cost
+    cost = load_step_cost(config.step_cost) if config.step_cost else {}
+    return {"adaptive_lanes": config.adaptive_lanes, "dynamic_chunks": config.dynamic_chunks,
+            **{f"cost_{k}": v for k, v in cost.items()}}
 
 
 def start_trace_run(config: EngineConfig) -> Path:
