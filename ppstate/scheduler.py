@@ -280,28 +280,33 @@ class Scheduler:
         self._in_flight.popleft()
         epochs = self._in_flight_epochs.popleft()
         updates = []
+        num_sampled, final = result.num_sampled.tolist(), out.is_final_chunk.tolist()
+        sampled = result.sampled_token_ids.tolist()     # [num_rows][width] python ints
         for i, req_id in enumerate(out.req_ids):
             req = self._running.get(req_id)
-            n = int(result.num_sampled[i])
-            if req is None or n <= 0 or not out.is_final_chunk[i] or req.epoch != epochs[i]:
+            n = num_sampled[i]
+            if req is None or n <= 0 or not final[i] or req.epoch != epochs[i]:
                 continue  # gone, not sampling, or a row of an admission ended by preemption
-            updates.append(self._append_tokens(req, result.sampled_token_ids[i, :n]))
+            updates.append(self._append_tokens(req, sampled[i][:n]))
         if self.sink.enabled:
             self.sink.emit("tokens", step=self._next_step, of_step=result.step,
                            updates=[vars(u) for u in updates])
         return updates
 
-    def _append_tokens(self, req: Request, tokens: np.ndarray) -> TokenUpdate:
+    def _append_tokens(self, req: Request, tokens: list[int]) -> TokenUpdate:
         slot, taken, reason = req.slot, [], None
-        for tok in tokens.tolist():
-            taken.append(int(tok))
-            req.output_token_ids.append(int(tok))
-            self.arrays.num_output_tokens[slot] += 1
-            reason = req.spec.stop_reason(int(tok))
-            if reason is None and self.arrays.num_output_tokens[slot] >= req.max_tokens:
+        count = int(self.arrays.num_output_tokens[slot])
+        for tok in tokens:
+            tok = int(tok)
+            taken.append(tok)
+            req.output_token_ids.append(tok)
+            count += 1
+            reason = req.spec.stop_reason(tok)
+            if reason is None and count >= req.max_tokens:
                 reason = "length"
             if reason is not None:
                 break
+        self.arrays.num_output_tokens[slot] = count
         if reason is not None:
             self._finish(req, "stop" if reason == "stop" else "hit_length")
         return TokenUpdate(req.req_id, taken, reason)
