@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.calibrate and (not points or args.workload not in ("prefill", "both")):
         p.error("--calibrate needs --sweep (decode rows) and --workload prefill or both")
     base = engine_config(p, args)
-    if args.prefill_len >= base.max_model_len:
+    if args.workload in ("prefill", "both") and args.prefill_len >= base.max_model_len:
         p.error("--prefill-len must be < --max-model-len")
     res: dict = {"pp_size": base.pp_size}
     if args.workload != "none":

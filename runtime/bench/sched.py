@@ -104,7 +104,8 @@ class ControlPlane:
 
 def measure(live: int, pp_size: int, steps: int, repeats: int, validate: bool = True) -> dict:
     """Per-step CPU microseconds for ``live`` decoding requests (median over ``repeats`` blocks)."""
-    plane = ControlPlane(live, pp_size, max_model_len=max(256, 4 * steps * repeats // max(1, live // pp_size) + 64),
+    # every request gets at most one token per step: room for all timed and warm-up steps
+    plane = ControlPlane(live, pp_size, max_model_len=16 + steps * repeats + 8 * pp_size + 64,
                          validate=validate)
     plane.warm_up()
     blocks = []
