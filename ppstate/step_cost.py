@@ -11,10 +11,12 @@ stage computes at once (stages that share cores, caches or memory bandwidth; 1.0
 devices). The linear-plus-prefix-attention form is the one SGLang fits for its dynamic chunk
 sizing in chunked pipeline parallelism (SGLang blog, "Chunked Pipeline Parallelism", 2025).
 
-Calibration: :func:`fit` solves the least-squares problem over timed steps
-(``python -m runtime.bench pp --calibrate`` times single stage forwards and writes the
-coefficients as JSON; ``StepCostModel.from_dict`` reads them back). The engine loads them from
-that file (``--step-cost FILE``); it does not time steps at startup.
+Calibration: :func:`fit` solves the least-squares problem over timed steps.
+``python -m runtime.bench pp --sweep ... --workload prefill --calibrate`` fits it to the ranks'
+busy seconds per step of sync decode runs (1..N rows) and sync prefill runs (chunk steps with
+their prefix), and ``concurrency`` to the overlapped runs, and writes the coefficients under
+``results.step_cost``; the engine loads that file (``--step-cost FILE``). The engine does not time
+steps at startup.
 """
 
 from __future__ import annotations
@@ -23,10 +25,13 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-#: Coefficients measured on the 2-core CPU machine (SmolLM2-135M, one 15-layer stage, fp32, one
-#: torch thread; benchmarks/results/step-cost-cpu.json, ``python -m runtime.bench pp --calibrate``).
-CPU_DEFAULTS = {"base_s": 0.012, "per_row_s": 0.0002, "per_token_s": 0.0011,
-                "per_prefix_token_s": 2.0e-7, "concurrency": 1.25}
+#: Default coefficients: the fit of ``python -m runtime.bench pp --workload prefill --chunks
+#: --sweep 1,2,4,8,16,32 --no-adaptive --repeats 2 --max-tokens 32 --prefill-len 1024 --calibrate``
+#: on the shared 2-core CPU machine (SmolLM2-135M, PP=2, fp32, one torch thread per rank; load
+#: average ~17 from other jobs; benchmarks/results/step-cost-cpu-2026-12-01.json), rounded.
+#: Other machines: calibrate and pass the file with ``--step-cost``.
+CPU_DEFAULTS = {"base_s": 0.25, "per_row_s": 0.00038, "per_token_s": 0.00038,
+                "per_prefix_token_s": 8.8e-6, "concurrency": 1.15}
 
 
 @dataclass(frozen=True)
