@@ -44,6 +44,18 @@ def load_results(folder: Path = RESULTS) -> list[tuple[str, dict]]:
     return sorted(docs, key=lambda d: (d[1]["date"], d[0]))
 
 
+#: where a headline metric may sit besides the top level of ``results`` (older result files)
+NESTED = {"dynamic_chunk_ttft_ratio": ("prefill",), "ttft_ratio": ("prefill",),
+          "throughput_ratio": ("decode",), "efficiency": ("decode",)}
+
+
+def metric(res: dict, key: str):
+    """``res[key]``, or the same key inside its workload's section; None when absent."""
+    if res.get(key) is not None:
+        return res[key]
+    return _dig(res, NESTED.get(key, ("-",)) + (key,))
+
+
 def _dig(doc: dict, path: tuple[str, ...]):
     for key in path:
         if not isinstance(doc, dict) or key not in doc:
@@ -68,7 +80,7 @@ def render(docs: list[tuple[str, dict]]) -> str:
     for name, doc in docs:                 # newer files override older ones
         res = doc["results"]
         for key, *_ in METRICS:
-            if res.get(key) is not None:
+            if metric(res, key) is not None:
                 found[key] = (name, doc)
         if doc["kind"] == "pp" and res.get("sweep"):
             sweep = (name, doc)
@@ -80,7 +92,7 @@ def render(docs: list[tuple[str, dict]]) -> str:
         if key in found:
             name, doc = found[key]
             res = doc["results"]
-            lines.append(f"| {label} | {fmt.format(res[key])} | {_spread(key, res)} | {target} "
+            lines.append(f"| {label} | {fmt.format(metric(res, key))} | {_spread(key, res)} | {target} "
                          f"| `{name}` |")
     if sched:
         name, doc = sched

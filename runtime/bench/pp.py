@@ -290,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{res['efficiency']:.3f}", flush=True)
     if "prefill" in res:
         res["ttft_ratio"] = res["prefill"]["ttft_ratio"]
+        if args.chunks:
+            res["dynamic_chunk_ttft_ratio"] = res["prefill"]["dynamic_chunk_ttft_ratio"]
         print(f"ttft_ratio {res['ttft_ratio']:.3f}" + (
             f", dynamic_chunk_ttft_ratio {res['prefill']['dynamic_chunk_ttft_ratio']:.3f}"
             if args.chunks else ""), flush=True)
