@@ -17,12 +17,14 @@ command). Sources of the steps: runtime/engine.py and runtime/worker/runner.py.
 from __future__ import annotations
 
 import argparse
-import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
 from ppstate.batch import SchedulerOutput, StepResult
+from ppstate.events import NULL_SINK, JsonlSink
 from ppstate.mirror import MIRROR_FIELDS, CpuMirror
 from ppstate.pp_handler import PPHandler, need_sampled_mask
 from ppstate.scheduler import RequestSpec, Scheduler, SchedulerConfig
@@ -33,12 +35,18 @@ class ControlPlane:
     """Scheduler + ``pp_size`` ranks' handlers and mirrors, driven one step at a time."""
 
     def __init__(self, live: int, pp_size: int, prompt_len: int = 16, max_model_len: int = 1024,
-                 validate: bool = True) -> None:
+                 validate: bool = True, trace_dir: str | None = None) -> None:
         cfg = SchedulerConfig(pp_size=pp_size, max_num_seqs=live, max_num_batched_tokens=max(live, 64),
                               max_prefill_chunk=64, max_model_len=max_model_len)
-        self.sched, self.pp, self.validate = Scheduler(cfg), pp_size, validate
+        sinks = [NULL_SINK] * (pp_size + 1)
+        if trace_dir is not None:  # the engine's and every rank's event file, as --trace-dir does
+            run = Path(tempfile.mkdtemp(prefix="sched-", dir=trace_dir))
+            sinks = [JsonlSink(run / "engine.jsonl")] + [JsonlSink(run / f"rank{r}.jsonl")
+                                                         for r in range(pp_size)]
+        self.sched, self.pp, self.validate = Scheduler(cfg, sink=sinks[0]), pp_size, validate
         self.mirrors = [CpuMirror(live, rank=r) for r in range(pp_size)]
-        self.handlers = [PPHandler(pp_size, live, rank=r) for r in range(pp_size - 1)]
+        self.handlers = [PPHandler(pp_size, live, sink=sinks[r + 1], rank=r)
+                         for r in range(pp_size - 1)]
         self.owner: list[list[str | None]] = [[None] * live for _ in range(pp_size)]
         for i in range(live):
             prompt = tuple(100 + (i * 7 + j) % 30000 for j in range(prompt_len))
@@ -102,11 +110,13 @@ class ControlPlane:
             self.step()
 
 
-def measure(live: int, pp_size: int, steps: int, repeats: int, validate: bool = True) -> dict:
-    """Per-step CPU microseconds for ``live`` decoding requests (median over ``repeats`` blocks)."""
+def measure(live: int, pp_size: int, steps: int, repeats: int, validate: bool = True,
+            trace_dir: str | None = None) -> dict:
+    """Per-step CPU microseconds for ``live`` decoding requests (median over ``repeats`` blocks);
+    ``trace_dir``: with the scheduler's and PPHandlers' JSON-lines event files there."""
     # every request gets at most one token per step: room for all timed and warm-up steps
     plane = ControlPlane(live, pp_size, max_model_len=16 + steps * repeats + 8 * pp_size + 64,
-                         validate=validate)
+                         validate=validate, trace_dir=trace_dir)
     plane.warm_up()
     blocks = []
     for _ in range(repeats):
@@ -123,7 +133,7 @@ def measure(live: int, pp_size: int, steps: int, repeats: int, validate: bool = 
     med = sorted(blocks)[len(blocks) // 2]
     return {"live": live, "pp_size": pp_size, "us_per_step": med[0], "scheduler_us_per_step": med[1],
             "ranks_us_per_step": med[2], "all_us_per_step": [b[0] for b in blocks],
-            "steps_per_block": steps, "mirror_validation": validate}
+            "steps_per_block": steps, "mirror_validation": validate, "traced": trace_dir is not None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=200, help="steps per timed block")
     p.add_argument("--repeats", type=int, default=5, help="timed blocks (median reported)")
     p.add_argument("--no-validate", action="store_true", help="mirror validation off")
+    p.add_argument("--trace-dir", default=None, help="record the scheduler's and PPHandlers' "
+                   "events there (the CPU cost of tracing)")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     try:
@@ -143,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--live, --pp, --steps and --repeats must be >= 1")
     results = []
     for n in lives:
-        res = measure(n, args.pp, args.steps, args.repeats, validate=not args.no_validate)
+        res = measure(n, args.pp, args.steps, args.repeats, validate=not args.no_validate,
+                      trace_dir=args.trace_dir)
         results.append(res)
         print(f"live {n:5d}: {res['us_per_step']:8.1f} us/step (scheduler "
               f"{res['scheduler_us_per_step']:.1f}, {args.pp} ranks {res['ranks_us_per_step']:.1f})",
