@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import ppstate.sim as sim
+from ppstate.batch import StepResult
 from ppstate.budget import SchedulerConfig
 from ppstate.chunk_sizing import chunk_limit, equal_time_chunk
 from ppstate.errors import SchedulerError
@@ -95,7 +96,6 @@ def _run(sched: Scheduler, steps: int) -> list:
             while sched.in_flight:
                 o = sched._in_flight[0]
                 n = o.num_rows
-                from ppstate.batch import StepResult
                 sched.on_step_result(StepResult(o.step, np.full((n, 1), 7, np.int64),
                                                 o.is_final_chunk.astype(np.int32),
                                                 np.zeros(n, np.int32)))
