@@ -14,6 +14,7 @@ from typing import Literal
 import numpy as np
 
 from ppstate.errors import SchedulerError
+from ppstate.step_cost import CPU_DEFAULTS, model_of
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,12 @@ class SchedulerConfig:
         num_kv_blocks: KV blocks per rank; None = room for ``max_model_len`` tokens in every slot
             (``max_num_seqs * ceil(max_model_len / block_size)``, the old slot cache's capacity).
         enable_prefix_caching: reuse cached full prompt blocks across requests.
+        adaptive_lanes: overlapped mode fills only as many lanes as the step-cost model says
+            are faster (:mod:`ppstate.lanes`); off: all ``pp_size`` lanes.
+        dynamic_chunks: prefill chunks of equal estimated time as the prefix grows
+            (:mod:`ppstate.chunk_sizing`); off: ``max_prefill_chunk`` tokens each.
+        cost_base_s, cost_per_row_s, cost_per_token_s, cost_per_prefix_token_s, cost_concurrency:
+            the step-cost model (:class:`ppstate.step_cost.StepCostModel`, seconds) used by both.
 
     Raises:
         SchedulerError: a field out of range; the message names the field.
@@ -44,6 +51,16 @@ class SchedulerConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
+    # ---- issue 11: step-cost model, adaptive lanes, dynamic chunk sizing (ppstate.step_cost,
+    # ppstate.lanes, ppstate.chunk_sizing) ----
+    adaptive_lanes: bool = False
+    dynamic_chunks: bool = False
+    cost_base_s: float = CPU_DEFAULTS["base_s"]
+    cost_per_row_s: float = CPU_DEFAULTS["per_row_s"]
+    cost_per_token_s: float = CPU_DEFAULTS["per_token_s"]
+    cost_per_prefix_token_s: float = CPU_DEFAULTS["per_prefix_token_s"]
+    cost_concurrency: float = CPU_DEFAULTS["concurrency"]
+    # ---- end issue 11 ----
 
     def __post_init__(self) -> None:
         if self.num_kv_blocks is None and isinstance(self.block_size, int) and self.block_size > 0:
@@ -58,6 +75,10 @@ class SchedulerConfig:
         if self.mode not in ("overlapped", "sync"):
             raise SchedulerError(f"SchedulerConfig.mode must be 'overlapped' or 'sync', "
                                  f"got {self.mode!r}")
+        try:  # issue 11: the step-cost coefficients
+            model_of(self)
+        except (TypeError, ValueError) as exc:
+            raise SchedulerError(f"SchedulerConfig.cost_*: {exc}") from None
 
     def output_room(self, prompt_len: int) -> int:
         """New tokens a prompt of ``prompt_len`` tokens leaves room for: ``max_model_len -

@@ -26,6 +26,7 @@ from ppstate.budget import RequestArrays, SchedulerConfig, StepBudget
 from ppstate.errors import SchedulerError
 from ppstate.events import NULL_SINK, EventSink
 from ppstate.kv_manager import KVManager
+from ppstate.lanes import choose_lanes
 from ppstate.lifecycle import Lifecycle
 from ppstate.request import FINISH_REASONS, Request, RequestSpec, TokenUpdate
 from ppstate.scheduler_rows import RowBuilder
@@ -67,6 +68,7 @@ class Scheduler:
         self._next_step = 0
         self._order = 0
         self._admissions = 0   # admissions so far (all requests): each admission's unique epoch
+        self.lanes = config.pp_size  # lanes filled with decode rows this step (ppstate.lanes)
 
     # ---------------------------------------------------------------- queries
     @property
@@ -188,6 +190,7 @@ class Scheduler:
         if not (self._waiting or self._freed) and self._all_awaiting_results():
             return None
         step = self._next_step
+        self.lanes = choose_lanes(self.config, self._live_share())  # issue 11: adaptive lanes
         rows = RowBuilder(self, step, StepBudget(self.config.step_token_budget,
                                                  self.row_cap()))
         rows.add_decodes()
@@ -223,7 +226,8 @@ class Scheduler:
     def row_cap(self) -> int:
         """Rows allowed in the next step: the balanced share of the live load.
 
-        Overlapped: ``ceil(min(max_num_seqs, running + waiting) / pp_size)``, at most
+        Overlapped: ``ceil(min(max_num_seqs, running + waiting) / lanes)`` (lanes = pp_size, or
+        fewer with ``adaptive_lanes``: :mod:`ppstate.lanes`), at most
         ``config.max_rows_per_step``. A burst is spread over the ``pp_size`` in-flight batches, and
         when requests finish the lanes (step mod pp_size) re-balance: decode rows above the share
         wait one step and join the next, lighter batch (they keep priority as the oldest eligible).
@@ -232,8 +236,11 @@ class Scheduler:
         cfg = self.config
         if cfg.mode == "sync":
             return cfg.max_num_seqs
-        live = min(cfg.max_num_seqs, len(self._running) + len(self._waiting))
-        return max(1, -(-live // cfg.pp_size))
+        return max(1, -(-self._live_share() // self.lanes))
+
+    def _live_share(self) -> int:
+        """Live requests (running + waiting), at most max_num_seqs."""
+        return min(self.config.max_num_seqs, len(self._running) + len(self._waiting))
 
     def fire(self, req: Request, trigger: str) -> None:
         """Fire a lifecycle edge on ``req`` and record it in the event sink."""
@@ -273,28 +280,33 @@ class Scheduler:
         self._in_flight.popleft()
         epochs = self._in_flight_epochs.popleft()
         updates = []
+        num_sampled, final = result.num_sampled.tolist(), out.is_final_chunk.tolist()
+        sampled = result.sampled_token_ids.tolist()     # [num_rows][width] python ints
         for i, req_id in enumerate(out.req_ids):
             req = self._running.get(req_id)
-            n = int(result.num_sampled[i])
-            if req is None or n <= 0 or not out.is_final_chunk[i] or req.epoch != epochs[i]:
+            n = num_sampled[i]
+            if req is None or n <= 0 or not final[i] or req.epoch != epochs[i]:
                 continue  # gone, not sampling, or a row of an admission ended by preemption
-            updates.append(self._append_tokens(req, result.sampled_token_ids[i, :n]))
+            updates.append(self._append_tokens(req, sampled[i][:n]))
         if self.sink.enabled:
             self.sink.emit("tokens", step=self._next_step, of_step=result.step,
                            updates=[vars(u) for u in updates])
         return updates
 
-    def _append_tokens(self, req: Request, tokens: np.ndarray) -> TokenUpdate:
+    def _append_tokens(self, req: Request, tokens: list[int]) -> TokenUpdate:
         slot, taken, reason = req.slot, [], None
-        for tok in tokens.tolist():
-            taken.append(int(tok))
-            req.output_token_ids.append(int(tok))
-            self.arrays.num_output_tokens[slot] += 1
-            reason = req.spec.stop_reason(int(tok))
-            if reason is None and self.arrays.num_output_tokens[slot] >= req.max_tokens:
+        count = int(self.arrays.num_output_tokens[slot])
+        for tok in tokens:
+            tok = int(tok)
+            taken.append(tok)
+            req.output_token_ids.append(tok)
+            count += 1
+            reason = req.spec.stop_reason(tok)
+            if reason is None and count >= req.max_tokens:
                 reason = "length"
             if reason is not None:
                 break
+        self.arrays.num_output_tokens[slot] = count
         if reason is not None:
             self._finish(req, "stop" if reason == "stop" else "hit_length")
         return TokenUpdate(req.req_id, taken, reason)

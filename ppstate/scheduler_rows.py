@@ -17,6 +17,8 @@ import numpy as np
 
 from ppstate.batch import NewRequest, SchedulerOutput, FreedSlot
 from ppstate.budget import StepBudget
+from ppstate.chunk_sizing import chunk_limit
+from ppstate.lanes import lane_open
 from ppstate.request import Request
 
 if TYPE_CHECKING:
@@ -69,15 +71,47 @@ class RowBuilder:
     def add_decodes(self) -> None:
         """One-token rows for decoding requests that are eligible and below max_tokens rows."""
         a = self.arrays
-        eligible = [r for r in self.sched.running_requests()
-                    if r.state == "decoding" and a.next_eligible_step[r.slot] <= self.step
-                    and a.num_sampling_rows[r.slot] < a.max_tokens[r.slot]]
-        eligible.sort(key=lambda r: int(a.next_eligible_step[r.slot]))  # stable: admission order
-        for req in eligible:
+        if not lane_open(self.step, self.sched.lanes, self.sched.config.pp_size):
+            return  # adaptive lanes (ppstate.lanes): this step's lane takes no decode rows
+        running = [r for r in self.sched.running_requests() if r.state == "decoding"]
+        if not running:
+            return
+        slots = np.fromiter((r.slot for r in running), dtype=np.int64, count=len(running))
+        ok = (a.next_eligible_step[slots] <= self.step) & \
+            (a.num_sampling_rows[slots] < a.max_tokens[slots])               # [num_decoding]
+        picked = np.nonzero(ok)[0]
+        order = picked[np.argsort(a.next_eligible_step[slots[picked]], kind="stable")]
+        fast: list[int] = []   # slots of rows whose token fits a block the request holds
+        table, bs = self.kv.pool.table, self.kv.block_size
+        for i in order.tolist():
             if not self.budget.can_add():
-                return
-            if req.slot >= 0 and self._room(req, 1) == 1:  # slot < 0: preempted in this loop
+                break
+            req = running[i]
+            if req.slot < 0:  # preempted earlier in this loop
+                continue
+            computed = int(a.num_computed_tokens[req.slot])
+            if computed < len(table(req.req_id)) * bs:  # no new block, nothing to register
+                self._decode_row(req, computed)
+                fast.append(req.slot)
+            elif self._room(req, 1) == 1:
                 self._row(req, 1, True)
+        if fast:  # the per-slot effects of _row for the fast rows, in bulk (slots are distinct)
+            idx = np.asarray(fast, dtype=np.int64)
+            a.num_computed_tokens[idx] += 1
+            a.num_sampling_rows[idx] += 1
+            a.next_eligible_step[idx] = self.step + self.cadence
+
+    def _decode_row(self, req: Request, computed: int) -> None:
+        """A one-token decode row of ``req`` whose position ``computed`` lies in a KV block it
+        already holds (:meth:`_row` without the block work; the caller updates the arrays)."""
+        self.req_ids.append(req.req_id)
+        self.slots.append(req.slot)
+        self.num_tokens.append(1)
+        self.starts.append(computed)
+        self.final.append(True)
+        self.epochs.append(req.epoch)
+        self.budget.tokens -= 1
+        self.budget.rows -= 1
 
     def _room(self, req: Request, want: int) -> int:
         """Tokens (<= want, >= 1 unless 0) of ``req``'s next row the KV blocks can hold, preempting
@@ -97,7 +131,8 @@ class RowBuilder:
     def _add_chunk(self, req: Request, counts_row: bool, fit: int | None = None) -> None:
         a, slot = self.arrays, req.slot
         remaining = int(a.prefill_len[slot] - a.num_computed_tokens[slot])
-        chunk = min(remaining, self.sched.config.max_prefill_chunk, self.budget.tokens)
+        limit = chunk_limit(self.sched.config, int(a.num_computed_tokens[slot]))  # issue 11
+        chunk = min(remaining, limit, self.budget.tokens)
         chunk = self._room(req, chunk) if fit is None else min(chunk, fit)
         if chunk < 1:
             return
@@ -130,7 +165,8 @@ class RowBuilder:
                 return
             hit = self.kv.prefix_hit(req)
             remaining = len(req.prefill_tokens) - len(hit) * self.kv.block_size
-            chunk = min(remaining, self.sched.config.max_prefill_chunk, self.budget.tokens)
+            limit = chunk_limit(self.sched.config, len(hit) * self.kv.block_size)  # issue 11
+            chunk = min(remaining, limit, self.budget.tokens)
             fit = self.kv.admissible_tokens(hit, chunk)
             if fit < 1:
                 return  # FCFS: the head waits for blocks

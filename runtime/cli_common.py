@@ -119,6 +119,11 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--enable-prefix-caching", "scheduler.enable_prefix_caching", "reuse the KV blocks of "
          "identical prompt prefixes across requests (--no-enable-prefix-caching: off)"),
     Flag("--enforce-eager", "enforce_eager"),
+    Flag("--adaptive-lanes", "scheduler.adaptive_lanes", "overlapped: fill only as many in-flight "
+         "lanes as the step-cost model says are faster (few requests: one lane, like sync)"),
+    Flag("--dynamic-chunks", "scheduler.dynamic_chunks", "prefill chunks of equal estimated time "
+         "as the cached prefix grows"),
+    Flag("--step-cost", "step_cost"),
 )
 
 

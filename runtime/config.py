@@ -85,6 +85,17 @@ class EngineConfig(BaseModel):
         "loading the weights (CUDA, e.g. 0.9); default: max_model_len tokens in every slot")
     enforce_eager: bool = Field(default=False, description="CUDA: run decode steps eagerly "
                                 "instead of replaying captured CUDA graphs")
+    step_cost: str | None = Field(default=None, description="JSON file of step-cost coefficients "
+                                  "(python -m runtime.bench pp --calibrate --json-out FILE writes "
+                                  "one) for --adaptive-lanes and --dynamic-chunks; default: the "
+                                  "CPU values of ppstate.step_cost")
+
+    @field_validator("step_cost")
+    @classmethod
+    def _check_step_cost(cls, v: str | None) -> str | None:
+        if v is not None:
+            load_step_cost(v)
+        return v
 
     @model_validator(mode="before")
     @classmethod
@@ -169,3 +180,23 @@ def parse_kv_memory(text: str) -> tuple[int | None, float | None]:
     if size <= 0:
         raise ValueError(f"{text!r} must be a positive size")
     return size, None
+
+
+def load_step_cost(path: str) -> dict[str, float]:
+    """The step-cost coefficients in JSON file ``path``: ``results.step_cost`` of a ``bench pp
+    --calibrate`` result, or a flat object of :class:`ppstate.step_cost.StepCostModel` fields.
+
+    Raises:
+        ValueError: unreadable file, not JSON, or coefficients out of range.
+    """
+    import json
+    from pathlib import Path
+    from ppstate.step_cost import StepCostModel
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read step-cost file {path!r}: {exc}") from None
+    data = doc.get("results", {}).get("step_cost", doc) if isinstance(doc, dict) else None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path!r} holds no step-cost coefficients")
+    return StepCostModel.from_dict(data).to_dict()

@@ -131,9 +131,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+#: ``python -m runtime.bench SUBCOMMAND ...`` -> module whose ``main(argv)`` runs it
+SUBCOMMANDS = {"gpu": "runtime.bench.gpu", "serve": "runtime.bench.serve",
+               "pp": "runtime.bench.pp", "sched": "runtime.bench.sched"}
+
+
 if __name__ == "__main__":
+    import importlib
     import sys
-    if sys.argv[1:2] == ["gpu"]:  # python -m runtime.bench gpu ...: the GPU fast-path benchmark
-        from runtime.bench.gpu import main as gpu_main
-        raise SystemExit(gpu_main(sys.argv[2:]))
+    if sys.argv[1:2] and sys.argv[1] in SUBCOMMANDS:
+        sub = importlib.import_module(SUBCOMMANDS[sys.argv[1]])
+        raise SystemExit(sub.main(sys.argv[2:]))
     raise SystemExit(main())

@@ -14,8 +14,12 @@ from runtime.config import EngineConfig
 def scheduler_config(config: EngineConfig, num_kv_blocks: int | None = None) -> SchedulerConfig:
     """The scheduler's configuration: the engine's, with ``num_kv_blocks`` the smallest KV block
     count the ranks reported after loading (None before the workers started: room for
-    ``max_model_len`` tokens in every slot)."""
-    return dataclasses.replace(config.scheduler, num_kv_blocks=num_kv_blocks)
+    ``max_model_len`` tokens in every slot). A ``step_cost`` file replaces the step-cost
+    coefficients (``cost_*``, issue 11)."""
+    from runtime.config import load_step_cost
+    cost = load_step_cost(config.step_cost) if config.step_cost else {}
+    return dataclasses.replace(config.scheduler, num_kv_blocks=num_kv_blocks,
+                               **{f"cost_{k}": v for k, v in cost.items()})
 
 
 def start_trace_run(config: EngineConfig) -> Path:

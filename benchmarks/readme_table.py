@@ -1,0 +1,154 @@
+"""Generate the README's benchmark tables from ``benchmarks/results/*.json`` (kinds ``pp`` and
+``sched``, written by ``python -m runtime.bench pp|sched --json-out``).
+
+``python benchmarks/readme_table.py`` rewrites the block between the two marker comments in
+README.md; ``--check`` exits 1 when the block differs from what the results say
+(tests/test_bench_readme.py runs the check). A metric found in several files is taken from the
+newest (by the file's ``date``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+START, END = "<!-- bench-table:start -->", "<!-- bench-table:end -->"
+
+#: (results key, label, target, format) of the headline table, in order
+METRICS = [
+    ("throughput_ratio", "decode throughput overlapped / sync (PP=2)", ">= 1.8", "{:.2f}"),
+    ("efficiency", "PP efficiency = ratio / pp_size", ">= 0.9", "{:.2f}"),
+    ("ttft_ratio", "long-prompt TTFT sync / overlapped", ">= 1.6", "{:.2f}"),
+    ("dynamic_chunk_ttft_ratio", "long-prompt TTFT fixed / dynamic chunks", "> 1", "{:.2f}"),
+    ("trace_overhead", "tracing: throughput lost", "<= 5%", "{:.1%}"),
+    ("mirror_validation_overhead", "mirror validation: throughput lost", "<= 2%", "{:.1%}"),
+]
+SPREAD = {"throughput_ratio": ("decode", "throughput_ratio_spread"),
+          "ttft_ratio": ("prefill", "ttft_ratio_spread"),
+          "dynamic_chunk_ttft_ratio": ("prefill", "dynamic_chunk_ttft_ratio_spread"),
+          "trace_overhead": ("overheads", "trace", "on_over_off"),
+          "mirror_validation_overhead": ("overheads", "mirror_validation", "on_over_off")}
+
+
+def load_results(folder: Path = RESULTS) -> list[tuple[str, dict]]:
+    """``(file name, document)`` of every pp / sched result, oldest first."""
+    docs = []
+    for f in sorted(folder.glob("*.json")):
+        doc = json.loads(f.read_text())
+        if isinstance(doc, dict) and doc.get("kind") in ("pp", "sched"):
+            docs.append((f.name, doc))
+    return sorted(docs, key=lambda d: (d[1]["date"], d[0]))
+
+
+#: where a headline metric may sit besides the top level of ``results`` (older result files)
+NESTED = {"dynamic_chunk_ttft_ratio": ("prefill",), "ttft_ratio": ("prefill",),
+          "throughput_ratio": ("decode",), "efficiency": ("decode",)}
+
+
+def metric(res: dict, key: str):
+    """``res[key]``, or the same key inside its workload's section; None when absent."""
+    if res.get(key) is not None:
+        return res[key]
+    return _dig(res, NESTED.get(key, ("-",)) + (key,))
+
+
+def _dig(doc: dict, path: tuple[str, ...]):
+    for key in path:
+        if not isinstance(doc, dict) or key not in doc:
+            return None
+        doc = doc[key]
+    return doc
+
+
+def _spread(key: str, res: dict) -> str:
+    s = _dig(res, SPREAD.get(key, ("-",)))
+    if not s:
+        return ""
+    if key.endswith("overhead"):   # spread of on/off ratios -> lost throughput range
+        return f"{1 - s['max']:.1%} .. {1 - s['min']:.1%}"
+    return f"{s['min']:.2f} .. {s['max']:.2f}"
+
+
+def render(docs: list[tuple[str, dict]]) -> str:
+    """The markdown between the markers (tables + the commands that produced them)."""
+    found: dict[str, tuple[str, dict]] = {}
+    sweep, sched = None, None
+    for name, doc in docs:                 # newer files override older ones
+        res = doc["results"]
+        for key, *_ in METRICS:
+            if metric(res, key) is not None:
+                found[key] = (name, doc)
+        if doc["kind"] == "pp" and res.get("sweep"):
+            sweep = (name, doc)
+        if doc["kind"] == "sched":
+            sched = (name, doc)
+    lines = ["| metric | median | spread (min .. max over rounds) | target | result file |",
+             "|---|---|---|---|---|"]
+    for key, label, target, fmt in METRICS:
+        if key in found:
+            name, doc = found[key]
+            res = doc["results"]
+            lines.append(f"| {label} | {fmt.format(metric(res, key))} | {_spread(key, res)} | {target} "
+                         f"| `{name}` |")
+    if sched:
+        name, doc = sched
+        for r in doc["results"]["results"]:
+            lines.append(f"| scheduler + machines + PPHandler + mirrors, {r['live']} live "
+                         f"| {r['us_per_step']:.0f} us/step | "
+                         f"{min(r['all_us_per_step']):.0f} .. {max(r['all_us_per_step']):.0f} "
+                         f"| <= 100 us at 256 | `{name}` |")
+    if sweep:
+        name, doc = sweep
+        pts = doc["results"]["sweep"]["points"]
+        modes = [k[: -len("_output_tokens_per_s")] for k in pts[0] if k.endswith("_output_tokens_per_s")]
+        lines += ["", f"Decode throughput (output tokens/s) by concurrency (`{name}`):", "",
+                  "| concurrency | " + " | ".join(modes) + " | "
+                  + " | ".join(f"{m} / sync" for m in modes if m != "sync") + " |",
+                  "|---" * (1 + len(modes) + len(modes) - 1) + "|"]
+        for p in pts:
+            cells = [f"{p[m + '_output_tokens_per_s']:.1f}" for m in modes]
+            cells += [f"{p[m + '_over_sync']['median']:.2f}" for m in modes if m != "sync"]
+            lines.append(f"| {p['concurrency']} | " + " | ".join(cells) + " |")
+    cmds = sorted({doc["command"] for _, doc in [*found.values(), *(x for x in (sweep, sched) if x)]})
+    machines = sorted({doc["machine"] for _, doc in [*found.values(), *(x for x in (sweep, sched) if x)]})
+    lines += ["", "Machine: " + "; ".join(machines) + ".", "", "Commands:", ""]
+    lines += [f"* `{c}`" for c in cmds]
+    return "\n".join(lines)
+
+
+def replace_block(text: str, block: str) -> str:
+    """``text`` with the part between the markers replaced by ``block``.
+
+    Raises:
+        ValueError: the markers are missing.
+    """
+    i, j = text.find(START), text.find(END)
+    if i < 0 or j < i:
+        raise ValueError(f"README.md lacks the markers {START} ... {END}")
+    return text[: i + len(START)] + "\n" + block + "\n" + text[j:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--check", action="store_true", help="exit 1 when README.md's table is stale")
+    p.add_argument("--readme", default=str(ROOT / "README.md"))
+    args = p.parse_args(argv)
+    readme = Path(args.readme)
+    text = readme.read_text()
+    new = replace_block(text, render(load_results()))
+    if args.check:
+        if new != text:
+            print("README.md benchmark table differs from benchmarks/results/*.json; run "
+                  "python benchmarks/readme_table.py", file=sys.stderr)
+            return 1
+        return 0
+    readme.write_text(new)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,45 @@
+"""The README's benchmark table is generated from benchmarks/results/*.json and must match them."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("readme_table", ROOT / "benchmarks" / "readme_table.py")
+readme_table = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(readme_table)
+
+
+def test_readme_table_matches_the_results_files():
+    assert readme_table.main(["--check"]) == 0, \
+        "README.md's benchmark table is stale: run python benchmarks/readme_table.py"
+
+
+def _doc(date, results, kind="pp"):
+    return {"kind": kind, "date": date, "machine": "m", "command": f"cmd {date}", "args": {},
+            "results": results}
+
+
+def test_render_takes_each_metric_from_the_newest_file(tmp_path):
+    spread = {"median": 1.5, "min": 1.2, "max": 1.7, "all": [1.2, 1.5, 1.7]}
+    (tmp_path / "a.json").write_text(json.dumps(_doc("2026-01-01", {
+        "throughput_ratio": 1.1, "decode": {"throughput_ratio_spread": spread}, "ttft_ratio": 1.9})))
+    (tmp_path / "b.json").write_text(json.dumps(_doc("2026-02-01", {
+        "throughput_ratio": 1.5, "decode": {"throughput_ratio_spread": spread}})))
+    (tmp_path / "c.json").write_text(json.dumps(_doc("2026-01-05", {"results": [
+        {"live": 256, "us_per_step": 80.4, "all_us_per_step": [79.0, 80.4, 91.0]}]}, "sched")))
+    (tmp_path / "gpu.json").write_text(json.dumps({"kind": "gpu"}))
+    text = readme_table.render(readme_table.load_results(tmp_path))
+    assert "| decode throughput overlapped / sync (PP=2) | 1.50 | 1.20 .. 1.70 | >= 1.8 | `b.json` |" in text
+    assert "| long-prompt TTFT sync / overlapped | 1.90 |  | >= 1.6 | `a.json` |" in text
+    assert "256 live | 80 us/step | 79 .. 91 |" in text
+    assert "* `cmd 2026-02-01`" in text and "* `cmd 2026-01-01`" in text
+
+
+def test_replace_block_needs_the_markers():
+    with pytest.raises(ValueError, match="markers"):
+        readme_table.replace_block("no markers here", "x")
+    start, end = readme_table.START, readme_table.END
+    assert readme_table.replace_block(f"a{start}old{end}b", "new") == f"a{start}\nnew\n{end}b"

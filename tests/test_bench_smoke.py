@@ -1,0 +1,82 @@
+"""Smoke runs of ``python -m runtime.bench serve | pp | sched`` with tiny sizes (figures are not
+judged here: speed targets live in the benchmark results, never in tests)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from runtime.bench import pp, sched, serve
+
+pytestmark = pytest.mark.slow
+
+
+def test_sched_control_plane_keeps_mirrors_equal_to_the_scheduler(tmp_path):
+    out = tmp_path / "sched.json"
+    assert sched.main(["--live", "4,8", "--steps", "6", "--repeats", "2", "--json-out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["kind"] == "sched" and doc["command"].startswith("python -m runtime.bench sched")
+    assert doc["date"] and doc["machine"]
+    assert [r["live"] for r in doc["results"]["results"]] == [4, 8]
+    assert all(r["us_per_step"] > 0 and len(r["all_us_per_step"]) == 2 for r in doc["results"]["results"])
+    plane = sched.ControlPlane(6, 3, prompt_len=5, max_model_len=64)
+    plane.warm_up()
+    for _ in range(20):
+        plane.step()
+    live = [r.slot for r in plane.sched.running_requests()]
+    assert len(live) == 6
+    for m in plane.mirrors:  # every rank applied every issued step: same computed tokens
+        np.testing.assert_array_equal(m.num_computed_tokens_np[live],
+                                      plane.sched.arrays.num_computed_tokens[live])
+
+
+def test_serve_benchmark_against_the_shared_engine(served_engine):
+    args = serve.build_parser().parse_args(["--num-prompts", "3", "--input-len", "8",
+                                            "--output-len", "4", "--max-concurrency", "2",
+                                            "--no-progress"])
+
+    async def go():
+        async with served_engine.client() as client:
+            return await serve.benchmark(client, args)
+    res = served_engine.run(go())
+    assert (res["completed"], res["failed"], res["errors"]) == (3, 0, [])
+    assert res["total_input_tokens"] == 24 and res["total_output_tokens"] == 12
+    assert res["ttft_mean_ms"] > 0 and res["e2e_p99_ms"] >= res["ttft_p99_ms"]
+
+
+def test_serve_flags_are_checked_by_name():
+    p = serve.build_parser()
+    with pytest.raises(SystemExit):
+        serve.check_args(p, p.parse_args(["--num-prompts", "0"]))
+    with pytest.raises(SystemExit):
+        serve.check_args(p, p.parse_args(["--request-rate", "0"]))
+    assert serve.random_prompts(2, 5, 1) == serve.random_prompts(2, 5, 1)
+
+
+def test_pp_both_workloads_write_the_documented_keys(tmp_path):
+    out = tmp_path / "pp.json"
+    assert pp.main(["--workload", "both", "--repeats", "1", "--num-requests", "2", "--max-tokens",
+                    "3", "--prefill-len", "40", "--max-model-len", "128", "--max-num-seqs", "4",
+                    "--json-out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    res = doc["results"]
+    assert doc["kind"] == "pp" and doc["command"].startswith("python -m runtime.bench pp")
+    assert set(res) >= {"throughput_ratio", "efficiency", "ttft_ratio", "decode", "prefill"}
+    assert res["efficiency"] == pytest.approx(res["throughput_ratio"] / 2)
+    for mode in ("sync", "overlapped"):
+        (run,) = res["decode"]["runs"][mode]
+        assert run["output_tokens"] == 6 and run["steps"] >= 3
+        (pre,) = res["prefill"]["runs"][mode]
+        assert pre["output_tokens"] == 1
+    sync, over = res["prefill"]["runs"]["sync"][0], res["prefill"]["runs"]["overlapped"][0]
+    assert res["ttft_ratio"] == pytest.approx(sync["max_ttft_s"] / over["max_ttft_s"])
+
+
+def test_pp_calibrate_needs_a_sweep():
+    with pytest.raises(SystemExit):
+        pp.main(["--calibrate", "--workload", "prefill"])
+
+
+def test_ratio_summary_is_pairwise():
+    r = pp.ratio_summary([2.0, 3.0, 9.0], [1.0, 2.0, 3.0])
+    assert r["all"] == [2.0, 1.5, 3.0] and (r["median"], r["min"], r["max"]) == (2.0, 1.5, 3.0)

@@ -1,0 +1,146 @@
+"""Step-cost model, adaptive lanes and dynamic chunk sizing (ppstate.step_cost / lanes / chunk_sizing)."""
+
+import dataclasses
+import functools
+
+import numpy as np
+import pytest
+
+import ppstate.sim as sim
+from ppstate.batch import StepResult
+from ppstate.budget import SchedulerConfig
+from ppstate.chunk_sizing import chunk_limit, equal_time_chunk
+from ppstate.errors import SchedulerError
+from ppstate.lanes import choose_lanes, lane_open
+from ppstate.scheduler import RequestSpec, Scheduler
+from ppstate.sim_workload import SimConfig
+from ppstate.step_cost import StepCostModel, fit, model_of
+
+
+def test_fit_recovers_the_coefficients_of_synthetic_steps():
+    true = StepCostModel(0.01, 0.0003, 0.002, 1e-6, 1.0)
+    shapes = [(1, 1, 0), (8, 8, 0), (32, 32, 0), (1, 64, 64 * 63 / 2), (1, 64, 64 * (256 + 31.5)),
+              (4, 100, 5000), (16, 16, 16 * 300)]
+    samples = [(r, t, p, true.step_s(r, t, p)) for r, t, p in shapes]
+    got = fit(samples, concurrency=1.3)
+    assert got.base_s == pytest.approx(0.01) and got.per_row_s == pytest.approx(0.0003)
+    assert got.per_token_s == pytest.approx(0.002) and got.per_prefix_token_s == pytest.approx(1e-6)
+    assert got.concurrency == 1.3
+
+
+def test_fit_clips_negative_terms_and_needs_four_samples():
+    samples = [(r, r, 0.0, 0.01 + 0.001 * r) for r in (1, 2, 4, 8, 16)]  # rows == tokens: collinear
+    got = fit(samples)
+    assert min(got.base_s, got.per_row_s, got.per_token_s, got.per_prefix_token_s) >= 0
+    assert got.step_s(8, 8) == pytest.approx(0.018)
+    with pytest.raises(ValueError, match="at least 4"):
+        fit(samples[:3])
+
+
+def test_model_rejects_bad_coefficients_naming_them():
+    with pytest.raises(ValueError, match="concurrency"):
+        StepCostModel(concurrency=0.5)
+    with pytest.raises(SchedulerError, match="per_token_s"):
+        SchedulerConfig(cost_per_token_s=-1.0)
+    cfg = SchedulerConfig(cost_base_s=0.5)
+    assert model_of(cfg).base_s == 0.5 and model_of(cfg) is model_of(cfg)
+    assert "_cost_model" not in dataclasses.asdict(cfg)  # the trace header stays the fields
+
+
+def test_decode_round_and_lane_choice():
+    flat = StepCostModel(base_s=0.01, per_row_s=0.0, per_token_s=0.0001, per_prefix_token_s=0.0,
+                         concurrency=1.25)
+    # 3 rows: 2 lanes cost 2 * (0.01 + 2e-4) * 1.25, one lane 2 * (0.01 + 3e-4)
+    assert flat.decode_round_s(3, 2, 2) == pytest.approx(2 * 0.0102 * 1.25)
+    assert flat.decode_round_s(3, 1, 2) == pytest.approx(2 * 0.0103)
+    cfg = SchedulerConfig(pp_size=2, max_num_seqs=64, adaptive_lanes=True, cost_base_s=0.01,
+                          cost_per_row_s=0.0, cost_per_token_s=0.0001, cost_concurrency=1.25)
+    assert choose_lanes(cfg, 3) == 1
+    # 32 live: one lane 2 x (0.01 + 32e-4) = 0.0264 < 0.97 x 2 x (0.01 + 16e-4) x 1.25 = 0.0281
+    assert choose_lanes(cfg, 32) == 1
+    assert choose_lanes(dataclasses.replace(cfg, cost_per_token_s=0.0004), 32) == 2  # 0.0356 > 0.0341
+    assert choose_lanes(cfg, 64) == 2  # ceil(64 / 1) > max_rows_per_step = 32: never one lane
+    heavy = dataclasses.replace(cfg, cost_per_token_s=0.01)
+    assert choose_lanes(heavy, 3) == 2   # per-row cost dominates: both lanes
+    assert choose_lanes(dataclasses.replace(cfg, adaptive_lanes=False), 3) == 2
+    assert choose_lanes(dataclasses.replace(cfg, mode="sync"), 3) == 2
+    assert [lane_open(s, 1, 2) for s in range(4)] == [True, False, True, False]
+    assert [lane_open(s, 2, 4) for s in range(5)] == [True, True, False, False, True]
+
+
+def test_equal_time_chunks_shrink_as_the_prefix_grows():
+    m = StepCostModel(per_token_s=0.001, per_prefix_token_s=1e-5)
+    sizes, prefix = [], 0
+    while prefix < 1000:
+        n = equal_time_chunk(m, prefix, 64)
+        sizes.append(n)
+        target = m.chunk_s(64, 0)
+        assert m.chunk_s(n, prefix) <= target * (1 + 1e-9)
+        assert n == 64 or m.chunk_s(n + 1, prefix) > target
+        prefix += n
+    assert sizes[0] == 64 and sizes == sorted(sizes, reverse=True) and sizes[-1] < 64
+    assert equal_time_chunk(StepCostModel(per_prefix_token_s=0.0), 500, 64) == 64
+    off = SchedulerConfig(max_prefill_chunk=64)
+    on = dataclasses.replace(off, dynamic_chunks=True, cost_per_prefix_token_s=1.0)
+    assert chunk_limit(off, 1000) == 64 and chunk_limit(on, 1000) == 16  # floor: one block
+
+
+def _run(sched: Scheduler, steps: int) -> list:
+    outs = []
+    for _ in range(steps):
+        out = sched.schedule()
+        if out is None:
+            break
+        outs.append(out)
+        if sched.in_flight >= sched.config.in_flight_limit or out.num_rows == 0:
+            while sched.in_flight:
+                o = sched._in_flight[0]
+                n = o.num_rows
+                sched.on_step_result(StepResult(o.step, np.full((n, 1), 7, np.int64),
+                                                o.is_final_chunk.astype(np.int32),
+                                                np.zeros(n, np.int32)))
+    return outs
+
+
+def test_one_lane_puts_every_decode_row_in_even_steps():
+    cfg = SchedulerConfig(pp_size=2, max_num_seqs=8, max_model_len=64, adaptive_lanes=True,
+                          cost_base_s=0.01, cost_per_row_s=0.0, cost_per_token_s=1e-5)
+    sched = Scheduler(cfg)
+    for i in range(3):
+        sched.add_request(RequestSpec(f"r{i}", (1, 2, 3, 4), max_tokens=6, eos_token_ids=frozenset()))
+    outs = _run(sched, 40)
+    decode_steps = {o.step for o in outs for i in range(o.num_rows) if o.start_positions[i] >= 4}
+    assert decode_steps and all(s % 2 == 0 for s in decode_steps)
+    assert max(o.num_rows for o in outs) == 3 and sched.lanes == 1
+
+
+def test_dynamic_chunks_split_a_long_prompt_into_shrinking_chunks():
+    cfg = SchedulerConfig(pp_size=2, max_num_seqs=2, max_model_len=512, max_prefill_chunk=64,
+                          block_size=4, dynamic_chunks=True, cost_per_token_s=0.001,
+                          cost_per_prefix_token_s=1e-5)
+    sched = Scheduler(cfg)
+    sched.add_request(RequestSpec("long", tuple(range(1, 401)), max_tokens=1))
+    sizes = [int(o.num_scheduled_tokens[0]) for o in _run(sched, 30) if o.num_rows]
+    m = model_of(cfg)
+    expect, p = [], 0
+    while p < 400:
+        n = min(400 - p, equal_time_chunk(m, p, 64, 4))
+        expect.append(n)
+        p += n
+    assert sizes == expect and sizes[0] == 64 and sizes[-2] < 64 and sum(sizes) == 400
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_simulator_invariants_hold_with_adaptive_lanes_and_dynamic_chunks(seed, monkeypatch):
+    # cheap steps dominated by the base cost: the lane policy picks 1 lane at low load
+    monkeypatch.setattr(sim, "SchedulerConfig", functools.partial(
+        SchedulerConfig, adaptive_lanes=True, dynamic_chunks=True, cost_base_s=0.01,
+        cost_per_row_s=0.0, cost_per_token_s=1e-4, cost_per_prefix_token_s=2e-5))
+    cfg = SimConfig(pp_size=2 + seed % 3, num_requests=10, seed=seed, prompt_len=(1, 90),
+                    output_len=(1, 20), chunk=16, max_num_seqs=(3, 6, 16)[seed % 3],
+                    max_num_batched_tokens=64, abort_rate=0.2,
+                    arrival="poisson" if seed % 2 else "burst", block_size=4)
+    s = sim.Simulator(cfg)
+    assert s.sched.config.adaptive_lanes
+    res = s.run()
+    assert res.invariant_violations == [] and res.completed + res.aborted == 10
