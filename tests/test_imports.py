@@ -18,13 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("ppstate", "runtime")
 FORBIDDEN_IN_CORE = ("torch", "asyncio", "zmq", "runtime")  # torch covers torch.distributed
 
-# The two cycles inside ppstate that helper i17a removes on its branch: scheduler <-> scheduler_rows,
-# and sim <-> sim_cli (whose strongly connected component also holds sim_trace, which sim_cli imports
-# and which imports sim), with ppstate/sim*.py becoming the ppstate/sim/ package. The coordinator
-# deletes this allow-list after merging i17a; nothing else may be added to it.
+# The one cycle left inside ppstate: scheduler <-> scheduler_rows (issue #17 removes it). Nothing
+# else may be added to this allow-list.
 ALLOWED_CYCLES = {
     frozenset({"ppstate.scheduler", "ppstate.scheduler_rows"}),
-    frozenset({"ppstate.sim", "ppstate.sim_cli", "ppstate.sim_trace"}),
 }
 
 

@@ -6,14 +6,14 @@ import functools
 import numpy as np
 import pytest
 
-import ppstate.sim as sim
+import ppstate.sim.simulator as sim
 from ppstate.batch import StepResult
 from ppstate.budget import SchedulerConfig
 from ppstate.chunk_sizing import chunk_limit, equal_time_chunk
 from ppstate.errors import SchedulerError
 from ppstate.lanes import choose_lanes, lane_open
 from ppstate.scheduler import RequestSpec, Scheduler
-from ppstate.sim_workload import SimConfig
+from ppstate.sim.workload import SimConfig
 from ppstate.step_cost import StepCostModel, fit, model_of
 
 
