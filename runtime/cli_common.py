@@ -23,6 +23,8 @@ ENGINE_FLAGS = {
     "--engine-port": "engine_port", "--block-size": "block_size",
     "--kv-cache-memory": "kv_cache_memory", "--enable-prefix-caching": "enable_prefix_caching",
     "--enforce-eager": "enforce_eager",
+    # issue #12: stall detection
+    "--stall-timeout": "stall_timeout_s",
 }
 
 
@@ -68,6 +70,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
                    help="CUDA: no CUDA graphs (decode steps run eagerly); capture time and memory "
                    "are printed at startup otherwise")
+    # ---- issue #12: stall detection (runtime/stall.py) ----
+    g.add_argument("--stall-timeout", type=float, default=d.stall_timeout_s,
+                   help="seconds a rank may stay in one compute phase of a step (forward, "
+                   "sample, ...), or every rank wait on communication, before the engine fails "
+                   "(0: off; a rank's first step gets 3x)")
 
 
 def engine_config(p: argparse.ArgumentParser, args: argparse.Namespace) -> EngineConfig:

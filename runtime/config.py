@@ -28,6 +28,9 @@ class EngineConfig(BaseModel):
         step_timeout_s: seconds any collective, receive or step may take before the engine fails.
         heartbeat_timeout_s: seconds a rank may send nothing (each beats once a second, see
             :mod:`runtime.worker.heartbeat`) before the engine declares it dead or frozen and fails.
+        stall_timeout_s: seconds a rank may stay in one compute phase of a step (or every rank
+            in a communication phase: a deadlock) before the engine fails (0: off; the first
+            step gets 3x; see :mod:`runtime.stall`).
         trace_dir: record the run: a new ``run-*`` directory there with a header and one JSON-lines
             event file per process (None: off; docs/trace_format.md).
         trace_prompts: also record prompt token ids (otherwise only prompt lengths).
@@ -70,6 +73,8 @@ class EngineConfig(BaseModel):
     kv_cache_memory: str | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    # ---- issue #12: stall detection (runtime/stall.py) ----
+    stall_timeout_s: float = Field(default=10.0, ge=0)
 
     @field_validator("kv_cache_memory")
     @classmethod

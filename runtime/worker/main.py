@@ -26,6 +26,7 @@ from runtime.worker.device_state import DeviceState
 from runtime.worker.groups import destroy_groups, init_groups
 from runtime.worker.heartbeat import Heartbeat
 from runtime.worker.kv_capacity import rank_num_blocks
+from runtime.worker.progress import Progress
 from runtime.worker.runner import StageRunner
 
 
@@ -84,7 +85,8 @@ class _Worker:
                              trace_prompts=cfg.trace_prompts)
         fast, graphs = self._fast_path(stage, cfg, device)
         self.runner = StageRunner(self.groups, stage, state, cfg.pp_schedule == "overlapped",
-                                  cfg.validate_every, sink, fast=fast, graphs=graphs)
+                                  cfg.validate_every, sink, fast=fast, graphs=graphs,
+                                  progress=self.progress)
         self.sink = sink
 
     def _fast_path(self, stage, cfg: EngineConfig, device: torch.device):
@@ -136,7 +138,8 @@ class _Worker:
     def _step(self, msg) -> None:
         out = tp.to_scheduler_output(msg)
         self.step = out.step
-        self.heartbeat.enter_step(out.step)
+        self.progress.begin_step(out.step, decode_only=bool(
+            out.num_rows and (out.num_scheduled_tokens == 1).all()))
         t0 = time.perf_counter()
         result = self.runner.step(out)
         busy = self.runner.timing.busy_s
@@ -145,7 +148,7 @@ class _Worker:
         else:
             self.push.send(tp.encode(tp.ResultMsg.timing_only(out.step, self.rank, busy,
                                                               time.perf_counter() - t0)))
-        self.heartbeat.leave_step()
+        self.progress.end_step()
 
     def report(self, exc: BaseException) -> None:
         self.push.send(tp.encode(tp.ErrorMsg(
@@ -179,7 +182,8 @@ def run_worker(args) -> int:
     pull = ctx.socket(zmq.PULL)
     pull.connect(args.step_addr)
     w = _Worker(args, push)
-    w.heartbeat = Heartbeat(ctx, args.result_addr, args.rank).start()  # beats while loading too
+    w.progress = Progress(args.rank)  # step / phase, read by the heartbeat (and the stall hook)
+    w.heartbeat = Heartbeat(ctx, args.result_addr, args.rank, progress=w.progress).start()
     status = 0
     try:
         w.setup()

@@ -28,6 +28,7 @@ from runtime.worker.cuda_graphs import DecodeGraphs
 from runtime.worker.device_state import DeviceState
 from runtime.worker.groups import PPGroups
 from runtime.worker.mirror_check import AsyncMirrorCheck
+from runtime.worker.progress import Progress
 
 
 class _PendingRecv:
@@ -62,12 +63,15 @@ class StageRunner:
         fast: GPU fast path over the same cache (Triton kernels), or None (the reference
             ``StageModel.forward``; always on the CPU).
         graphs: captured decode-only CUDA graphs of ``fast``, or None (eager).
+        progress: where the rank reports its phase (read by its heartbeat; stall detection).
     """
 
     def __init__(self, groups: PPGroups, stage: StageModel, state: DeviceState, overlapped: bool,
                  validate_every: int, sink: EventSink = NULL_SINK,
-                 fast: PagedStage | None = None, graphs: DecodeGraphs | None = None) -> None:
+                 fast: PagedStage | None = None, graphs: DecodeGraphs | None = None,
+                 progress: Progress | None = None) -> None:
         self.g, self.stage, self.state = groups, stage, state
+        self.progress = progress if progress is not None else Progress(groups.rank, hook=None)
         self.fast, self.graphs = fast, graphs
         self.mirror_check = AsyncMirrorCheck(state) if state.device.type == "cuda" else None
         self.overlapped, self.validate_every, self.sink = overlapped, validate_every, sink
@@ -100,7 +104,9 @@ class StageRunner:
         if self.handler is None:
             return
         t0, ns0 = time.perf_counter(), time.monotonic_ns()
+        self.progress.enter("broadcast-wait")
         entry = self.handler.consume()  # waits on the pending receive, if any
+        self.progress.enter("prepare")
         self.timing.wait_s += time.perf_counter() - t0
         if self.sink.enabled and entry is not None:
             self._emit_timing("broadcast", entry.step + self.handler.depth, ns0)
@@ -138,6 +144,7 @@ class StageRunner:
             result = self._empty_result(out) if self.g.is_last else None
         else:
             result = self._run_rows(out, mask)
+        self.progress.enter("post")
         if self.validate_every and out.step % self.validate_every == 0:
             if self.mirror_check is not None:
                 self.mirror_check.snapshot(out.step)   # compared when its copy lands
@@ -176,6 +183,7 @@ class StageRunner:
                                torch.from_numpy(self.state.block_table_np), self.state.block_size,
                                attention_groups=self.fast is None)
         hidden = self._forward(out, meta)
+        self.progress.enter("post")
         self.state.apply_scheduled(slots, qlens, out.slots.astype(np.int64),
                                    out.num_scheduled_tokens.astype(np.int64))
         if self.g.is_last:
@@ -190,20 +198,24 @@ class StageRunner:
             if self.g.is_first:
                 ids = self.state.input_ids(meta.token_slots, meta.positions)
                 t0, ns0 = time.perf_counter(), time.monotonic_ns()
+                self.progress.enter("forward")
                 res = self._stage_forward(meta, input_ids=ids)
             else:
                 t0, ns_r = time.perf_counter(), time.monotonic_ns()
+                self.progress.enter("recv")
                 packed = self.g.recv_prev((2, t_total, self.hidden_size), self.act_dtype)
                 t1, ns0 = time.perf_counter(), time.monotonic_ns()
                 if trace:
                     self._emit_timing("recv", step, ns_r, ns0)
                 self.timing.wait_s += t1 - t0
                 t0 = t1
+                self.progress.enter("forward")
                 res = self._stage_forward(meta, hidden=packed[0], residual=packed[1])
             if trace:
                 self._emit_timing("forward", step, ns0)
             if not self.g.is_last:
                 ns_s = time.monotonic_ns()
+                self.progress.enter("send")
                 self.g.send_next(torch.stack(res))
                 if trace:
                     self._emit_timing("send", step, ns_s)
@@ -239,7 +251,9 @@ class StageRunner:
                                rows=int(mask.sum()))
         else:  # sync mode: blocking broadcast on the PP group, immediate consume
             t0, ns0 = time.perf_counter(), time.monotonic_ns()
+            self.progress.enter("broadcast-wait")
             got = self.g.blocking_broadcast(buf)
+            self.progress.enter("post")
             self.timing.wait_s += time.perf_counter() - t0
             if self.sink.enabled:
                 self._emit_timing("broadcast", out.step, ns0)
@@ -251,6 +265,7 @@ class StageRunner:
     def _sample_and_publish(self, out: SchedulerOutput, mask: np.ndarray | None,
                             logits: torch.Tensor) -> StepResult:
         t0, ns0 = time.perf_counter(), time.monotonic_ns()
+        self.progress.enter("sample")
         r, w = out.num_rows, self.width
         payload = torch.zeros((r, w + 2), dtype=torch.int64, device=self.device)
         logprobs = None
@@ -297,7 +312,9 @@ class StageRunner:
             work, buf = self.g.post_broadcast(payload)
             self.g.keep_pending(work, buf)
         else:
+            self.progress.enter("broadcast-wait")
             self.g.blocking_broadcast(payload)
+            self.progress.enter("sample")
         if self.sink.enabled:
             self._emit_timing("broadcast", out.step, ns0)
             self.sink.emit("broadcast.posted", step=out.step, rank=self.g.rank,
