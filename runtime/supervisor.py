@@ -79,6 +79,7 @@ class EngineSupervisor:
     # ---- the engine interface ----------------------------------------------------------------
     @property
     def is_alive(self) -> bool:
+        """True while an engine serves (False while restarting and once dead for good)."""
         return not self._closed and not self.restarting and self.engine.is_alive
 
     @property
@@ -88,10 +89,12 @@ class EngineSupervisor:
 
     @property
     def tokenizer(self):
+        """The current engine's tokenizer (the same model at every restart)."""
         return self.engine.tokenizer
 
     @property
     def model_name(self) -> str:
+        """The served model name."""
         return self.engine.model_name
 
     def add_request(self, req_id, prompt_token_ids, params) -> AsyncIterator:
@@ -105,9 +108,12 @@ class EngineSupervisor:
         return self.engine.add_request(req_id, prompt_token_ids, params)
 
     async def abort(self, req_id: str) -> None:
+        """Abort ``req_id`` on the current engine (idempotent; a request of a failed engine has
+        already ended)."""
         await self.engine.abort(req_id)
 
     async def abort_all(self, message: str) -> None:
+        """Abort every live request of the current engine with ``message``."""
         await self.engine.abort_all(message)
 
     def stats(self) -> dict:

@@ -9,8 +9,8 @@ in-flight request once a rank has been silent for ``EngineConfig.heartbeat_timeo
 (a hang in its own code, or waiting on a collective whose peer hangs) keeps beating; its
 ``in_phase_s`` grows, and the engine declares a stall after ``stall_timeout_s``
 (:mod:`runtime.stall`); ``step_timeout_s`` (the limit on every receive and collective, and the
-engine's progress check) is the last resort. Source of the scheme: torch elastic's / vLLM's worker liveness checks (heartbeats plus
-collective timeouts).
+engine's progress check) is the last resort. Source of the scheme: torch elastic's / vLLM's
+worker liveness checks (heartbeats plus collective timeouts).
 """
 
 from __future__ import annotations
