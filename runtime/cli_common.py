@@ -107,6 +107,7 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--torch-threads", "torch_threads"),
     Flag("--step-timeout", "step_timeout_s"),
     Flag("--heartbeat-timeout", "heartbeat_timeout_s"),
+    Flag("--stall-timeout", "stall_timeout_s"),
     Flag("--trace-dir", "trace_dir"),
     Flag("--trace-prompts", "trace_prompts"),
     Flag("--served-model-name", "served_model_name"),

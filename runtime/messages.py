@@ -156,10 +156,15 @@ class HeartbeatMsg(_Msg, tag="heartbeat"):
     """Rank -> engine, every :data:`runtime.worker.heartbeat.HEARTBEAT_INTERVAL_S` seconds from
     a thread of its own: the process is alive and not frozen. ``step`` is the step the rank is in
     (or last finished; -1 before the first), ``in_step_s`` the seconds spent in it so far
-    (0.0 while idle)."""
+    (0.0 while idle); ``phase`` the part of the step the rank is in (``idle`` between steps; see
+    :mod:`runtime.worker.progress`), ``in_phase_s`` the seconds spent in that phase so far,
+    ``steps_done`` the steps the rank finished."""
     rank: int
     step: int
     in_step_s: float = 0.0
+    phase: str = "idle"
+    in_phase_s: float = 0.0
+    steps_done: int = 0
 
 
 Message = Union[StepMsg, ResultMsg, ControlMsg, ErrorMsg, ReadyMsg, HeartbeatMsg]

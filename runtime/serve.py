@@ -6,7 +6,9 @@
 The port is bound and served before the model loads (a busy port fails at once; ``/health``
 answers 503 ``{"status": "loading"}`` meanwhile), the workers show loading progress, and
 ``ready: http://HOST:PORT`` is printed once requests are served. Ctrl-C / SIGTERM stop
-the server and then the engine. If the engine dies, the server exits with status 1.
+the server and then the engine. If the engine dies, the server exits with status 1, unless
+``--restart-workers`` is given: then it starts fresh workers and serves again (at most
+``--max-restarts`` times, see runtime/engine/supervisor.py).
 """
 
 from __future__ import annotations
@@ -50,6 +52,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level ('info' logs every request)")
+    # ---- issue #12: restarts (runtime/engine/supervisor.py) ----
+    s.add_argument("--restart-workers", action="store_true",
+                   help="after an engine failure (a rank died, hung, stalled or erred) fail the "
+                   "in-flight requests, start fresh worker processes and serve again")
+    s.add_argument("--max-restarts", type=int, default=3,
+                   help="with --restart-workers: restarts over the server's life; then exit 1")
+    s.add_argument("--restart-backoff", type=float, default=1.0,
+                   help="with --restart-workers: seconds before the first restart, doubled for "
+                   "each later one (at most 30 s)")
     add_engine_flags(p)
     return p
 
@@ -110,6 +121,13 @@ async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.soc
     server = _Server(uvicorn.Config(front, log_level=args.log_level, timeout_graceful_shutdown=5,
                                     lifespan="off", access_log=args.log_level in ("info", "debug")))
     loop = asyncio.get_running_loop()
+    if getattr(args, "restart_workers", False):
+        from runtime.engine.supervisor import EngineSupervisor
+        start_one = start_engine
+
+        async def start_engine(cfg: EngineConfig):  # noqa: F811 - the supervised start
+            return await EngineSupervisor.start(cfg, args.max_restarts, args.restart_backoff,
+                                                start_engine=start_one)
     load = loop.create_task((start_engine or AsyncEngine.start)(config))
     engine: Any = None
 
@@ -147,7 +165,7 @@ async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.soc
                 print(f"ready: {url_of(sock, args.host)}  (model '{engine.model_name}', "
                       f"pp={config.scheduler.pp_size}, up in {time.perf_counter() - t0:.1f} s)", flush=True)
             while not server.should_exit:
-                if not engine.is_alive:
+                if not engine.is_alive and not getattr(engine, "restarting", False):
                     print(f"error: the engine died: {getattr(engine, 'error', None)}", file=sys.stderr,
                           flush=True)
                     exit_code = 1
@@ -174,6 +192,10 @@ def parse_cli(argv: list[str] | None = None) -> tuple[argparse.Namespace, Engine
         p.error(f"--port: must be in 0..65535, got {args.port}")
     if args.max_body_bytes < 1024:
         p.error(f"--max-body-bytes: must be >= 1024, got {args.max_body_bytes}")
+    if args.max_restarts < 0:
+        p.error(f"--max-restarts: must be >= 0, got {args.max_restarts}")
+    if args.restart_backoff < 0:
+        p.error(f"--restart-backoff: must be >= 0, got {args.restart_backoff}")
     return args, engine_config(p, args)
 
 

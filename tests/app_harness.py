@@ -22,8 +22,8 @@ COMP = "/v1/completions"
 class AppEngine(EngineThread):
     """An :class:`EngineThread` plus the OpenAI app around its engine."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: EngineConfig, start=None) -> None:
+        super().__init__(config, start)
         self.config = config
         self.app = create_app(self.engine, config)
 
@@ -46,7 +46,10 @@ class AppEngine(EngineThread):
 
     def health(self) -> int:
         """Status code of GET /health."""
-        async def go() -> int:
-            async with self.client() as c:
-                return (await c.get("/health")).status_code
-        return self.run(go())
+        return self.run(self.ahealth())[0]
+
+    async def ahealth(self) -> tuple[int, dict]:
+        """(status code, JSON body) of GET /health, on the engine's loop."""
+        async with self.client() as c:
+            r = await c.get("/health")
+            return r.status_code, r.json()

@@ -63,6 +63,8 @@ def test_no_pickle_in_the_socket_code():
 
 
 def test_heartbeat_round_trip():
-    beat = tp.HeartbeatMsg(rank=1, step=41, in_step_s=0.25)
+    beat = tp.HeartbeatMsg(rank=1, step=41, in_step_s=0.25, phase="recv", in_phase_s=0.125,
+                           steps_done=40)
     back = tp.decode(tp.encode(beat))
     assert (back.kind, back.rank, back.step, back.in_step_s) == ("heartbeat", 1, 41, 0.25)
+    assert (back.phase, back.in_phase_s, back.steps_done) == ("recv", 0.125, 40)

@@ -44,6 +44,9 @@ def test_flags_map_to_config():
     (["--port", "70000"], "--port"),
     (["--port", "eighty"], "--port"),
     (["--max-body-bytes", "10"], "--max-body-bytes"),
+    (["--max-restarts", "-1"], "--max-restarts"),
+    (["--restart-backoff", "-2"], "--restart-backoff"),
+    (["--stall-timeout", "-1"], "--stall-timeout"),
 ])
 def test_bad_flag_names_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -51,6 +54,16 @@ def test_bad_flag_names_the_flag(argv, flag, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert f"error: argument {flag}" in err or f"error: {flag}:" in err, err
+
+
+def test_restart_and_stall_flags():
+    args, cfg = parse()
+    assert (args.restart_workers, args.max_restarts, args.restart_backoff) == (False, 3, 1.0)
+    assert cfg.stall_timeout_s == 10.0
+    args, cfg = parse("--restart-workers", "--max-restarts", "5", "--restart-backoff", "0.5",
+                      "--stall-timeout", "0")
+    assert (args.restart_workers, args.max_restarts, args.restart_backoff) == (True, 5, 0.5)
+    assert cfg.stall_timeout_s == 0.0
 
 
 def test_api_key_from_environment(monkeypatch):

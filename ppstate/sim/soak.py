@@ -6,15 +6,18 @@ the prompts (chunked prefill), burst or Poisson arrivals, a tight or roomy KV ca
 prefix caching on or off. Every simulator run checks the invariants at every tick
 (:mod:`ppstate.sim.checks`). Prints one JSON object: seeds run, runs with violations (their
 seeds, at most 20) and totals (requests, aborted, steps); exit status 1 on any violation.
-Reproduce one seed with ``--start SEED --seeds 1``.
+Reproduce one seed with ``--start SEED --seeds 1``. ``--jobs N`` runs the seeds in N processes
+(``multiprocessing``); each seed's run is independent and the results are folded in seed order, so
+the JSON equals the sequential run's.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from ppstate.sim.simulator import run_sim
 from ppstate.sim.workload import SimConfig
@@ -38,20 +41,37 @@ def soak_config(seed: int) -> SimConfig:
                      block_size=bs, num_kv_blocks=blocks, enable_prefix_caching=seed % 4 != 3)
 
 
-def soak(seeds: Iterable[int]) -> dict:
-    """Run every seed; returns counts, totals and the seeds with violations."""
+def run_seed(seed: int) -> tuple[int, int, int, int, int]:
+    """``(seed, completed, aborted, steps, violations)`` of one soak seed (picklable, for workers)."""
+    res = run_sim(soak_config(seed))
+    return seed, res.completed, res.aborted, res.steps, res.num_violations
+
+
+def _results(seeds: Iterable[int], jobs: int) -> Iterator[tuple[int, int, int, int, int]]:
+    """:func:`run_seed` of every seed, in the order of ``seeds`` (``jobs`` processes if > 1)."""
+    if jobs <= 1:
+        yield from map(run_seed, seeds)
+        return
+    seeds = list(seeds)
+    chunk = max(1, min(64, len(seeds) // (4 * jobs)))
+    with mp.get_context("spawn").Pool(jobs) as pool:
+        yield from pool.imap(run_seed, seeds, chunksize=chunk)  # imap keeps the input order
+
+
+def soak(seeds: Iterable[int], jobs: int = 1) -> dict:
+    """Run every seed (in ``jobs`` processes); returns counts, totals and the seeds with
+    violations (the first 20, in seed order; identical for every ``jobs``)."""
     report = {"seeds": 0, "runs_with_violations": 0, "violation_seeds": [], "violations": 0,
               "requests": 0, "aborted": 0, "completed": 0, "steps": 0}
-    for seed in seeds:
-        res = run_sim(soak_config(seed))
+    for seed, completed, aborted, steps, violations in _results(seeds, jobs):
         report["seeds"] += 1
-        report["requests"] += res.completed + res.aborted
-        report["aborted"] += res.aborted
-        report["completed"] += res.completed
-        report["steps"] += res.steps
-        if res.num_violations:
+        report["requests"] += completed + aborted
+        report["aborted"] += aborted
+        report["completed"] += completed
+        report["steps"] += steps
+        if violations:
             report["runs_with_violations"] += 1
-            report["violations"] += res.num_violations
+            report["violations"] += violations
             if len(report["violation_seeds"]) < 20:
                 report["violation_seeds"].append(seed)
     return report
@@ -62,10 +82,13 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, default=10_000, help="number of seeds")
     p.add_argument("--start", type=int, default=0, help="first seed")
+    p.add_argument("--jobs", type=int, default=1, help="worker processes (same report as 1)")
     args = p.parse_args(argv)
     if args.seeds < 1 or args.start < 0:
         p.error("--seeds must be >= 1 and --start >= 0")
-    report = soak(range(args.start, args.start + args.seeds))
+    if args.jobs < 1:
+        p.error(f"--jobs: must be >= 1, got {args.jobs}")
+    report = soak(range(args.start, args.start + args.seeds), jobs=args.jobs)
     print(json.dumps(report), flush=True)
     return 1 if report["runs_with_violations"] else 0
 

@@ -34,6 +34,7 @@ from runtime.engine.trace import scheduler_config, start_trace_run, write_trace_
 from runtime.model.detokenizer import IncrementalDetokenizer
 from runtime.model.tokenizer import Tokenizer, load_tokenizer
 from runtime.sampling_params import SamplingParams
+from runtime.engine.stall import StallDetector
 from runtime.worker.kv_capacity import capacity_summary
 
 
@@ -65,6 +66,7 @@ class AsyncEngine:
         self._active_s = 0.0
         self._active_since: float | None = None
         self._last_progress = time.monotonic()
+        self.stalls = StallDetector(config.scheduler.pp_size, config.stall_timeout_s)  # from heartbeats
 
     # ---- lifecycle ---------------------------------------------------------------------------
     @classmethod
@@ -216,6 +218,8 @@ class AsyncEngine:
             self._busy[msg.rank] += msg.busy_s
             if msg.rank == self.config.scheduler.pp_size - 1:
                 self._on_result(self.pool.to_step_result(msg))
+        elif kind == "heartbeat":
+            self.stalls.observe(msg)
 
     def _on_result(self, result) -> None:
         self._last_progress = time.monotonic()
@@ -252,7 +256,9 @@ class AsyncEngine:
 
     def _check_health(self) -> None:
         """Fail the engine when a rank process exited, a rank was silent (no heartbeat) for
-        ``heartbeat_timeout_s``, or no step finished within ``step_timeout_s``."""
+        ``heartbeat_timeout_s``, a rank stalled inside a step or every rank waited on
+        communication for ``stall_timeout_s`` (:mod:`runtime.engine.stall`), or no step finished
+        within ``step_timeout_s``."""
         if not self.is_alive:
             return
         dead = self.pool.dead_ranks()
@@ -262,6 +268,8 @@ class AsyncEngine:
         elif silent:
             self._die(f"rank(s) {silent} sent no heartbeat for heartbeat_timeout_s="
                       f"{self.config.heartbeat_timeout_s} s (killed or frozen)")
+        elif stall := self.stalls.check():
+            self._die(stall)
         elif self.sched.in_flight and time.monotonic() - self._last_progress > self.config.step_timeout_s:
             self._die(f"no step finished within step_timeout_s={self.config.step_timeout_s}")
         elif not self.sched.in_flight:

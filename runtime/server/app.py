@@ -29,6 +29,8 @@ from runtime.server.responses import ModelCard, ModelList
 from runtime.server.schemas import ChatCompletionRequest, CompletionRequest
 
 MAX_JSON_DEPTH_ERROR = "the JSON body is nested too deeply"
+RESTARTING_MESSAGE = ("The engine failed and its workers are restarting; retry once /health "
+                      "answers 200.")
 
 
 def _finite_float(text: str) -> float:
@@ -126,13 +128,20 @@ def create_app(engine: Any, config: EngineConfig, api_key: str | None = None,
     app.add_middleware(GuardMiddleware, metrics=metrics, api_key=api_key, max_body_bytes=max_body_bytes)
 
     def require_engine() -> None:
+        if getattr(engine, "restarting", False):  # --restart-workers (runtime/engine/supervisor.py)
+            raise APIError(RESTARTING_MESSAGE, status=503, type="service_unavailable",
+                           code="engine_restarting")
         if not engine.is_alive:
             raise APIError("The engine is not running.", status=503, type="service_unavailable",
                            code="engine_dead")
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        """200 while every rank of the engine is alive, else 503."""
+        """200 while every rank of the engine is alive, 503 ``restarting`` while fresh workers
+        load after a failure (``--restart-workers``), else 503 ``engine_dead``."""
+        if getattr(engine, "restarting", False):
+            return JSONResponse({"status": "restarting", "message": RESTARTING_MESSAGE},
+                                status_code=503, headers={"Retry-After": "5"})
         require_engine()
         return JSONResponse({"status": "ok"})
 

@@ -6,7 +6,8 @@ Latencies are measured in the server from stream timing (seconds):
   * ``ppstate_time_per_output_token_seconds``: (last token - first token) / (output tokens - 1).
   * ``ppstate_e2e_request_latency_seconds``: arrival -> final increment.
 Engine state is read from ``engine.stats()`` on every scrape by a custom collector: running and
-waiting requests, steps, generated tokens, per-rank busy seconds and the pipeline bubble fraction.
+waiting requests, steps, generated tokens, per-rank busy seconds and the pipeline bubble fraction,
+and with ``--restart-workers`` the engine restarts (``ppstate_engine_restarts_total``).
 """
 
 from __future__ import annotations
@@ -62,6 +63,10 @@ class EngineCollector(Collector):
                                 "Fraction of rank time idle while work existed (cumulative)",
                                 value=float(s["bubble_fraction"]))
         yield from _kv_metrics(s)
+        if "engine_restarts_total" in s:  # --restart-workers (runtime/engine/supervisor.py)
+            yield CounterMetricFamily(PREFIX + "engine_restarts",
+                                      "Engine restarts after failures (--restart-workers)",
+                                      value=s["engine_restarts_total"])
 
 
 def _kv_metrics(s: dict[str, Any]) -> Iterator[Metric]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-import traceback
 
 import torch
 import zmq
@@ -27,6 +26,7 @@ from runtime.worker.device_state import DeviceState
 from runtime.worker.groups import destroy_groups, init_groups
 from runtime.worker.heartbeat import Heartbeat
 from runtime.worker.kv_capacity import rank_num_blocks
+from runtime.worker.progress import Progress
 from runtime.worker.runner import StageRunner
 
 
@@ -85,7 +85,8 @@ class _Worker:
                              trace_prompts=cfg.trace_prompts)
         fast, graphs = self._fast_path(stage, cfg, device)
         self.runner = StageRunner(self.groups, stage, state, cfg.scheduler.mode == "overlapped",
-                                  cfg.validate_every, sink, fast=fast, graphs=graphs)
+                                  cfg.validate_every, sink, fast=fast, graphs=graphs,
+                                  progress=self.progress)
         self.sink = sink
 
     def _fast_path(self, stage, cfg: EngineConfig, device: torch.device):
@@ -137,14 +138,15 @@ class _Worker:
     def _step(self, msg) -> None:
         out = tp.to_scheduler_output(msg)
         self.step = out.step
-        self.heartbeat.enter_step(out.step)
+        self.progress.begin_step(out.step, decode_only=bool(
+            out.num_rows and (out.num_scheduled_tokens == 1).all()))
         result = self.runner.step(out)
         busy = self.runner.timing.busy_s
         if result is not None:
             self.push.send(tp.encode(tp.from_step_result(result, rank=self.rank, busy_s=busy)))
         else:
             self.push.send(tp.encode(tp.ResultMsg.timing_only(out.step, self.rank, busy)))
-        self.heartbeat.leave_step()
+        self.progress.end_step()
 
     def report(self, exc: BaseException) -> None:
         self.push.send(tp.encode(tp.ErrorMsg.from_exception(self.rank, self.step, exc)))
@@ -174,7 +176,8 @@ def run_worker(args) -> int:
     pull = ctx.socket(zmq.PULL)
     pull.connect(args.step_addr)
     w = _Worker(args, push)
-    w.heartbeat = Heartbeat(ctx, args.result_addr, args.rank).start()  # beats while loading too
+    w.progress = Progress(args.rank)  # step / phase, read by the heartbeat (and the stall hook)
+    w.heartbeat = Heartbeat(ctx, args.result_addr, args.rank, progress=w.progress).start()
     status = 0
     try:
         w.setup()

@@ -31,6 +31,7 @@ from runtime.worker.cuda_graphs import DecodeGraphs
 from runtime.worker.device_state import DeviceState
 from runtime.worker.groups import PPGroups
 from runtime.worker.mirror_check import AsyncMirrorCheck
+from runtime.worker.progress import Progress
 
 
 class _PendingRecv:
@@ -44,7 +45,9 @@ class _PendingRecv:
     def wait(self) -> None:
         r = self.runner
         t0, ns0 = time.perf_counter(), time.monotonic_ns()
+        r.progress.enter("broadcast-wait")
         r.g.wait(self.work)
+        r.progress.enter("prepare")
         r.timing.wait_s += time.perf_counter() - t0
         if r.sink.enabled:
             r._emit_timing("broadcast", self.step + r.handler.depth, ns0)
@@ -80,12 +83,15 @@ class StageRunner:
         fast: GPU fast path over the same cache (Triton kernels), or None (the reference
             ``StageModel.forward``; always on the CPU).
         graphs: captured decode-only CUDA graphs of ``fast``, or None (eager).
+        progress: where the rank reports its phase (read by its heartbeat; stall detection).
     """
 
     def __init__(self, groups: PPGroups, stage: StageModel, state: DeviceState, overlapped: bool,
                  validate_every: int, sink: EventSink = NULL_SINK,
-                 fast: PagedStage | None = None, graphs: DecodeGraphs | None = None) -> None:
+                 fast: PagedStage | None = None, graphs: DecodeGraphs | None = None,
+                 progress: Progress | None = None) -> None:
         self.g, self.stage, self.state = groups, stage, state
+        self.progress = progress if progress is not None else Progress(groups.rank, hook=None)
         self.fast, self.graphs = fast, graphs
         self.mirror_check = AsyncMirrorCheck(state) if state.device.type == "cuda" else None
         self.overlapped, self.validate_every, self.sink = overlapped, validate_every, sink
@@ -121,6 +127,7 @@ class StageRunner:
             self.sink.emit("rank.step", step=out.step, rank=self.g.rank, num_rows=out.num_rows)
 
     def end_step(self, out: SchedulerOutput) -> None:
+        self.progress.enter("post")
         if self.validate_every and out.step % self.validate_every == 0:
             if self.mirror_check is not None:
                 self.mirror_check.snapshot(out.step)   # compared when its copy lands
@@ -151,6 +158,7 @@ class StageRunner:
 
     def receive(self, out: SchedulerOutput) -> torch.Tensor:
         t0, ns_r = time.perf_counter(), time.monotonic_ns()
+        self.progress.enter("recv")
         packed = self.g.recv_prev((2, out.total_tokens, self.hidden_size), self.act_dtype)
         self.timing.wait_s += time.perf_counter() - t0
         if self.sink.enabled:
@@ -159,6 +167,7 @@ class StageRunner:
 
     def forward(self, out: SchedulerOutput, inputs: _Inputs, received: torch.Tensor | None):
         t0, ns0 = time.perf_counter(), time.monotonic_ns()
+        self.progress.enter("forward")
         with torch.inference_mode():
             if received is None:
                 res = self._stage_forward(inputs.meta, input_ids=inputs.input_ids)
@@ -171,6 +180,7 @@ class StageRunner:
 
     def send(self, out: SchedulerOutput, hidden) -> None:
         t0, ns_s = time.perf_counter(), time.monotonic_ns()
+        self.progress.enter("send")
         with torch.inference_mode():
             self.g.send_next(torch.stack(hidden))
         if self.sink.enabled:
@@ -178,6 +188,7 @@ class StageRunner:
         self.timing.busy_s += time.perf_counter() - t0
 
     def apply_scheduled(self, out: SchedulerOutput) -> None:
+        self.progress.enter("post")
         dev = self.device
         slots = torch.as_tensor(out.slots, dtype=torch.int64, device=dev)
         query_lens = torch.as_tensor(out.num_scheduled_tokens, dtype=torch.int64, device=dev)
@@ -199,6 +210,7 @@ class StageRunner:
     # ---- RankBackend: sampled tokens ---------------------------------------------------------
     def sample(self, out: SchedulerOutput, mask: np.ndarray | None,
                logits: torch.Tensor | None) -> SampledPayload:
+        self.progress.enter("sample")
         r, w = out.num_rows, self.width
         payload = SampledPayload(torch.zeros(SampledPayload.shape(r, w), dtype=torch.int64,
                                              device=self.device))
