@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from runtime import supervisor as sv
+from runtime.engine import supervisor as sv
 from runtime.engine import EngineDeadError
 from runtime.sampling_params import SamplingParams
 from runtime.engine.supervisor import EngineSupervisor
