@@ -16,6 +16,8 @@ import torch
 from ppstate.batch import NewRequest
 from ppstate.mirror import MIRROR_FIELDS, CpuMirror
 from runtime.kernels.post_update import post_update_computed, post_update_sampled
+from runtime.sampling_params import SamplingParams
+from runtime.worker.sampling_state import SamplingState
 
 
 class DeviceState:
@@ -52,10 +54,11 @@ class DeviceState:
         self.all_token_ids = torch.zeros(max_num_reqs, max_model_len, **i64)   # [max_num_reqs, max_model_len]
         self.mirror = CpuMirror(max_num_reqs, rank=rank)
         self.owner: list[str | None] = [None] * max_num_reqs                    # [max_num_reqs]
-        self.sampling: list[dict | None] = [None] * max_num_reqs                # [max_num_reqs]
+        self.sampling_state = SamplingState(max_num_reqs, device)  # per-slot sampling parameters
 
     def add_requests(self, new: Sequence[NewRequest]) -> None:
-        """Initialise the slots of newly admitted requests (prompt ids, lengths, counters)."""
+        """Initialise the slots of newly admitted requests (prompt ids, lengths, counters,
+        sampling parameters)."""
         for req in new:
             s, n = req.slot, len(req.prompt_token_ids)
             self.all_token_ids[s, :n] = torch.tensor(req.prompt_token_ids, dtype=torch.int64)
@@ -65,12 +68,15 @@ class DeviceState:
             self.num_computed_tokens[s] = req.num_cached_tokens
             self.num_computed_prefill_tokens[s] = req.num_cached_tokens
             self.owner[s] = req.req_id
-            self.sampling[s] = req.sampling
             self.block_table_np[s] = 0
             self.block_table[s] = 0
             self.num_blocks[s] = 0
             self.output_offset_np[s] = req.num_output_tokens
             self.mirror.add_request(s, n, req.max_seq_len, req.num_cached_tokens)
+        if new:
+            self.sampling_state.admit([r.slot for r in new],
+                                      [SamplingParams(**r.sampling) for r in new],
+                                      [len(r.prompt_token_ids) - r.num_output_tokens for r in new])
 
     def apply_block_updates(self, slots: np.ndarray, cols: np.ndarray, ids: np.ndarray) -> None:
         """Scheduler block-table deltas (``[U]`` each): ``block_table[slot, col] = id`` on the CPU
@@ -88,7 +94,6 @@ class DeviceState:
     def free(self, slot: int) -> None:
         """Forget the slot's owner (its tensors are re-initialised on the next admission)."""
         self.owner[slot] = None
-        self.sampling[slot] = None
 
     def input_ids(self, token_slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Gather the step's input token ids from device state: ``[num_tokens]`` int64.

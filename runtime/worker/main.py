@@ -59,6 +59,7 @@ class _Worker:
         self.cfg = EngineConfig(**args.config)
         self.rank = args.rank
         self.step = -1
+        self._held = None    # (PendingResult, t0) of a launched step whose result is not sent yet
 
     def setup(self) -> None:
         cfg = self.cfg
@@ -125,6 +126,8 @@ class _Worker:
                 continue
             last = time.monotonic()
             msg = tp.decode(pull.recv())
+            if msg.kind != "step":
+                self._flush()
             if msg.kind == "shutdown":
                 return
             if msg.kind == "corrupt_state":
@@ -132,20 +135,35 @@ class _Worker:
                 continue
             if msg.kind == "step":
                 self._step(msg)
+                if not pull.poll(0):    # no next step queued: send this one's result now
+                    self._flush()
 
     def _step(self, msg) -> None:
+        """Launch one step. The last rank holds its result back until the next step (when one
+        is already queued) has been launched too, so preparing step N+1's inputs overlaps the
+        GPU work of step N; results still leave in step order."""
         out = tp.to_scheduler_output(msg)
         self.step = out.step
         self.heartbeat.enter_step(out.step)
         t0 = time.perf_counter()
-        result = self.runner.step(out)
+        pending = self.runner.launch(out)
         busy = self.runner.timing.busy_s
-        if result is not None:
-            self.push.send(tp.encode(tp.from_step_result(result, rank=self.rank, busy_s=busy)))
+        self._flush()                   # the previous step's result: its kernels ran first
+        if pending is not None:
+            self._held = (pending, busy)
         else:
             self.push.send(tp.encode(tp.ResultMsg.timing_only(out.step, self.rank, busy,
                                                               time.perf_counter() - t0)))
         self.heartbeat.leave_step()
+
+    def _flush(self) -> None:
+        """Send the held result, waiting for its sampled ids to reach the host if needed."""
+        if self._held is None:
+            return
+        pending, busy = self._held
+        self._held = None
+        self.push.send(tp.encode(tp.from_step_result(pending.result(), rank=self.rank,
+                                                     busy_s=busy)))
 
     def report(self, exc: BaseException) -> None:
         self.push.send(tp.encode(tp.ErrorMsg(

@@ -22,12 +22,13 @@ from ppstate.events import NULL_SINK, EventSink
 from ppstate.pp_handler import PPHandler, need_sampled_mask
 from runtime.model.paged_stage import PagedMeta, PagedStage
 from runtime.model.stage import BatchMeta, StageModel
-from runtime.sampler import SamplingBatch, TokenHistory, sample
-from runtime.sampling_params import SamplingParams
+from runtime.sampler import TokenHistory, sample
 from runtime.worker.cuda_graphs import DecodeGraphs
 from runtime.worker.device_state import DeviceState
 from runtime.worker.groups import PPGroups
+from runtime.worker.host_copy import HostCopy
 from runtime.worker.mirror_check import AsyncMirrorCheck
+from runtime.worker.pending_result import LogprobRows, PendingResult
 
 
 class _PendingRecv:
@@ -78,22 +79,18 @@ class StageRunner:
         self.handler: PPHandler | None = None
         if overlapped and groups.pp_size > 1 and not groups.is_last:
             self.handler = PPHandler(groups.pp_size, len(state.owner), sink=sink, rank=groups.rank)
-        self._params: dict[int, SamplingParams] = {}
+        self.host_copy = HostCopy(state.device)
         self.timing = StepTiming()
 
     # ---- slot bookkeeping -------------------------------------------------------------------
     def _apply_freed_new(self, out: SchedulerOutput) -> None:
         for f in out.freed:
             self.state.free(f.slot)
-            self._params.pop(f.slot, None)
             if self.handler is not None:
                 self.handler.on_slot_freed(f.slot, out.step)
         self.state.add_requests(out.new_requests)
         self.state.apply_block_updates(out.block_table_slots, out.block_table_cols,
                                        out.block_table_ids)
-        if self.g.is_last:
-            for r in out.new_requests:
-                self._params[r.slot] = SamplingParams(**r.sampling)
 
     # ---- deferred consume (non-last ranks) ---------------------------------------------------
     def _consume(self) -> None:
@@ -123,6 +120,13 @@ class StageRunner:
             MirrorDivergence: mirrors differ from device state after the step.
             RuntimeError: a peer did not answer within the group timeout.
         """
+        pending = self.launch(out)
+        return None if pending is None else pending.result()
+
+    def launch(self, out: SchedulerOutput) -> PendingResult | None:
+        """Enqueue one step: on the last rank returns as soon as the step's kernels and the copy
+        of its sampled ids to pinned host memory are enqueued (:meth:`PendingResult.result`
+        waits for them); None on the other ranks. Raises as :meth:`step`."""
         self.timing = StepTiming()
         if self.sink.enabled:
             self.sink.emit("rank.step", step=out.step, rank=self.g.rank, num_rows=out.num_rows)
@@ -249,28 +253,30 @@ class StageRunner:
             self._apply_buffer(got, idx)
 
     def _sample_and_publish(self, out: SchedulerOutput, mask: np.ndarray | None,
-                            logits: torch.Tensor) -> StepResult:
+                            logits: torch.Tensor) -> PendingResult:
         t0, ns0 = time.perf_counter(), time.monotonic_ns()
         r, w = out.num_rows, self.width
         payload = torch.zeros((r, w + 2), dtype=torch.int64, device=self.device)
         logprobs = None
         if mask is not None:
-            rows = np.nonzero(mask)[0]
-            params = [self._params[int(out.slots[i])] for i in rows]
+            rows = np.flatnonzero(mask)
             s = out.slots[rows]
-            prompt = self.state.mirror.prefill_len_np[s] - self.state.output_offset_np[s]
-            out_idx = (out.start_positions[rows] + out.num_scheduled_tokens[rows] - prompt).tolist()
-            batch = SamplingBatch.build(params, out_idx, self.device)
-            rows_t = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
+            batch, slots_t = self.state.sampling_state.batch(
+                s, out.start_positions[rows] + out.num_scheduled_tokens[rows])
             history = None
             if batch.penalty_rows is not None:  # penalties read the slots' token history
-                slots_t = torch.as_tensor(out.slots[rows], dtype=torch.int64, device=self.device)
                 history = TokenHistory.gather(self.state.all_token_ids, self.state.prefill_len,
                                               self.state.total_len, slots_t[batch.penalty_rows])
-            so = sample(logits.index_select(0, rows_t).float(), batch, history)
-            payload[rows_t, 0] = so.token_ids
-            payload[rows_t, w] = 1
-            logprobs = _logprob_rows(so, rows, r, params)
+            if rows.size < r:
+                rows_t = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
+                so = sample(logits.index_select(0, rows_t).float(), batch, history)
+                payload[rows_t, 0] = so.token_ids
+                payload[rows_t, w] = 1
+            else:   # every row samples (decode steps): no row gather
+                so = sample(logits.float(), batch, history)
+                payload[:, 0] = so.token_ids
+                payload[:, w] = 1
+            logprobs = LogprobRows.of(so, rows, r, self.state.sampling_state.num_logprobs_np[s])
         idx_np = np.where(mask if mask is not None else False, out.slots, -1).astype(np.int64)
         idx = torch.as_tensor(idx_np, device=self.device)
         self.state.apply_sampled(idx, payload[:, :w], payload[:, w], payload[:, w + 1],
@@ -279,13 +285,15 @@ class StageRunner:
             self._emit_timing("sample", out.step, ns0)
         if self.g.pp_size > 1:
             self._publish(out, mask, payload)
+        copy = self.host_copy.start(payload)    # non_blocking into pinned memory + an event
         self.timing.busy_s += time.perf_counter() - t0
-        host = payload.cpu().numpy()
+        on_done = None
         if self.sink.enabled:
-            self.sink.emit("sampled", step=out.step, rank=self.g.rank, req_ids=list(out.req_ids),
-                           token_ids=host[:, :w].tolist(), num_sampled=host[:, w].tolist())
-        return StepResult(out.step, host[:, :w].copy(), host[:, w].astype(np.int32),
-                          host[:, w + 1].astype(np.int32), logprobs)
+            def on_done(host: np.ndarray) -> None:
+                self.sink.emit("sampled", step=out.step, rank=self.g.rank,
+                               req_ids=list(out.req_ids), token_ids=host[:, :w].tolist(),
+                               num_sampled=host[:, w].tolist())
+        return PendingResult(out.step, w, copy, logprobs, self.timing.busy_s, on_done)
 
     def _publish(self, out: SchedulerOutput, mask: np.ndarray | None, payload: torch.Tensor) -> None:
         if mask is None:
@@ -303,24 +311,8 @@ class StageRunner:
             self.sink.emit("broadcast.posted", step=out.step, rank=self.g.rank,
                            rows=int(mask.sum()))
 
-    def _empty_result(self, out: SchedulerOutput) -> StepResult:
+    def _empty_result(self, out: SchedulerOutput) -> PendingResult:
         z = np.zeros(0, dtype=np.int32)
-        return StepResult(out.step, np.zeros((0, self.width), dtype=np.int64), z, z.copy())
+        return PendingResult.completed(
+            StepResult(out.step, np.zeros((0, self.width), dtype=np.int64), z, z.copy()))
 
-
-def _logprob_rows(so, rows: np.ndarray, num_rows: int, params: list[SamplingParams]):
-    """Per-row logprob payload ``[num_rows]`` (None for rows without a request for logprobs)."""
-    if so.logprobs is None or not any(p.logprobs is not None for p in params):
-        return None
-    lp = so.logprobs.float().cpu().tolist()
-    top = None
-    if so.top_logprobs is not None:
-        top = (so.top_logprobs[0].cpu().tolist(), so.top_logprobs[1].float().cpu().tolist())
-    outs: list = [None] * num_rows
-    for j, i in enumerate(rows):
-        k = params[j].logprobs
-        if k is None:
-            continue
-        alts = {} if top is None else dict(zip(top[0][j][:k], top[1][j][:k]))
-        outs[int(i)] = (lp[j], alts)
-    return outs
