@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
                    "steps (0 = off)")
     p.add_argument("--repeat", type=int, default=2, help="runs per setting (the best is kept)")
     p.add_argument("--out", default=None, help="JSON file for the results")
+    p.add_argument("--profile", default=None, metavar="FILE", help="also run once under cProfile "
+                   "and write the functions with the most own time to FILE")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("python -m runtime.bench.gpu_runner needs a CUDA device")
@@ -145,6 +147,20 @@ def main(argv: list[str] | None = None) -> int:
                     all_tokens_per_s=[r["tokens_per_s"] for r in runs])
         print(json.dumps(best), flush=True)
         results.append(best)
+    if args.profile:
+        import cProfile
+        import io
+        import pstats
+        prof = cProfile.Profile()
+        prof.enable()
+        run(runner, cfg.vocab_size, nb, args.rows, args.prompt_len, args.new_tokens, max_len)
+        prof.disable()
+        buf = io.StringIO()
+        st = pstats.Stats(prof, stream=buf)
+        st.sort_stats("tottime").print_stats(45)
+        st.sort_stats("cumtime").print_stats(60)
+        with open(args.profile, "w") as f:
+            f.write(buf.getvalue())
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(0), "command": "python -m runtime.bench."

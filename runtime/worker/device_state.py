@@ -17,6 +17,7 @@ from ppstate.batch import NewRequest
 from ppstate.mirror import MIRROR_FIELDS, CpuMirror
 from runtime.kernels.post_update import post_update_computed, post_update_sampled
 from runtime.sampling_params import SamplingParams
+from runtime.worker.host_copy import to_device
 from runtime.worker.sampling_state import SamplingState
 
 
@@ -61,7 +62,8 @@ class DeviceState:
         sampling parameters)."""
         for req in new:
             s, n = req.slot, len(req.prompt_token_ids)
-            self.all_token_ids[s, :n] = torch.tensor(req.prompt_token_ids, dtype=torch.int64)
+            self.all_token_ids[s, :n] = to_device(torch.tensor(req.prompt_token_ids, dtype=torch.int64),
+                                                  self.device)
             self.total_len[s] = n
             self.prefill_len[s] = n
             self.max_seq_len[s] = req.max_seq_len
@@ -85,9 +87,9 @@ class DeviceState:
         if slots.size == 0:
             return
         self.block_table_np[slots, cols] = ids
-        s = torch.as_tensor(slots.astype(np.int64), device=self.device)
-        c = torch.as_tensor(cols.astype(np.int64), device=self.device)
-        self.block_table[s, c] = torch.as_tensor(ids, dtype=torch.int32, device=self.device)
+        s = to_device(slots, self.device, torch.int64)
+        c = to_device(cols, self.device, torch.int64)
+        self.block_table[s, c] = to_device(ids, self.device, torch.int32)
         self.num_blocks.scatter_reduce_(0, s, c + 1, reduce="amax")
         self.mirror.apply_block_updates(slots, cols)
 

@@ -1,4 +1,12 @@
-"""Device-to-host copies that do not stall the step: pinned memory, ``non_blocking``, an event.
+"""Copies between host and device that do not stall the step.
+
+Host to device (:func:`to_device`): PyTorch's default (blocking) copy of a CPU tensor to CUDA
+synchronises the whole stream after the copy (``memcpy_and_sync``), so every small metadata
+upload would wait for the GPU to finish the work already queued -- the previous step included.
+:func:`to_device` copies with ``non_blocking=True``: from pageable memory the driver stages the
+bytes before the call returns (no device synchronisation), so the source may change right after.
+
+Device to host: pinned memory, ``non_blocking``, an event.
 
 The last rank's sampled ids leave the GPU this way: :meth:`HostCopy.start` enqueues the copy of
 the step's payload into page-locked host memory behind the step's kernels and records a CUDA
@@ -15,6 +23,19 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
+
+def to_device(a, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``a`` (numpy array, list or CPU tensor; ``[...]``) on ``device`` without a host sync.
+
+    Args:
+        a: the values; dtype: cast on the host first (None: keep ``a``'s).
+    Returns: a tensor on ``device`` (``a`` itself when it is already there in that dtype).
+    """
+    t = a if isinstance(a, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(a))
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    return t.to(device, non_blocking=True)
 
 
 class PendingCopy:

@@ -26,9 +26,10 @@ from runtime.sampler import TokenHistory, sample
 from runtime.worker.cuda_graphs import DecodeGraphs
 from runtime.worker.device_state import DeviceState
 from runtime.worker.groups import PPGroups
-from runtime.worker.host_copy import HostCopy
+from runtime.worker.host_copy import HostCopy, to_device
 from runtime.worker.mirror_check import AsyncMirrorCheck
 from runtime.worker.pending_result import LogprobRows, PendingResult
+from runtime.worker.step_inputs import build_fast_meta
 
 
 class _PendingRecv:
@@ -107,7 +108,7 @@ class StageRunner:
     def _apply_buffer(self, buf: torch.Tensor, idx_mapping_np: np.ndarray) -> None:
         buf = buf.to(self.device)
         w = self.width
-        idx = torch.as_tensor(idx_mapping_np, dtype=torch.int64, device=self.device)
+        idx = to_device(idx_mapping_np, self.device, torch.int64)
         rejected_np = buf[:, w + 1].cpu().numpy()
         self.state.apply_sampled(idx, buf[:, :w], buf[:, w], buf[:, w + 1],
                                  idx_mapping_np.astype(np.int64), rejected_np)
@@ -173,14 +174,14 @@ class StageRunner:
 
     def _run_rows(self, out: SchedulerOutput, mask: np.ndarray | None) -> StepResult | None:
         dev = self.device
-        slots = torch.as_tensor(out.slots, dtype=torch.int64, device=dev)
-        starts = torch.as_tensor(out.start_positions, dtype=torch.int64, device=dev)
-        qlens = torch.as_tensor(out.num_scheduled_tokens, dtype=torch.int64, device=dev)
-        meta = BatchMeta.build(out.slots, out.start_positions, out.num_scheduled_tokens, dev,
-                               torch.from_numpy(self.state.block_table_np), self.state.block_size,
-                               attention_groups=self.fast is None)
+        if self.fast is None:
+            meta = BatchMeta.build(out.slots, out.start_positions, out.num_scheduled_tokens, dev,
+                                   torch.from_numpy(self.state.block_table_np), self.state.block_size)
+        else:   # numpy arithmetic, two uploads (runtime/worker/step_inputs.py)
+            meta = build_fast_meta(out.slots, out.start_positions, out.num_scheduled_tokens,
+                                   self.state.block_table_np, self.state.block_size, dev)
         hidden = self._forward(out, meta)
-        self.state.apply_scheduled(slots, qlens, out.slots.astype(np.int64),
+        self.state.apply_scheduled(meta.slots, meta.query_lens, out.slots.astype(np.int64),
                                    out.num_scheduled_tokens.astype(np.int64))
         if self.g.is_last:
             return self._sample_and_publish(out, mask, hidden)
@@ -268,7 +269,7 @@ class StageRunner:
                 history = TokenHistory.gather(self.state.all_token_ids, self.state.prefill_len,
                                               self.state.total_len, slots_t[batch.penalty_rows])
             if rows.size < r:
-                rows_t = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
+                rows_t = to_device(rows, self.device, torch.int64)
                 so = sample(logits.index_select(0, rows_t).float(), batch, history)
                 payload[rows_t, 0] = so.token_ids
                 payload[rows_t, w] = 1
@@ -278,7 +279,7 @@ class StageRunner:
                 payload[:, w] = 1
             logprobs = LogprobRows.of(so, rows, r, self.state.sampling_state.num_logprobs_np[s])
         idx_np = np.where(mask if mask is not None else False, out.slots, -1).astype(np.int64)
-        idx = torch.as_tensor(idx_np, device=self.device)
+        idx = slots_t if mask is not None and rows.size == r else to_device(idx_np, self.device)
         self.state.apply_sampled(idx, payload[:, :w], payload[:, w], payload[:, w + 1],
                                  idx_np, np.zeros(r, dtype=np.int64))
         if self.sink.enabled:

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from runtime.sampler import SamplingBatch
+from runtime.worker.host_copy import to_device
 
 # Packed device tables: fp32 columns and int64 columns.
 _TEMPERATURE, _TOP_P, _PRESENCE, _FREQUENCY, _REPETITION = range(5)
@@ -127,9 +128,9 @@ class SamplingState:
         i64[:, _SEED] = [0 if x is None else x for x in seed]
         i64[:, _HAS_SEED] = self.has_seed_np[s]
         i64[:, _PROMPT_LEN] = prompt_lens
-        idx = torch.from_numpy(s).to(self.device)
-        self.f32[idx] = torch.from_numpy(f32).to(self.device)
-        self.i64[idx] = torch.from_numpy(i64).to(self.device)
+        idx = to_device(s, self.device)
+        self.f32[idx] = to_device(f32, self.device)
+        self.i64[idx] = to_device(i64, self.device)
 
     def batch(self, slots: np.ndarray, positions_after: np.ndarray) -> tuple[SamplingBatch, torch.Tensor]:
         """The :class:`SamplingBatch` of one step's sampled rows.
@@ -144,7 +145,7 @@ class SamplingState:
             device, ``[R]`` int64.
         """
         dev = self.device
-        slots_t = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(dev)
+        slots_t = to_device(slots, dev, torch.int64)
         f = self.f32.index_select(0, slots_t)    # [R, 5]
         i = self.i64.index_select(0, slots_t)    # [R, 4]
         greedy = self.temperature_np[slots] == 0.0
@@ -153,9 +154,12 @@ class SamplingState:
         pen = self.penalized_np[slots]
         lps = self.num_logprobs_np[slots]
         r = len(slots)
-        uniform = torch.rand(r, dtype=torch.float64, device=dev)
+        if greedy.all():    # no row draws: skip the RNG (sample() reads no uniform then)
+            uniform = torch.empty(r, dtype=torch.float64, device=dev)
+        else:
+            uniform = torch.rand(r, dtype=torch.float64, device=dev)
         if self.has_seed_np[slots].any():
-            pos = torch.from_numpy(np.ascontiguousarray(positions_after, dtype=np.int64)).to(dev)
+            pos = to_device(positions_after, dev, torch.int64)
             seeded = seeded_uniform_t(i[:, _SEED], pos - i[:, _PROMPT_LEN])
             uniform = torch.where(i[:, _HAS_SEED].bool(), seeded, uniform)
         pen_rows = _rows(pen, dev)
@@ -164,7 +168,7 @@ class SamplingState:
             top_k=i[:, _TOP_K],
             top_p=f[:, _TOP_P],
             uniform=uniform,
-            greedy=torch.from_numpy(greedy).to(dev),
+            greedy=torch.from_numpy(greedy),        # host: only its length is read
             plain_rows=_rows(~greedy & ~cut, dev),
             cut_rows=_rows(cut, dev),
             max_top_k=int(top_k[cut].max()) if cut.any() else 0,
@@ -182,4 +186,4 @@ def _rows(mask: np.ndarray, device: torch.device) -> torch.Tensor | None:
     """Indices of the true entries of ``mask`` ``[R]`` on ``device``, or None when there are none."""
     if not mask.any():
         return None
-    return torch.from_numpy(np.flatnonzero(mask).astype(np.int64)).to(device)
+    return to_device(np.flatnonzero(mask).astype(np.int64), device)
