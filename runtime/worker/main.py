@@ -59,7 +59,7 @@ class _Worker:
         self.cfg = EngineConfig(**args.config)
         self.rank = args.rank
         self.step = -1
-        self._held = None    # (PendingResult, t0) of a launched step whose result is not sent yet
+        self._held = None    # (PendingResult, busy_s) of a launched step not answered yet
 
     def setup(self) -> None:
         cfg = self.cfg

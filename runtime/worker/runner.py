@@ -4,6 +4,8 @@ Order inside a step: consume the deferred entry (non-last ranks, overlapped mode
 slots -> prepare inputs from device state -> receive hidden states from rank - 1 -> forward ->
 send to rank + 1 -> last rank: sample, post-update, broadcast on the sibling group; other ranks:
 post the deferred receive -> immediate post-update (+query length) -> validate CPU mirrors.
+The last rank's sampled ids leave through a non-blocking copy to pinned memory; ``launch`` returns
+before they land (:class:`~runtime.worker.pending_result.PendingResult`), ``step`` waits for them.
 
 Every collective decision is a pure function of the replicated :class:`SchedulerOutput`
 (``ppstate.pp_handler.need_sampled_mask``), so all ranks agree whether a broadcast happens.
@@ -172,7 +174,7 @@ class StageRunner:
         self.sink.emit("timing", step=step, rank=self.g.rank, phase=phase, t0_ns=ns0,
                        t1_ns=time.monotonic_ns() if ns1 is None else ns1)
 
-    def _run_rows(self, out: SchedulerOutput, mask: np.ndarray | None) -> StepResult | None:
+    def _run_rows(self, out: SchedulerOutput, mask: np.ndarray | None) -> PendingResult | None:
         dev = self.device
         if self.fast is None:
             meta = BatchMeta.build(out.slots, out.start_positions, out.num_scheduled_tokens, dev,
