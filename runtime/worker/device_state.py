@@ -55,6 +55,7 @@ class DeviceState:
         self.all_token_ids = torch.zeros(max_num_reqs, max_model_len, **i64)   # [max_num_reqs, max_model_len]
         self.mirror = CpuMirror(max_num_reqs, rank=rank)
         self.owner: list[str | None] = [None] * max_num_reqs                    # [max_num_reqs]
+        self.live_np = np.zeros(max_num_reqs, dtype=bool)                       # [max_num_reqs]
         self.sampling_state = SamplingState(max_num_reqs, device)  # per-slot sampling parameters
 
     def add_requests(self, new: Sequence[NewRequest]) -> None:
@@ -70,6 +71,7 @@ class DeviceState:
             self.num_computed_tokens[s] = req.num_cached_tokens
             self.num_computed_prefill_tokens[s] = req.num_cached_tokens
             self.owner[s] = req.req_id
+            self.live_np[s] = True
             self.block_table_np[s] = 0
             self.block_table[s] = 0
             self.num_blocks[s] = 0
@@ -96,6 +98,7 @@ class DeviceState:
     def free(self, slot: int) -> None:
         """Forget the slot's owner (its tensors are re-initialised on the next admission)."""
         self.owner[slot] = None
+        self.live_np[slot] = False
 
     def input_ids(self, token_slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Gather the step's input token ids from device state: ``[num_tokens]`` int64.
@@ -127,7 +130,7 @@ class DeviceState:
 
     def live_slots(self) -> np.ndarray:
         """``[num_live]`` slots that hold a request."""
-        return np.fromiter((i for i, o in enumerate(self.owner) if o is not None), dtype=np.int64)
+        return np.flatnonzero(self.live_np)
 
     def validate(self, step: int) -> None:
         """Compare mirrors with device tensors on live slots (invariant 4), and the block count
