@@ -9,7 +9,8 @@ mkdir -p "$out"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout 200 python3 -m pytest -p no:cacheprovider -q -rs -k "not interpreter" \
     tests/test_attention_kernels.py tests/test_gpu_fast_path.py tests/test_gpu_mirror_check.py \
-    tests/test_post_update.py tests/test_gpu_engine.py > "$out/tests.log" 2>&1
+    tests/test_post_update.py tests/test_gpu_engine.py tests/test_sampling_state.py \
+    tests/test_step_inputs.py > "$out/tests.log" 2>&1
   tail -4 "$out/tests.log"
 fi
 folder=/tmp/smollm2-random
