@@ -83,6 +83,9 @@ class _Worker:
         if cfg.trace_dir:
             sink = JsonlSink(rank_trace_path(cfg.trace_dir, self.rank),
                              trace_prompts=cfg.trace_prompts)
+        # Hold a launched step's result while launching the next only where launching does not
+        # block the host on a peer (PP=1, or NCCL's stream-ordered receives).
+        self._may_hold = cfg.pp_size == 1 or self.groups.nccl
         fast, graphs = self._fast_path(stage, cfg, device)
         self.runner = StageRunner(self.groups, stage, state, cfg.pp_schedule == "overlapped",
                                   cfg.validate_every, sink, fast=fast, graphs=graphs)
@@ -151,6 +154,8 @@ class _Worker:
         self._flush()                   # the previous step's result: its kernels ran first
         if pending is not None:
             self._held = (pending, busy)
+            if pending.ready() or not self._may_hold:
+                self._flush()           # CPU (already complete) or host-blocking receives
         else:
             self.push.send(tp.encode(tp.ResultMsg.timing_only(out.step, self.rank, busy,
                                                               time.perf_counter() - t0)))
