@@ -57,7 +57,7 @@ class PendingResult:
             host, w = self.copy.wait(), self.width
             if self.on_done is not None:
                 self.on_done(host)
-            lps = None if self.logprobs is None else self.logprobs.rows()
+            lps = None if self.logprobs is None else self.logprobs.entries()
             self._result = StepResult(self.step, host[:, :w].copy(), host[:, w].astype(np.int32),
                                       host[:, w + 1].astype(np.int32), lps)
         return self._result
@@ -75,7 +75,7 @@ class LogprobRows:
     """
 
     def __init__(self, so: SamplerOutput, rows: np.ndarray, num_rows: int, ks: np.ndarray) -> None:
-        self.so, self.rows, self.num_rows, self.ks = so, rows, num_rows, ks
+        self.so, self.row_ids, self.num_rows, self.ks = so, rows, num_rows, ks
 
     @classmethod
     def of(cls, so: SamplerOutput, rows: np.ndarray, num_rows: int,
@@ -85,7 +85,7 @@ class LogprobRows:
             return None
         return cls(so, rows, num_rows, ks)
 
-    def rows(self) -> list:
+    def entries(self) -> list:
         """``[num_rows]`` entries: ``(logprob, {token_id: logprob} of the top k)`` or None."""
         so = self.so
         lp = so.logprobs.float().cpu().tolist()
@@ -96,6 +96,6 @@ class LogprobRows:
         for j in np.flatnonzero(self.ks >= 0):
             k = int(self.ks[j])
             alts = {} if top is None else dict(zip(top[0][j][:k], top[1][j][:k]))
-            outs[int(self.rows[j])] = (lp[j], alts)
+            outs[int(self.row_ids[j])] = (lp[j], alts)
         return outs
 
