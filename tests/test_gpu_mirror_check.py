@@ -55,3 +55,21 @@ def test_clean_steps_pass_and_planted_divergence_is_caught_within_one_step(devic
     e = caught[1]
     assert (e.rank, e.step, e.slot, e.req_id, e.field) == (1, 5, 3, "r3", "num_computed_tokens")
     assert (e.cpu, e.device) == (6, 13)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_block_count_short_of_computed_tokens_is_caught(device):
+    """Device and mirror agree, but slot 6 holds one block fewer than its computed tokens need
+    (invariant 9): the vectorised check must still fail and name the slot."""
+    st = _state(device)
+    chk = AsyncMirrorCheck(st)
+    _step(st)
+    chk.snapshot(0)
+    for _ in range(21):            # slot 6: 3 tokens per step, 66 after 22 steps > 64
+        _step(st)
+    with pytest.raises(MirrorDivergence) as info:
+        chk.snapshot(1)
+        chk.poll(block=True)
+    e = info.value
+    assert (e.rank, e.step, e.slot, e.req_id) == (1, 1, 6, "r6") and e.field.startswith("num_blocks")
+    assert (e.cpu, e.device) == (1, 2)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import gc
 import json
 import os
 import sys
@@ -150,6 +151,7 @@ def bench_shape(shape: str, args, dev: torch.device) -> dict:
                                           cfg.vocab_size)
         print(json.dumps({"pp1_decode_heavy": out["pp1_decode_heavy"]}), flush=True)
     del hf, fast, eager, graphs, model, stage
+    gc.collect()        # compiled static-cache models sit in reference cycles: free them now
     torch.cuda.empty_cache()
     return out
 

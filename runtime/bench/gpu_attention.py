@@ -7,8 +7,8 @@ ones need no block table, so they bound what paging costs. Median of ``triton.te
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +54,11 @@ def case(rows: int, ctx: int, h: int, kvh: int, d: int, dev) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m runtime.bench.gpu_attention", description=__doc__)
+    p.add_argument("out", nargs="?", default=None, help="JSON file for the results (optional)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("python -m runtime.bench.gpu_attention needs a CUDA device")
     dev = torch.device("cuda")
     res = []
     for h, kvh, d in ((9, 3, 64), (32, 8, 128)):
@@ -61,9 +66,8 @@ def main(argv: list[str] | None = None) -> int:
             r = case(rows, ctx, h, kvh, d, dev)
             print(json.dumps(r), flush=True)
             res.append(r)
-    out = (argv or sys.argv[1:] or [None])[0]
-    if out:
-        with open(out, "w") as f:
+    if args.out:
+        with open(args.out, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(0), "cases": res}, f, indent=2)
     return 0
 

@@ -40,6 +40,8 @@ def markdown(res: dict) -> str:
                   f"(cost {100 * v['async_cost']:.1f}%), synchronous {_f(v['sync_tokens_per_s'])} "
                   f"(cost {100 * v['sync_cost']:.1f}%)."]
     for shape, c in (res.get("capture") or {}).items():
-        lines += [f"{shape}: {len(c['buckets'])} CUDA graphs captured in {c['seconds']:.1f} s, "
-                  f"{c['bytes'] / 2**20:.0f} MiB."]
+        mem = (f"{c['bytes'] / 2**20:.0f} MiB" if c["bytes"] >= 0 else
+               "memory not measured (a negative figure: memory freed by an earlier model was "
+               "released during capture; fixed since)")
+        lines += [f"{shape}: {len(c['buckets'])} CUDA graphs captured in {c['seconds']:.1f} s, {mem}."]
     return "\n".join(lines)

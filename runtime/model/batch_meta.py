@@ -163,8 +163,9 @@ class BatchMeta:
         else:  # the blocks each row reads: its first ceil(seq_len / block_size) table entries
             need = -(-seq // block_size)
             used = tables[torch.arange(width)[None, :] < need[:, None]]
-        to = lambda t: t.to(device)  # noqa: E731
-        i32 = lambda t: t.to(device=device, dtype=torch.int32)  # noqa: E731
+        # non_blocking: a blocking CPU -> CUDA copy synchronises the stream (waits for the GPU)
+        to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        i32 = lambda t: t.to(dtype=torch.int32).to(device, non_blocking=True)  # noqa: E731
         return BatchMeta(slots=to(slots), start_positions=to(start), query_lens=to(qlen),
                          positions=to(positions), token_slots=to(tok_slots), last_token=to(ends - 1),
                          groups=tuple(g._replace_device(device) for g in groups),

@@ -12,6 +12,7 @@ largest first, so the pool is sized by the largest bucket.
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass
 
@@ -82,8 +83,13 @@ class DecodeGraphs:
         """Capture every bucket (largest first). Padding rows only: nothing is written to the
         cache. Returns the wall seconds and the device memory taken meanwhile (free memory
         before minus after, so it includes Triton's compiled kernels and cuBLAS workspaces)."""
+        # Free memory is measured process-wide, and every torch.cuda.graph capture empties the
+        # allocator's cache on entry: garbage still awaiting the cycle collector (a previous
+        # model's tensors) would be released to the driver during capture and make the figure
+        # negative. Collect it and empty the cache first.
+        gc.collect()
         torch.cuda.synchronize()
-        torch.cuda.empty_cache()          # so freed cached blocks do not count as capture memory
+        torch.cuda.empty_cache()
         before = torch.cuda.mem_get_info()[0]
         t0 = time.perf_counter()
         self.slot_mapping.fill_(-1)

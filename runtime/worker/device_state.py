@@ -15,7 +15,10 @@ import torch
 
 from ppstate.batch import NewRequest
 from ppstate.mirror import MIRROR_FIELDS, CpuMirror
+from runtime.sampling_params import SamplingParams
+from runtime.worker.host_copy import to_device
 from runtime.worker.kernels.post_update import post_update_computed, post_update_sampled
+from runtime.worker.sampling_state import SamplingState
 
 
 class DeviceState:
@@ -52,25 +55,32 @@ class DeviceState:
         self.all_token_ids = torch.zeros(max_num_reqs, max_model_len, **i64)   # [max_num_reqs, max_model_len]
         self.mirror = CpuMirror(max_num_reqs, rank=rank)
         self.owner: list[str | None] = [None] * max_num_reqs                    # [max_num_reqs]
-        self.sampling: list[dict | None] = [None] * max_num_reqs                # [max_num_reqs]
+        self.live_np = np.zeros(max_num_reqs, dtype=bool)                       # [max_num_reqs]
+        self.sampling_state = SamplingState(max_num_reqs, device)  # per-slot sampling parameters
 
     def add_requests(self, new: Sequence[NewRequest]) -> None:
-        """Initialise the slots of newly admitted requests (prompt ids, lengths, counters)."""
+        """Initialise the slots of newly admitted requests (prompt ids, lengths, counters,
+        sampling parameters)."""
         for req in new:
             s, n = req.slot, len(req.prompt_token_ids)
-            self.all_token_ids[s, :n] = torch.tensor(req.prompt_token_ids, dtype=torch.int64)
+            self.all_token_ids[s, :n] = to_device(torch.tensor(req.prompt_token_ids, dtype=torch.int64),
+                                                  self.device)
             self.total_len[s] = n
             self.prefill_len[s] = n
             self.max_seq_len[s] = req.max_seq_len
             self.num_computed_tokens[s] = req.num_cached_tokens
             self.num_computed_prefill_tokens[s] = req.num_cached_tokens
             self.owner[s] = req.req_id
-            self.sampling[s] = req.sampling
+            self.live_np[s] = True
             self.block_table_np[s] = 0
             self.block_table[s] = 0
             self.num_blocks[s] = 0
             self.output_offset_np[s] = req.num_output_tokens
             self.mirror.add_request(s, n, req.max_seq_len, req.num_cached_tokens)
+        if new:
+            self.sampling_state.admit([r.slot for r in new],
+                                      [SamplingParams(**r.sampling) for r in new],
+                                      [len(r.prompt_token_ids) - r.num_output_tokens for r in new])
 
     def apply_block_updates(self, slots: np.ndarray, cols: np.ndarray, ids: np.ndarray) -> None:
         """Scheduler block-table deltas (``[U]`` each): ``block_table[slot, col] = id`` on the CPU
@@ -79,16 +89,16 @@ class DeviceState:
         if slots.size == 0:
             return
         self.block_table_np[slots, cols] = ids
-        s = torch.as_tensor(slots.astype(np.int64), device=self.device)
-        c = torch.as_tensor(cols.astype(np.int64), device=self.device)
-        self.block_table[s, c] = torch.as_tensor(ids, dtype=torch.int32, device=self.device)
+        s = to_device(slots, self.device, torch.int64)
+        c = to_device(cols, self.device, torch.int64)
+        self.block_table[s, c] = to_device(ids, self.device, torch.int32)
         self.num_blocks.scatter_reduce_(0, s, c + 1, reduce="amax")
         self.mirror.apply_block_updates(slots, cols)
 
     def free(self, slot: int) -> None:
         """Forget the slot's owner (its tensors are re-initialised on the next admission)."""
         self.owner[slot] = None
-        self.sampling[slot] = None
+        self.live_np[slot] = False
 
     def input_ids(self, token_slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Gather the step's input token ids from device state: ``[num_tokens]`` int64.
@@ -120,7 +130,7 @@ class DeviceState:
 
     def live_slots(self) -> np.ndarray:
         """``[num_live]`` slots that hold a request."""
-        return np.fromiter((i for i, o in enumerate(self.owner) if o is not None), dtype=np.int64)
+        return np.flatnonzero(self.live_np)
 
     def validate(self, step: int) -> None:
         """Compare mirrors with device tensors on live slots (invariant 4), and the block count

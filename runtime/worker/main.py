@@ -60,6 +60,7 @@ class _Worker:
         self.cfg = EngineConfig(**args.config)
         self.rank = args.rank
         self.step = -1
+        self._held = None    # (PendingResult, busy_s) of a launched step not answered yet
 
     def setup(self) -> None:
         cfg = self.cfg
@@ -83,6 +84,9 @@ class _Worker:
         if cfg.trace_dir:
             sink = JsonlSink(rank_trace_path(cfg.trace_dir, self.rank),
                              trace_prompts=cfg.trace_prompts)
+        # Hold a launched step's result while launching the next only where launching does not
+        # block the host on a peer (PP=1, or NCCL's stream-ordered receives).
+        self._may_hold = cfg.scheduler.pp_size == 1 or self.groups.nccl
         fast, graphs = self._fast_path(stage, cfg, device)
         self.runner = StageRunner(self.groups, stage, state, cfg.scheduler.mode == "overlapped",
                                   cfg.validate_every, sink, fast=fast, graphs=graphs,
@@ -127,6 +131,8 @@ class _Worker:
                 continue
             last = time.monotonic()
             msg = tp.decode(pull.recv())
+            if msg.kind != "step":
+                self._flush()
             if msg.kind == "shutdown":
                 return
             if msg.kind == "corrupt_state":
@@ -134,19 +140,36 @@ class _Worker:
                 continue
             if msg.kind == "step":
                 self._step(msg)
+                if not pull.poll(0):    # no next step queued: send this one's result now
+                    self._flush()
 
     def _step(self, msg) -> None:
+        """Launch one step. The last rank holds its result back until the next step (when one
+        is already queued) has been launched too, so preparing step N+1's inputs overlaps the
+        GPU work of step N; results still leave in step order."""
         out = tp.to_scheduler_output(msg)
         self.step = out.step
         self.progress.begin_step(out.step, decode_only=bool(
             out.num_rows and (out.num_scheduled_tokens == 1).all()))
-        result = self.runner.step(out)
+        pending = self.runner.launch(out)
         busy = self.runner.timing.busy_s
-        if result is not None:
-            self.push.send(tp.encode(tp.from_step_result(result, rank=self.rank, busy_s=busy)))
+        self._flush()                   # the previous step's result: its kernels ran first
+        if pending is not None:
+            self._held = (pending, busy)
+            if pending.ready() or not self._may_hold:
+                self._flush()           # CPU (already complete) or host-blocking receives
         else:
             self.push.send(tp.encode(tp.ResultMsg.timing_only(out.step, self.rank, busy)))
         self.progress.end_step()
+
+    def _flush(self) -> None:
+        """Send the held result, waiting for its sampled ids to reach the host if needed."""
+        if self._held is None:
+            return
+        pending, busy = self._held
+        self._held = None
+        self.push.send(tp.encode(tp.from_step_result(pending.result(), rank=self.rank,
+                                                     busy_s=busy)))
 
     def report(self, exc: BaseException) -> None:
         self.push.send(tp.encode(tp.ErrorMsg.from_exception(self.rank, self.step, exc)))

@@ -1,8 +1,10 @@
 """Mirror validation off the critical path (invariant 4 checked every step without a host sync).
 
-After a step, :meth:`AsyncMirrorCheck.snapshot` issues non-blocking copies of the device fields
-(``MIRROR_FIELDS`` of :class:`~runtime.worker.device_state.DeviceState`) into pinned host memory,
-records a CUDA event, and keeps a copy of the CPU mirror as it was at that moment. The comparison
+After a step, :meth:`AsyncMirrorCheck.snapshot` stacks the device fields (``MIRROR_FIELDS`` of
+:class:`~runtime.worker.device_state.DeviceState`) and issues one non-blocking copy into pinned host
+memory, records a CUDA event, and keeps a stacked copy of the CPU mirror as it was at that moment.
+The comparison is one vectorised test over the live slots (fields and KV block counts); only when
+it fails is the first divergent (field, slot) looked up for the error. The comparison
 runs when the event has completed: :meth:`poll` checks it opportunistically, and the next
 :meth:`snapshot` forces it, so a divergence is reported at the latest one step after it happened.
 A divergence raises :class:`~ppstate.errors.MirrorDivergence` naming rank, step, slot, request,
@@ -24,8 +26,7 @@ from ppstate.mirror import MIRROR_FIELDS, CpuMirror
 @dataclass
 class _Pending:
     step: int
-    buf: int                       # index of the pinned buffer set in use
-    expected: CpuMirror            # the mirror as it was at snapshot time
+    buf: int                       # index of the double-buffered host / expected arrays in use
     live: np.ndarray               # [num_live] slots compared
     owners: list                   # [max_num_reqs] req ids at snapshot time
     event: object | None
@@ -36,15 +37,19 @@ class AsyncMirrorCheck:
 
     Args:
         state: the rank's DeviceState (device tensors ``[max_num_reqs]`` int64, ``mirror``,
-            ``owner``, ``live_slots()``).
+            ``owner``, ``live_slots()``, ``block_size``).
     """
 
     def __init__(self, state) -> None:
         self.state = state
         m = state.mirror.num_computed_tokens_np.shape[0]
+        f = len(MIRROR_FIELDS)
         pin = state.device.type == "cuda"
-        self.host = [{f: torch.empty(m, dtype=torch.int64, pin_memory=pin) for f in MIRROR_FIELDS}
-                     for _ in range(2)]                                   # 2 x field -> [m]
+        self.host = [torch.empty(f, m, dtype=torch.int64, pin_memory=pin)
+                     for _ in range(2)]                                   # 2 x [F, max_num_reqs]
+        self.expected = [np.empty((f, m), dtype=np.int64) for _ in range(2)]  # 2 x [F, max_num_reqs]
+        self._nct = MIRROR_FIELDS.index("num_computed_tokens")
+        self._nb = MIRROR_FIELDS.index("num_blocks")
         self.pending: list[_Pending] = []
         self.checked_steps = 0
 
@@ -60,17 +65,15 @@ class AsyncMirrorCheck:
         if live.size == 0:
             return
         k = step % 2
-        for f in MIRROR_FIELDS:
-            self.host[k][f].copy_(getattr(self.state, f), non_blocking=True)
+        dev = torch.stack([getattr(self.state, f) for f in MIRROR_FIELDS])   # [F, max_num_reqs]
+        self.host[k].copy_(dev, non_blocking=True)
         event = None
         if self.state.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
         mirror = self.state.mirror
-        expected = CpuMirror(mirror.num_computed_tokens_np.shape[0], rank=mirror.rank)
-        for f in MIRROR_FIELDS:
-            np.copyto(expected.array(f), mirror.array(f))
-        self.pending.append(_Pending(step, k, expected, live, list(self.state.owner), event))
+        np.stack([mirror.array(f) for f in MIRROR_FIELDS], out=self.expected[k])
+        self.pending.append(_Pending(step, k, live, list(self.state.owner), event))
         if event is None:
             self.poll(block=True)
 
@@ -83,7 +86,19 @@ class AsyncMirrorCheck:
                     return
                 p.event.synchronize()
             self.pending.pop(0)
-            dev = {f: self.host[p.buf][f].numpy() for f in MIRROR_FIELDS}
             self.checked_steps += 1
-            p.expected.validate(dev, p.live, p.step, owners=p.owners)
-            p.expected.validate_blocks(self.state.block_size, p.live, p.step, owners=p.owners)
+            dev, exp = self.host[p.buf].numpy(), self.expected[p.buf]
+            e = exp[:, p.live]                                             # [F, num_live]
+            bs = self.state.block_size
+            if not (np.array_equal(e, dev[:, p.live])
+                    and np.array_equal(-(-e[self._nct] // bs), e[self._nb])):
+                self._raise(p, dev, exp)
+
+    def _raise(self, p: _Pending, dev: np.ndarray, exp: np.ndarray) -> None:
+        """The first divergence of ``p``, as ``CpuMirror.validate`` / ``validate_blocks`` name it."""
+        expected = CpuMirror(exp.shape[1], rank=self.state.mirror.rank)
+        for i, f in enumerate(MIRROR_FIELDS):
+            np.copyto(expected.array(f), exp[i])
+        expected.validate({f: dev[i] for i, f in enumerate(MIRROR_FIELDS)}, p.live, p.step,
+                          owners=p.owners)
+        expected.validate_blocks(self.state.block_size, p.live, p.step, owners=p.owners)

@@ -4,7 +4,9 @@ The order of a step (deferred consume -> free / admit -> inputs -> receive -> fo
 sample and publish, or post the deferred receive -> post-update -> validate) is
 :class:`~ppstate.rank_step.RankStep`'s, shared with the simulator (docs/design.md, "The step of a
 rank"). This module supplies the operations: device state, the model forward, p2p hand-off of
-hidden states, sampling and the sampled-token broadcast.
+hidden states, sampling and the sampled-token broadcast. The last rank's sampled ids leave through
+a non-blocking copy to pinned memory: :meth:`StageRunner.launch` returns before they land
+(:class:`~runtime.worker.pending_result.PendingResult`), :meth:`StageRunner.step` waits for them.
 
 Every collective decision is a pure function of the replicated :class:`SchedulerOutput`
 (``ppstate.pp_handler.need_sampled_mask``), so all ranks agree whether a broadcast happens.
@@ -25,13 +27,15 @@ from ppstate.pp_handler import ConsumedEntry, PPHandler
 from ppstate.rank_step import RankStep
 from runtime.model.paged_stage import PagedMeta, PagedStage
 from runtime.model.stage import BatchMeta, StageModel
-from runtime.worker.sampler import SamplingBatch, TokenHistory, sample
-from runtime.sampling_params import SamplingParams
 from runtime.worker.cuda_graphs import DecodeGraphs
 from runtime.worker.device_state import DeviceState
 from runtime.worker.groups import PPGroups
+from runtime.worker.host_copy import HostCopy, to_device
 from runtime.worker.mirror_check import AsyncMirrorCheck
+from runtime.worker.pending_result import LogprobRows, PendingResult
 from runtime.worker.progress import Progress
+from runtime.worker.sampler import TokenHistory, sample
+from runtime.worker.step_inputs import build_fast_meta
 
 
 class _PendingRecv:
@@ -101,8 +105,10 @@ class StageRunner:
         self.act_dtype = next(stage.parameters()).dtype
         depth = groups.pp_size if overlapped else 1
         self._order = RankStep(self, groups.rank, groups.pp_size, depth, len(state.owner), sink)
-        self._params: dict[int, SamplingParams] = {}
-        self._logprobs = None       # per-row logprobs of the step being sampled (last rank)
+        self.host_copy = HostCopy(state.device)
+        self._logprobs: LogprobRows | None = None   # of the step being sampled (last rank)
+        self._meta: BatchMeta | None = None         # of the step being run
+        self._sampled: SampledPayload | None = None  # the payload this rank just sampled
         self.timing = StepTiming()
 
     @property
@@ -118,6 +124,13 @@ class StageRunner:
             MirrorDivergence: mirrors differ from device state after the step.
             RuntimeError: a peer did not answer within the group timeout.
         """
+        pending = self.launch(out)
+        return None if pending is None else pending.result()
+
+    def launch(self, out: SchedulerOutput) -> PendingResult | None:
+        """Enqueue one step: on the last rank returns as soon as the step's kernels and the copy
+        of its sampled ids to pinned host memory are enqueued (:meth:`PendingResult.result`
+        waits for them); None on the other ranks. Raises as :meth:`step`."""
         return self._order.step(out)
 
     # ---- RankBackend: step bracket -----------------------------------------------------------
@@ -140,19 +153,20 @@ class StageRunner:
     def free_and_admit(self, out: SchedulerOutput) -> None:
         for f in out.freed:
             self.state.free(f.slot)
-            self._params.pop(f.slot, None)
-        self.state.add_requests(out.new_requests)
+        self.state.add_requests(out.new_requests)     # also their sampling parameters
         self.state.apply_block_updates(out.block_table_slots, out.block_table_cols,
                                        out.block_table_ids)
-        if self.g.is_last:
-            for r in out.new_requests:
-                self._params[r.slot] = SamplingParams(**r.sampling)
 
     # ---- RankBackend: forward ----------------------------------------------------------------
     def prepare_inputs(self, out: SchedulerOutput) -> _Inputs:
-        meta = BatchMeta.build(out.slots, out.start_positions, out.num_scheduled_tokens,
-                               self.device, torch.from_numpy(self.state.block_table_np),
-                               self.state.block_size, attention_groups=self.fast is None)
+        if self.fast is None:
+            meta = BatchMeta.build(out.slots, out.start_positions, out.num_scheduled_tokens,
+                                   self.device, torch.from_numpy(self.state.block_table_np),
+                                   self.state.block_size, attention_groups=True)
+        else:   # numpy arithmetic, two uploads (runtime/worker/step_inputs.py)
+            meta = build_fast_meta(out.slots, out.start_positions, out.num_scheduled_tokens,
+                                   self.state.block_table_np, self.state.block_size, self.device)
+        self._meta = meta
         ids = self.state.input_ids(meta.token_slots, meta.positions) if self.g.is_first else None
         return _Inputs(meta, ids)
 
@@ -189,10 +203,8 @@ class StageRunner:
 
     def apply_scheduled(self, out: SchedulerOutput) -> None:
         self.progress.enter("post")
-        dev = self.device
-        slots = torch.as_tensor(out.slots, dtype=torch.int64, device=dev)
-        query_lens = torch.as_tensor(out.num_scheduled_tokens, dtype=torch.int64, device=dev)
-        self.state.apply_scheduled(slots, query_lens, out.slots.astype(np.int64),
+        meta = self._meta
+        self.state.apply_scheduled(meta.slots, meta.query_lens, out.slots.astype(np.int64),
                                    out.num_scheduled_tokens.astype(np.int64))
 
     def _stage_forward(self, meta: BatchMeta, **inputs):
@@ -214,36 +226,42 @@ class StageRunner:
         r, w = out.num_rows, self.width
         payload = SampledPayload(torch.zeros(SampledPayload.shape(r, w), dtype=torch.int64,
                                              device=self.device))
-        self._logprobs = None
+        self._logprobs, self._sampled = None, payload
         if r == 0:
             return payload
         t0, ns0 = time.perf_counter(), time.monotonic_ns()
         if mask is not None:
-            rows = np.nonzero(mask)[0]
-            params = [self._params[int(out.slots[i])] for i in rows]
-            s = out.slots[rows]
-            prompt = self.state.mirror.prefill_len_np[s] - self.state.output_offset_np[s]
-            out_idx = (out.start_positions[rows] + out.num_scheduled_tokens[rows] - prompt).tolist()
-            batch = SamplingBatch.build(params, out_idx, self.device)
-            rows_t = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
+            rows = np.flatnonzero(mask)
+            s_rows = out.slots[rows]
+            batch, slots_t = self.state.sampling_state.batch(
+                s_rows, out.start_positions[rows] + out.num_scheduled_tokens[rows])
             history = None
             if batch.penalty_rows is not None:  # penalties read the slots' token history
-                slots_t = torch.as_tensor(out.slots[rows], dtype=torch.int64, device=self.device)
                 history = TokenHistory.gather(self.state.all_token_ids, self.state.prefill_len,
                                               self.state.total_len, slots_t[batch.penalty_rows])
-            so = sample(logits.index_select(0, rows_t).float(), batch, history)
-            payload.token_ids[rows_t, 0] = so.token_ids
-            payload.num_sampled[rows_t] = 1
-            self._logprobs = _logprob_rows(so, rows, r, params)
+            if rows.size < r:
+                rows_t = to_device(rows, self.device, torch.int64)
+                so = sample(logits.index_select(0, rows_t).float(), batch, history)
+                payload.token_ids[rows_t, 0] = so.token_ids
+                payload.num_sampled[rows_t] = 1
+            else:   # every row samples (decode steps): no row gather
+                so = sample(logits.float(), batch, history)
+                payload.token_ids[:, 0] = so.token_ids
+                payload.num_sampled[:] = 1
+            self._logprobs = LogprobRows.of(so, rows, r,
+                                            self.state.sampling_state.num_logprobs_np[s_rows])
         if self.sink.enabled:
             self._emit_timing("sample", out.step, ns0)
         self.timing.busy_s += time.perf_counter() - t0
         return payload
 
     def apply_sampled(self, step: int, idx_mapping: np.ndarray, payload: SampledPayload) -> None:
-        p = SampledPayload(payload.buf.to(self.device))
-        idx = torch.as_tensor(idx_mapping, dtype=torch.int64, device=self.device)
-        rejected_np = p.num_rejected.cpu().numpy()
+        p = SampledPayload(payload.buf.to(self.device, non_blocking=True))
+        idx = to_device(idx_mapping, self.device, torch.int64)
+        if payload is self._sampled:    # sampled here without drafts: nothing rejected, no sync
+            rejected_np = np.zeros(len(idx_mapping), dtype=np.int64)
+        else:
+            rejected_np = p.num_rejected.cpu().numpy()
         self.state.apply_sampled(idx, p.token_ids, p.num_sampled, p.num_rejected,
                                  idx_mapping.astype(np.int64), rejected_np)
 
@@ -280,16 +298,23 @@ class StageRunner:
     def received(self, entry: ConsumedEntry) -> SampledPayload:
         return SampledPayload(entry.handle.buf)
 
-    def result(self, out: SchedulerOutput, payload: SampledPayload) -> StepResult:
+    def result(self, out: SchedulerOutput, payload: SampledPayload) -> PendingResult:
+        w = self.width
         if out.num_rows == 0:
             z = np.zeros(0, dtype=np.int32)
-            return StepResult(out.step, np.zeros((0, self.width), dtype=np.int64), z, z.copy())
-        host = SampledPayload(payload.buf.cpu().numpy())
-        if self.sink.enabled:
+            return PendingResult.completed(
+                StepResult(out.step, np.zeros((0, w), dtype=np.int64), z, z.copy()))
+        copy = self.host_copy.start(payload.buf)    # non_blocking into pinned memory + an event
+        on_done = self._sampled_event(out) if self.sink.enabled else None
+        return PendingResult(out.step, w, copy, self._logprobs, self.timing.busy_s, on_done)
+
+    def _sampled_event(self, out: SchedulerOutput):
+        """The ``sampled`` trace event of step ``out``, emitted once its ids reached the host."""
+        def on_done(host: np.ndarray) -> None:
+            h = SampledPayload(host)
             self.sink.emit("sampled", step=out.step, rank=self.g.rank, req_ids=list(out.req_ids),
-                           token_ids=host.token_ids.tolist(), num_sampled=host.num_sampled.tolist())
-        return StepResult(out.step, host.token_ids.copy(), host.num_sampled.astype(np.int32),
-                          host.num_rejected.astype(np.int32), self._logprobs)
+                           token_ids=h.token_ids.tolist(), num_sampled=h.num_sampled.tolist())
+        return on_done
 
     # ---- mirrors and trace -------------------------------------------------------------------
     def _validate(self, step: int) -> None:
@@ -312,20 +337,3 @@ class StageRunner:
         self.sink.emit("timing", step=step, rank=self.g.rank, phase=phase, t0_ns=ns0,
                        t1_ns=time.monotonic_ns() if ns1 is None else ns1)
 
-
-def _logprob_rows(so, rows: np.ndarray, num_rows: int, params: list[SamplingParams]):
-    """Per-row logprob payload ``[num_rows]`` (None for rows without a request for logprobs)."""
-    if so.logprobs is None or not any(p.logprobs is not None for p in params):
-        return None
-    lp = so.logprobs.float().cpu().tolist()
-    top = None
-    if so.top_logprobs is not None:
-        top = (so.top_logprobs[0].cpu().tolist(), so.top_logprobs[1].float().cpu().tolist())
-    outs: list = [None] * num_rows
-    for j, i in enumerate(rows):
-        k = params[j].logprobs
-        if k is None:
-            continue
-        alts = {} if top is None else dict(zip(top[0][j][:k], top[1][j][:k]))
-        outs[int(i)] = (lp[j], alts)
-    return outs

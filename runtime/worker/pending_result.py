@@ -1,0 +1,101 @@
+"""The last rank's result of one step, before its sampled ids have reached the host.
+
+:meth:`StageRunner.launch <runtime.worker.runner.StageRunner.launch>` returns a
+:class:`PendingResult` as soon as the step's kernels and the device-to-host copy of its payload are
+enqueued; :meth:`PendingResult.result` waits for the copy's event and builds the
+:class:`~ppstate.batch.StepResult` the engine receives. The worker launches the next step in
+between when it has one (docs/gpu.md, "A step with no host stall").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from ppstate.batch import StepResult
+from runtime.worker.sampler import SamplerOutput
+from runtime.worker.host_copy import PendingCopy
+
+
+class PendingResult:
+    """A launched step of the last rank.
+
+    Args:
+        step: the step number.
+        width: sampled ids per row (payload columns ``[0, width)``; ``width`` = count of sampled,
+            ``width + 1`` = count of rejected).
+        copy: the payload ``[num_rows, width + 2]`` int64 on its way to the host.
+        logprobs: :class:`LogprobRows` of the step, or None.
+        busy_s: seconds the rank computed to launch the step (host side).
+        on_done: called with the host payload ``[num_rows, width + 2]`` once it landed (the
+            ``sampled`` trace event), or None.
+    """
+
+    def __init__(self, step: int, width: int, copy: PendingCopy,
+                 logprobs: "LogprobRows | None", busy_s: float,
+                 on_done: Callable[[np.ndarray], None] | None = None) -> None:
+        self.step, self.width, self.copy, self.logprobs = step, width, copy, logprobs
+        self.busy_s, self.on_done = busy_s, on_done
+        self._result: StepResult | None = None
+
+    @classmethod
+    def completed(cls, result: StepResult) -> "PendingResult":
+        """A step whose result is known without the device (a step without rows)."""
+        p = cls(result.step, 1, PendingCopy(torch.zeros((0, 3), dtype=torch.int64), None), None, 0.0)
+        p._result = result
+        return p
+
+    def ready(self) -> bool:
+        """Whether the sampled ids have landed (never blocks)."""
+        return self._result is not None or self.copy.ready()
+
+    def result(self) -> StepResult:
+        """Wait for the sampled ids and return the step's result (cached after the first call)."""
+        if self._result is None:
+            host, w = self.copy.wait(), self.width
+            if self.on_done is not None:
+                self.on_done(host)
+            lps = None if self.logprobs is None else self.logprobs.entries()
+            self._result = StepResult(self.step, host[:, :w].copy(), host[:, w].astype(np.int32),
+                                      host[:, w + 1].astype(np.int32), lps)
+        return self._result
+
+
+class LogprobRows:
+    """Per-row logprob payload of a step, read from the device when the result is built.
+
+    Args:
+        so: the sampler's output for the sampled rows (``logprobs`` ``[S]``, ``top_logprobs``
+            ``([S, k], [S, k])``).
+        rows: ``[S]`` step rows that sampled.
+        num_rows: rows of the step.
+        ks: ``[S]`` logprob alternatives each row asked for, -1 = no logprobs.
+    """
+
+    def __init__(self, so: SamplerOutput, rows: np.ndarray, num_rows: int, ks: np.ndarray) -> None:
+        self.so, self.row_ids, self.num_rows, self.ks = so, rows, num_rows, ks
+
+    @classmethod
+    def of(cls, so: SamplerOutput, rows: np.ndarray, num_rows: int,
+           ks: np.ndarray) -> "LogprobRows | None":
+        """None when no row asked for logprobs."""
+        if so.logprobs is None or not (ks >= 0).any():
+            return None
+        return cls(so, rows, num_rows, ks)
+
+    def entries(self) -> list:
+        """``[num_rows]`` entries: ``(logprob, {token_id: logprob} of the top k)`` or None."""
+        so = self.so
+        lp = so.logprobs.float().cpu().tolist()
+        top = None
+        if so.top_logprobs is not None:
+            top = (so.top_logprobs[0].cpu().tolist(), so.top_logprobs[1].float().cpu().tolist())
+        outs: list = [None] * self.num_rows
+        for j in np.flatnonzero(self.ks >= 0):
+            k = int(self.ks[j])
+            alts = {} if top is None else dict(zip(top[0][j][:k], top[1][j][:k]))
+            outs[int(self.row_ids[j])] = (lp[j], alts)
+        return outs
+
