@@ -23,6 +23,7 @@ ENGINE_FLAGS = {
     "--engine-port": "engine_port", "--block-size": "block_size",
     "--kv-cache-memory": "kv_cache_memory", "--enable-prefix-caching": "enable_prefix_caching",
     "--enforce-eager": "enforce_eager",
+    "--dp": "dp_size",  # issue #14
 }
 
 
@@ -68,6 +69,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
                    help="CUDA: no CUDA graphs (decode steps run eagerly); capture time and memory "
                    "are printed at startup otherwise")
+    # ---- data parallelism (issue #14) ----
+    g.add_argument("--dp", type=int, default=d.dp_size, help="data-parallel replicas: independent "
+                   "pipelines of --pp ranks each behind one server (least-loaded routing); "
+                   "dp x pp rank processes")
 
 
 def engine_config(p: argparse.ArgumentParser, args: argparse.Namespace) -> EngineConfig:
@@ -78,6 +83,9 @@ def engine_config(p: argparse.ArgumentParser, args: argparse.Namespace) -> Engin
     except ValueError as exc:
         p.error(str(exc))
     args.pp = values["pp_size"]  # callers (bench) read args.pp
+    if values.get("dp_size", 1) > 1 and values["launcher"] == "torchrun":  # issue #14
+        p.error("--dp: data parallelism needs the spawn launcher; under torchrun run one server "
+                "per pipeline")
     try:
         return EngineConfig(**values)
     except ValidationError as exc:

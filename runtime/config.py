@@ -44,6 +44,8 @@ class EngineConfig(BaseModel):
             every slot (``max_num_seqs * ceil(max_model_len / block_size)`` blocks).
         enable_prefix_caching: reuse the KV blocks of identical prompt prefixes across requests.
         enforce_eager: CUDA: run decode steps eagerly instead of replaying captured CUDA graphs.
+        dp_size: data-parallel replicas: independent pipelines of ``pp_size`` ranks each, behind
+            one router (:mod:`runtime.dp.replicas`); ``dp_size * pp_size`` rank processes.
     """
     model_config = ConfigDict(extra="forbid")
 
@@ -70,6 +72,8 @@ class EngineConfig(BaseModel):
     kv_cache_memory: str | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    # ---- data parallelism (issue #14) ----
+    dp_size: int = Field(default=1, ge=1, le=64)
 
     @field_validator("kv_cache_memory")
     @classmethod

@@ -89,7 +89,8 @@ async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.soc
     until a signal or engine death, stop both.
 
     Args:
-        start_engine: coroutine function that starts the engine (default ``AsyncEngine.start``).
+        start_engine: coroutine function that starts the engine (default
+            ``runtime.dp.replicas.start_engine``: one pipeline, or ``dp_size`` replicas).
 
     Returns:
         The exit code: 0 after a signal, 1 when the engine died, 130 when a signal came while the
@@ -98,19 +99,20 @@ async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.soc
     Raises:
         EngineDeadError: the engine failed to start (after the server stopped).
     """
-    from runtime.engine import AsyncEngine
+    from runtime.dp.replicas import start_engine as start_dp_or_one
     from runtime.server import create_app
     from runtime.server.startup import StartupApp
 
     t0 = time.perf_counter()
-    print(f"loading model '{config.model}' over {config.pp_size} pipeline stage(s) "
+    dp = f" x {config.dp_size} data-parallel replicas" if config.dp_size > 1 else ""
+    print(f"loading model '{config.model}' over {config.pp_size} pipeline stage(s){dp} "
           f"({config.pp_schedule} schedule); {url_of(sock, args.host)}/health answers 503 "
           "'loading' until ready ...", flush=True)
     front = StartupApp()
     server = _Server(uvicorn.Config(front, log_level=args.log_level, timeout_graceful_shutdown=5,
                                     lifespan="off", access_log=args.log_level in ("info", "debug")))
     loop = asyncio.get_running_loop()
-    load = loop.create_task((start_engine or AsyncEngine.start)(config))
+    load = loop.create_task((start_engine or start_dp_or_one)(config))
     engine: Any = None
 
     def on_signal() -> None:
@@ -145,7 +147,7 @@ async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.soc
                 await asyncio.sleep(0.05)
             if server.started:
                 print(f"ready: {url_of(sock, args.host)}  (model '{engine.model_name}', "
-                      f"pp={config.pp_size}, up in {time.perf_counter() - t0:.1f} s)", flush=True)
+                      f"pp={config.pp_size}, dp={config.dp_size}, up in {time.perf_counter() - t0:.1f} s)", flush=True)
             while not server.should_exit:
                 if not engine.is_alive:
                     print(f"error: the engine died: {getattr(engine, 'error', None)}", file=sys.stderr,

@@ -22,8 +22,8 @@ COMP = "/v1/completions"
 class AppEngine(EngineThread):
     """An :class:`EngineThread` plus the OpenAI app around its engine."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: EngineConfig, start=None) -> None:
+        super().__init__(config, start)
         self.config = config
         self.app = create_app(self.engine, config)
 

@@ -17,11 +17,13 @@ from runtime.sampling_params import SamplingParams
 class EngineThread:
     """An event loop in a daemon thread holding one started :class:`AsyncEngine`."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, start=None) -> None:
+        """``start(config)``: the coroutine function that starts the engine (default
+        ``AsyncEngine.start``; ``runtime.dp.replicas.start_engine`` for ``--dp``)."""
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.engine: AsyncEngine = self.run(AsyncEngine.start(config), timeout=600)
+        self.engine: AsyncEngine = self.run((start or AsyncEngine.start)(config), timeout=600)
 
     def run(self, coro, timeout: float = 300):
         """Run ``coro`` on the engine's loop and return its result."""

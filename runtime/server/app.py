@@ -132,9 +132,15 @@ def create_app(engine: Any, config: EngineConfig, api_key: str | None = None,
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        """200 while every rank of the engine is alive, else 503."""
+        """200 while every rank of the engine is alive, else 503. With ``--dp`` the body lists
+        each replica (alive, error, running / waiting requests); 503 names the dead one."""
+        detail = getattr(engine, "health_detail", None)  # runtime.dp.replicas.ReplicatedEngine
+        if detail is not None and not engine.is_alive:
+            raise APIError(f"The engine is not running: {engine.error}", status=503,
+                           type="service_unavailable", code="engine_dead")
         require_engine()
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok"} if detail is None
+                            else {"status": "ok", "replicas": detail()})
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
