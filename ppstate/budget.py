@@ -31,6 +31,8 @@ class SchedulerConfig:
         num_kv_blocks: KV blocks per rank; None = room for ``max_model_len`` tokens in every slot
             (``max_num_seqs * ceil(max_model_len / block_size)``, the old slot cache's capacity).
         enable_prefix_caching: reuse cached full prompt blocks across requests.
+        num_spec_tokens: speculative (n-gram) draft tokens per decode row, ``K`` (0: off). A
+            decode row then carries ``1 + k`` tokens, ``k <= K`` (:func:`ppstate.spec_decode.drafts_for_row`).
 
     Raises:
         SchedulerError: a field out of range; the message names the field.
@@ -44,6 +46,7 @@ class SchedulerConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
+    num_spec_tokens: int = 0  # speculative decoding (issue #14)
 
     def __post_init__(self) -> None:
         if self.num_kv_blocks is None and isinstance(self.block_size, int) and self.block_size > 0:
@@ -51,7 +54,7 @@ class SchedulerConfig:
             object.__setattr__(self, "num_kv_blocks", self.max_num_seqs * per_req)
         for name, low in (("pp_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1),
                           ("max_prefill_chunk", 1), ("max_model_len", 2), ("block_size", 1),
-                          ("num_kv_blocks", 1)):
+                          ("num_kv_blocks", 1), ("num_spec_tokens", 0)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise SchedulerError(f"SchedulerConfig.{name} must be an int >= {low}, got {value!r}")
@@ -108,7 +111,9 @@ class RequestArrays:
 
     Fields: ``num_computed_tokens`` (tokens scheduled so far = position of the next row's first
     token), ``prefill_len`` (prompt tokens), ``max_tokens`` (effective new-token limit),
-    ``num_sampling_rows`` (scheduled rows that sample: final chunk + decodes), ``num_output_tokens``
+    ``num_sampling_rows`` (output tokens the scheduled sampling rows may produce: 1 per final
+    chunk, 1 + drafts per decode row, minus the rejected drafts once their result arrived; without
+    speculation simply the sampling rows), ``num_output_tokens``
     (tokens received), ``next_eligible_step`` (first step the request may run again).
     """
 

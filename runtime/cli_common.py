@@ -23,7 +23,7 @@ ENGINE_FLAGS = {
     "--engine-port": "engine_port", "--block-size": "block_size",
     "--kv-cache-memory": "kv_cache_memory", "--enable-prefix-caching": "enable_prefix_caching",
     "--enforce-eager": "enforce_eager",
-    "--dp": "dp_size",  # issue #14
+    "--dp": "dp_size", "--spec-tokens": "spec_tokens", "--spec-ngram": "spec_ngram",  # issue #14
 }
 
 
@@ -73,6 +73,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dp", type=int, default=d.dp_size, help="data-parallel replicas: independent "
                    "pipelines of --pp ranks each behind one server (least-loaded routing); "
                    "dp x pp rank processes")
+    g.add_argument("--spec-tokens", type=int, default=d.spec_tokens, help="n-gram speculative "
+                   "decoding: draft tokens per decode row (0: off)")
+    g.add_argument("--spec-ngram", type=int, default=d.spec_ngram, help="n-gram length the "
+                   "speculative proposer matches against the request's earlier tokens")
 
 
 def engine_config(p: argparse.ArgumentParser, args: argparse.Namespace) -> EngineConfig:

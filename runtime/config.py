@@ -44,6 +44,9 @@ class EngineConfig(BaseModel):
             every slot (``max_num_seqs * ceil(max_model_len / block_size)`` blocks).
         enable_prefix_caching: reuse the KV blocks of identical prompt prefixes across requests.
         enforce_eager: CUDA: run decode steps eagerly instead of replaying captured CUDA graphs.
+        spec_tokens: n-gram speculative decoding: draft tokens per decode row, ``K`` (0: off;
+            :mod:`ppstate.spec_decode`).
+        spec_ngram: n-gram length the proposer matches (tokens).
         dp_size: data-parallel replicas: independent pipelines of ``pp_size`` ranks each, behind
             one router (:mod:`runtime.dp.replicas`); ``dp_size * pp_size`` rank processes.
     """
@@ -72,8 +75,10 @@ class EngineConfig(BaseModel):
     kv_cache_memory: str | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
-    # ---- data parallelism (issue #14) ----
+    # ---- data parallelism and speculative decoding (issue #14) ----
     dp_size: int = Field(default=1, ge=1, le=64)
+    spec_tokens: int = Field(default=0, ge=0, le=16)
+    spec_ngram: int = Field(default=3, ge=1, le=16)
 
     @field_validator("kv_cache_memory")
     @classmethod

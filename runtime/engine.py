@@ -348,7 +348,7 @@ class AsyncEngine:
                 "steps_total": self._steps_total, "generated_tokens_total": self._tokens_total,
                 "rank_busy_seconds": list(self._busy), "bubble_fraction": bubble, "pp_size": pp,
                 "active_seconds": active,
-                **self.sched.kv_stats()}
+                **self.sched.kv_stats(), **self.sched.spec_stats()}
 
 
 def scheduler_config(config: EngineConfig, num_kv_blocks: int | None = None) -> SchedulerConfig:
@@ -359,7 +359,8 @@ def scheduler_config(config: EngineConfig, num_kv_blocks: int | None = None) -> 
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_prefill_chunk=config.max_prefill_chunk, max_model_len=config.max_model_len,
         mode=config.pp_schedule, block_size=config.block_size, num_kv_blocks=num_kv_blocks,
-        enable_prefix_caching=config.enable_prefix_caching)
+        enable_prefix_caching=config.enable_prefix_caching,
+        num_spec_tokens=config.spec_tokens)
 
 
 def start_trace_run(config: EngineConfig) -> Path:
