@@ -383,5 +383,8 @@ def _logprobs_for(result, row_of, req_id: str, token_ids: list[int]) -> list[Tok
     entry = result.logprobs[row_of[req_id]]
     if entry is None:
         return None
+    if isinstance(entry[0], (list, tuple)):  # spec decoding (#14): (lp, top) per emitted token
+        return [TokenLogprob(t, float(lp), {int(k): float(v) for k, v in top.items()})
+                for t, (lp, top) in zip(token_ids, entry)]
     lp, top = entry
     return [TokenLogprob(token_ids[0], float(lp), {int(k): float(v) for k, v in top.items()})]

@@ -62,6 +62,8 @@ class EngineCollector(Collector):
                                 "Fraction of rank time idle while work existed (cumulative)",
                                 value=float(s["bubble_fraction"]))
         yield from _kv_metrics(s)
+        from runtime.server.spec_metrics import spec_metrics  # --spec-tokens (issue #14)
+        yield from spec_metrics(s)
         if "replicas" in s:  # --dp: the same figures per replica (issue #14)
             from runtime.dp.metrics import replica_metrics
             yield from replica_metrics(s)

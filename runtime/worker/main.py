@@ -76,15 +76,23 @@ class _Worker:
         start, end = self.args.layer_range
         self.num_kv_blocks = rank_num_blocks(cfg, stage.cfg, end - start, dtype, device)
         stage.allocate_kv_cache(self.num_kv_blocks)
-        state = DeviceState(cfg.max_num_seqs, cfg.max_model_len, 1, device, self.rank,
-                            cfg.block_size)
+        state = DeviceState(cfg.max_num_seqs, cfg.max_model_len, 1 + cfg.spec_tokens, device,
+                            self.rank, cfg.block_size)
         sink = NULL_SINK
         if cfg.trace_dir:
             sink = JsonlSink(rank_trace_path(cfg.trace_dir, self.rank),
                              trace_prompts=cfg.trace_prompts)
         fast, graphs = self._fast_path(stage, cfg, device)
+        spec = None
+        if cfg.spec_tokens > 0:  # speculative decoding (#14); the reference (CPU) path only
+            if fast is not None:
+                raise ValueError("--spec-tokens: speculative decoding runs on the CPU reference "
+                                 "path only (the CUDA fast path does not verify drafts yet)")
+            from runtime.worker.spec_verify import SpecDecoder
+            spec = SpecDecoder(cfg.spec_tokens, cfg.spec_ngram, self.groups.is_first,
+                               self.groups.is_last)
         self.runner = StageRunner(self.groups, stage, state, cfg.pp_schedule == "overlapped",
-                                  cfg.validate_every, sink, fast=fast, graphs=graphs)
+                                  cfg.validate_every, sink, fast=fast, graphs=graphs, spec=spec)
         self.sink = sink
 
     def _fast_path(self, stage, cfg: EngineConfig, device: torch.device):

@@ -28,6 +28,7 @@ from runtime.worker.cuda_graphs import DecodeGraphs
 from runtime.worker.device_state import DeviceState
 from runtime.worker.groups import PPGroups
 from runtime.worker.mirror_check import AsyncMirrorCheck
+from runtime.worker.spec_verify import SpecDecoder, logprob_rows as spec_logprob_rows
 
 
 class _PendingRecv:
@@ -62,11 +63,13 @@ class StageRunner:
         fast: GPU fast path over the same cache (Triton kernels), or None (the reference
             ``StageModel.forward``; always on the CPU).
         graphs: captured decode-only CUDA graphs of ``fast``, or None (eager).
+        spec: speculative decoding hooks (``--spec-tokens`` > 0), or None.
     """
 
     def __init__(self, groups: PPGroups, stage: StageModel, state: DeviceState, overlapped: bool,
                  validate_every: int, sink: EventSink = NULL_SINK,
-                 fast: PagedStage | None = None, graphs: DecodeGraphs | None = None) -> None:
+                 fast: PagedStage | None = None, graphs: DecodeGraphs | None = None,
+                 spec: SpecDecoder | None = None) -> None:
         self.g, self.stage, self.state = groups, stage, state
         self.fast, self.graphs = fast, graphs
         self.mirror_check = AsyncMirrorCheck(state) if state.device.type == "cuda" else None
@@ -80,6 +83,7 @@ class StageRunner:
             self.handler = PPHandler(groups.pp_size, len(state.owner), sink=sink, rank=groups.rank)
         self._params: dict[int, SamplingParams] = {}
         self.timing = StepTiming()
+        self.spec = spec
 
     # ---- slot bookkeeping -------------------------------------------------------------------
     def _apply_freed_new(self, out: SchedulerOutput) -> None:
@@ -170,11 +174,15 @@ class StageRunner:
     def _run_rows(self, out: SchedulerOutput, mask: np.ndarray | None) -> StepResult | None:
         dev = self.device
         slots = torch.as_tensor(out.slots, dtype=torch.int64, device=dev)
-        starts = torch.as_tensor(out.start_positions, dtype=torch.int64, device=dev)
         qlens = torch.as_tensor(out.num_scheduled_tokens, dtype=torch.int64, device=dev)
-        meta = BatchMeta.build(out.slots, out.start_positions, out.num_scheduled_tokens, dev,
+        starts_np = out.start_positions
+        if self.spec is not None:  # speculative decoding (#14): own corrected starts, drafts
+            starts_np = self.spec.prepare(out, self.state)
+        meta = BatchMeta.build(out.slots, starts_np, out.num_scheduled_tokens, dev,
                                torch.from_numpy(self.state.block_table_np), self.state.block_size,
                                attention_groups=self.fast is None)
+        if self.spec is not None and self.g.is_last:
+            meta = self.spec.logit_meta(meta, out)
         hidden = self._forward(out, meta)
         self.state.apply_scheduled(slots, qlens, out.slots.astype(np.int64),
                                    out.num_scheduled_tokens.astype(np.int64))
@@ -254,7 +262,11 @@ class StageRunner:
         r, w = out.num_rows, self.width
         payload = torch.zeros((r, w + 2), dtype=torch.int64, device=self.device)
         logprobs = None
-        if mask is not None:
+        if mask is not None and self.spec is not None:  # speculative decoding (#14)
+            params = [self._params[int(out.slots[i])] for i in np.nonzero(mask)[0]]
+            v, rows = self.spec.sample(out, mask, logits, params, self.state, payload)
+            logprobs = spec_logprob_rows(v, rows, r, params)
+        elif mask is not None:
             rows = np.nonzero(mask)[0]
             params = [self._params[int(out.slots[i])] for i in rows]
             s = out.slots[rows]
@@ -274,7 +286,7 @@ class StageRunner:
         idx_np = np.where(mask if mask is not None else False, out.slots, -1).astype(np.int64)
         idx = torch.as_tensor(idx_np, device=self.device)
         self.state.apply_sampled(idx, payload[:, :w], payload[:, w], payload[:, w + 1],
-                                 idx_np, np.zeros(r, dtype=np.int64))
+                                 idx_np, payload[:, w + 1].cpu().numpy())
         if self.sink.enabled:
             self._emit_timing("sample", out.step, ns0)
         if self.g.pp_size > 1:
