@@ -25,9 +25,9 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
-def run(make_stages, pp: int, requests: dict, k: int = 4) -> InprocPipeline:
+def run(make_stages, pp: int, requests: dict, k: int = 4, mode: str = "overlapped") -> InprocPipeline:
     pipe = InprocPipeline(make_stages(RANGES[pp], max_num_reqs=4, max_model_len=128), max_num_seqs=4,
-                          max_model_len=128, num_spec_tokens=k, spec_ngram=3)
+                          max_model_len=128, num_spec_tokens=k, spec_ngram=3, mode=mode)
     for rid, (prompt, params) in requests.items():
         pipe.add(rid, prompt, params)
     pipe.run_until(lambda p: p.idle, 400)
@@ -69,4 +69,12 @@ def test_seeded_sampling_with_spec_gives_the_same_tokens(make_stages):
     pipe = run(make_stages, 2, {"s": (REPETITIVE, p)})
     want = seeded_reference(tuple(REPETITIVE), 8, p.temperature, p.top_p, p.top_k, p.seed)
     assert tuple(pipe.tokens["s"]) == want
+    assert pipe.sched.spec_stats()["spec_accepted_tokens"] > 0
+
+
+def test_sync_mode_with_spec_equals_reference(make_stages):
+    """Sync mode (one step in flight, depth-1 PPHandlers): the correction is consumed one step
+    later instead of pp_size steps later; same tokens."""
+    pipe = run(make_stages, 2, {"rep": (REPETITIVE, greedy(10))}, mode="sync")
+    assert tuple(pipe.tokens["rep"]) == greedy_reference(tuple(REPETITIVE), 10)
     assert pipe.sched.spec_stats()["spec_accepted_tokens"] > 0
