@@ -38,6 +38,8 @@ class SchedulerConfig:
             (:mod:`ppstate.chunk_sizing`); off: ``max_prefill_chunk`` tokens each.
         cost_base_s, cost_per_row_s, cost_per_token_s, cost_per_prefix_token_s, cost_concurrency:
             the step-cost model (:class:`ppstate.step_cost.StepCostModel`, seconds) used by both.
+        num_spec_tokens: speculative (n-gram) draft tokens per decode row, ``K`` (0: off). A
+            decode row then carries ``1 + k`` tokens, ``k <= K`` (:func:`ppstate.spec_decode.drafts_for_row`).
 
     Raises:
         SchedulerError: a field out of range; the message names the field.
@@ -61,6 +63,7 @@ class SchedulerConfig:
     cost_per_prefix_token_s: float = CPU_DEFAULTS["per_prefix_token_s"]
     cost_concurrency: float = CPU_DEFAULTS["concurrency"]
     # ---- end issue 11 ----
+    num_spec_tokens: int = 0  # speculative decoding (issue #14)
 
     def __post_init__(self) -> None:
         if self.num_kv_blocks is None and isinstance(self.block_size, int) and self.block_size > 0:
@@ -68,7 +71,7 @@ class SchedulerConfig:
             object.__setattr__(self, "num_kv_blocks", self.max_num_seqs * per_req)
         for name, low in (("pp_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1),
                           ("max_prefill_chunk", 1), ("max_model_len", 2), ("block_size", 1),
-                          ("num_kv_blocks", 1)):
+                          ("num_kv_blocks", 1), ("num_spec_tokens", 0)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise SchedulerError(f"SchedulerConfig.{name} must be an int >= {low}, got {value!r}")
@@ -135,7 +138,9 @@ class RequestArrays:
 
     Fields: ``num_computed_tokens`` (tokens scheduled so far = position of the next row's first
     token), ``prefill_len`` (prompt tokens), ``max_tokens`` (effective new-token limit),
-    ``num_sampling_rows`` (scheduled rows that sample: final chunk + decodes), ``num_output_tokens``
+    ``num_sampling_rows`` (output tokens the scheduled sampling rows may produce: 1 per final
+    chunk, 1 + drafts per decode row, minus the rejected drafts once their result arrived; without
+    speculation simply the sampling rows), ``num_output_tokens``
     (tokens received), ``next_eligible_step`` (first step the request may run again).
     """
 

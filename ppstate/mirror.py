@@ -56,17 +56,25 @@ class CpuMirror:
         np.maximum.at(self.num_blocks_np, slots.astype(np.int64), cols.astype(np.int64) + 1)
 
     def validate_blocks(self, block_size: int, live_slots: np.ndarray, step: int,
-                        owners: Sequence[str | None] | None = None) -> None:
+                        owners: Sequence[str | None] | None = None, spec_slack: int = 0) -> None:
         """KV completeness on the CPU: after a step every live slot holds exactly
         ``ceil(num_computed_tokens / block_size)`` blocks (the scheduler allocates a row's blocks
         in the step that computes its tokens, never more).
 
+        With speculative decoding the scheduler takes blocks for a decode row's ``1 + k`` tokens
+        before it knows how many drafts are rejected, and keeps them; ``spec_slack`` (tokens,
+        ``2 * num_spec_tokens``: the rejections of this rank's uncorrected row and of one row the
+        scheduler had not yet seen corrected) bounds that surplus: a slot then holds between
+        ``ceil(n / block_size)`` and ``ceil((n + spec_slack) / block_size)`` blocks.
+
         Raises:
             MirrorDivergence: field ``num_blocks``, ``cpu`` = blocks held, ``device`` = needed.
         """
-        need = -(-self.num_computed_tokens_np[live_slots] // block_size)
+        computed = self.num_computed_tokens_np[live_slots]
+        need = -(-computed // block_size)
         held = self.num_blocks_np[live_slots]
-        bad = np.nonzero(need != held)[0]
+        most = -(-(computed + spec_slack) // block_size)
+        bad = np.nonzero((held < need) | (held > most))[0]
         if bad.size:
             slot = int(live_slots[bad[0]])
             raise MirrorDivergence(step=step, slot=slot, field="num_blocks (vs ceil(num_computed_tokens / block_size))",

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
-import numpy as np
 
 from ppstate.blocks import block_hashes
 from ppstate.batch import FreedSlot, NewRequest, SchedulerOutput, StepResult
@@ -56,6 +55,9 @@ class Scheduler:
         self.kv = KVManager(config)
         self.num_preemptions = 0
         self.num_prefill_tokens = 0   # prefill tokens scheduled (computed), prefix hits excluded
+        self.num_spec_rejected = 0    # speculative drafts rejected so far (tokens)
+        self.num_spec_proposed = 0    # speculative drafts in rows whose result arrived (tokens)
+        self.num_spec_rows = 0        # decode rows with drafts whose result arrived
         self._waiting: deque[Request] = deque()
         self._running: dict[str, Request] = {}          # admission order
         self._live: dict[str, Request] = {}             # waiting + running, by id
@@ -65,6 +67,7 @@ class Scheduler:
         self._freed: list[FreedSlot] = []               # delivered with the next output
         self._in_flight: deque[SchedulerOutput] = deque()
         self._in_flight_epochs: deque[list[int]] = deque()  # per row: the request's epoch
+        self._in_flight_drafts: deque[list[int]] = deque()  # per row: speculative drafts
         self._next_step = 0
         self._order = 0
         self._admissions = 0   # admissions so far (all requests): each admission's unique epoch
@@ -201,6 +204,7 @@ class Scheduler:
         self._next_step += 1
         self._in_flight.append(out)
         self._in_flight_epochs.append(rows.epochs)
+        self._in_flight_drafts.append(rows.drafts)
         if self.sink.enabled:
             self.sink.emit("schedule", step=step,
                            output=encode_output(out, self.sink.trace_prompts))
@@ -279,6 +283,7 @@ class Scheduler:
                                  f"the step had {out.num_rows}")
         self._in_flight.popleft()
         epochs = self._in_flight_epochs.popleft()
+        drafts = self._in_flight_drafts.popleft()
         updates = []
         num_sampled, final = result.num_sampled.tolist(), out.is_final_chunk.tolist()
         sampled = result.sampled_token_ids.tolist()     # [num_rows][width] python ints
@@ -287,11 +292,39 @@ class Scheduler:
             n = num_sampled[i]
             if req is None or n <= 0 or not final[i] or req.epoch != epochs[i]:
                 continue  # gone, not sampling, or a row of an admission ended by preemption
+            if drafts[i] > 0:  # speculative decoding (#14)
+                self._spec_row(req, drafts[i], int(result.num_rejected[i]))
             updates.append(self._append_tokens(req, sampled[i][:n]))
         if self.sink.enabled:
             self.sink.emit("tokens", step=self._next_step, of_step=result.step,
                            updates=[vars(u) for u in updates])
         return updates
+
+    def spec_stats(self) -> dict[str, int]:
+        """Speculative decoding counters (tokens / rows, cumulative): drafts proposed and
+        accepted, decode rows that carried drafts. Acceptance rate = accepted / proposed; tokens
+        per such row = 1 + accepted / rows."""
+        return {"spec_proposed_tokens": self.num_spec_proposed,
+                "spec_accepted_tokens": self.num_spec_proposed - self.num_spec_rejected,
+                "spec_decode_rows": self.num_spec_rows}
+
+    def _spec_row(self, req: Request, drafts: int, rejected: int) -> None:
+        """Count a decode row that carried ``drafts`` drafts, and apply its correction."""
+        self.num_spec_rows += 1
+        self.num_spec_proposed += drafts
+        if rejected > 0:
+            self._correct_rejected(req, rejected)
+
+    def _correct_rejected(self, req: Request, rejected: int) -> None:
+        """The deferred correction of a decode row whose last ``rejected`` drafts were rejected:
+        the scheduler scheduled (and took KV blocks for) the row's ``1 + k`` tokens optimistically;
+        the rejected positions are recomputed by a later row. Rows of ``req`` scheduled before this
+        result arrived carry a start position ``rejected`` too high; the ranks position every row
+        from their own corrected counters (they consume the same correction first), and the
+        blocks already taken stay with the request (``CpuMirror.validate_blocks`` allows them)."""
+        self.arrays.num_computed_tokens[req.slot] -= rejected
+        self.arrays.num_sampling_rows[req.slot] -= rejected
+        self.num_spec_rejected += rejected
 
     def _append_tokens(self, req: Request, tokens: list[int]) -> TokenUpdate:
         slot, taken, reason = req.slot, [], None

@@ -20,6 +20,7 @@ from ppstate.budget import StepBudget
 from ppstate.chunk_sizing import chunk_limit
 from ppstate.lanes import lane_open
 from ppstate.request import Request
+from ppstate.spec_decode import drafts_for_row
 
 if TYPE_CHECKING:
     from ppstate.scheduler import Scheduler
@@ -45,10 +46,12 @@ class RowBuilder:
         self.final: list[bool] = []
         self.new: list[NewRequest] = []
         self.epochs: list[int] = []          # [num_rows] admission epoch of each row's request
+        self.drafts: list[int] = []          # [num_rows] speculative drafts of each row (decode)
         self.kv = sched.kv
         self.preempted = False
 
-    def _row(self, req: Request, num_tokens: int, final: bool, counts_row: bool = True) -> None:
+    def _row(self, req: Request, num_tokens: int, final: bool, counts_row: bool = True,
+             outputs: int = 1) -> None:
         a, slot = self.arrays, req.slot
         self.req_ids.append(req.req_id)
         self.slots.append(slot)
@@ -56,20 +59,23 @@ class RowBuilder:
         self.starts.append(int(a.num_computed_tokens[slot]))
         self.final.append(final)
         self.epochs.append(req.epoch)
+        self.drafts.append(outputs - 1 if req.state == "decoding" else 0)
         if req.state == "prefilling":
             self.sched.num_prefill_tokens += num_tokens
         a.num_computed_tokens[slot] += num_tokens
         self.kv.grow(req, int(a.num_computed_tokens[slot]))
         self.kv.register_full(req, int(a.num_computed_tokens[slot]))
         if final:
-            a.num_sampling_rows[slot] += 1
+            a.num_sampling_rows[slot] += outputs  # 1 + drafts: optimistic, see on_step_result
             a.next_eligible_step[slot] = self.step + self.cadence
         else:
             a.next_eligible_step[slot] = self.step + 1
         self.budget.take(num_tokens, counts_row)
 
     def add_decodes(self) -> None:
-        """One-token rows for decoding requests that are eligible and below max_tokens rows."""
+        """Rows for decoding requests that are eligible and below max_tokens (optimistic outputs):
+        one token each, or with speculative decoding ``1 + k`` (the last sampled token and ``k``
+        drafts, :meth:`_decode_tokens`)."""
         a = self.arrays
         if not lane_open(self.step, self.sched.lanes, self.sched.config.pp_size):
             return  # adaptive lanes (ppstate.lanes): this step's lane takes no decode rows
@@ -81,6 +87,7 @@ class RowBuilder:
             (a.num_sampling_rows[slots] < a.max_tokens[slots])               # [num_decoding]
         picked = np.nonzero(ok)[0]
         order = picked[np.argsort(a.next_eligible_step[slots[picked]], kind="stable")]
+        k_max = self.sched.config.num_spec_tokens
         fast: list[int] = []   # slots of rows whose token fits a block the request holds
         table, bs = self.kv.pool.table, self.kv.block_size
         for i in order.tolist():
@@ -88,6 +95,10 @@ class RowBuilder:
                 break
             req = running[i]
             if req.slot < 0:  # preempted earlier in this loop
+                continue
+            if k_max:  # speculative decoding (#14): the last token plus k drafts
+                if (got := self._room(req, self._decode_tokens(req))) >= 1:
+                    self._row(req, got, True, outputs=got)
                 continue
             computed = int(a.num_computed_tokens[req.slot])
             if computed < len(table(req.req_id)) * bs:  # no new block, nothing to register
@@ -110,8 +121,21 @@ class RowBuilder:
         self.starts.append(computed)
         self.final.append(True)
         self.epochs.append(req.epoch)
+        self.drafts.append(0)
         self.budget.tokens -= 1
         self.budget.rows -= 1
+
+    def _decode_tokens(self, req: Request) -> int:
+        """Tokens of ``req``'s decode row: 1, plus ``k`` speculative drafts when
+        ``num_spec_tokens`` > 0. ``k`` is capped by the outputs the request may still produce
+        (optimistic count, so an accepted run never passes max_tokens / max_seq_len: no early
+        finish, no position past the slot's KV) and by the step's token budget."""
+        k_max = self.sched.config.num_spec_tokens
+        if k_max == 0:
+            return 1
+        a = self.arrays
+        room = int(a.max_tokens[req.slot] - a.num_sampling_rows[req.slot]) - 1
+        return 1 + drafts_for_row(room, k_max, self.budget.tokens)
 
     def _room(self, req: Request, want: int) -> int:
         """Tokens (<= want, >= 1 unless 0) of ``req``'s next row the KV blocks can hold, preempting

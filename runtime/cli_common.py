@@ -125,6 +125,10 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--dynamic-chunks", "scheduler.dynamic_chunks", "prefill chunks of equal estimated time "
          "as the cached prefix grows"),
     Flag("--step-cost", "step_cost"),
+    Flag("--dp", "dp_size"),
+    Flag("--spec-tokens", "scheduler.num_spec_tokens", "n-gram speculative decoding: draft tokens "
+         "per decode row (0: off; CPU reference path only)"),
+    Flag("--spec-ngram", "spec_ngram"),
 )
 
 
@@ -156,6 +160,9 @@ def engine_config(p: argparse.ArgumentParser, args: argparse.Namespace) -> Engin
             nested["scheduler"][f.key] = values[f.key]
         else:
             nested[f.key] = values[f.key]
+    if values.get("dp_size", 1) > 1 and values["launcher"] == "torchrun":  # issue #14
+        p.error("--dp: data parallelism needs the spawn launcher; under torchrun run one server "
+                "per pipeline")
     try:
         return EngineConfig(**nested)
     except ValidationError as exc:

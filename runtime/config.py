@@ -22,7 +22,7 @@ ENGINE_SCHEDULER_DEFAULTS = {"max_num_seqs": 32, "max_num_batched_tokens": 512,
 #: only needs them >= 1, the engine caps what one machine can hold
 SCHEDULER_BOUNDS = {"pp_size": (1, 64), "max_num_seqs": (1, 4096), "max_model_len": (16, None),
                     "max_num_batched_tokens": (1, None), "max_prefill_chunk": (1, None),
-                    "block_size": (1, 1024)}
+                    "block_size": (1, 1024), "num_spec_tokens": (0, 16)}
 
 
 def default_scheduler() -> SchedulerConfig:
@@ -89,6 +89,11 @@ class EngineConfig(BaseModel):
                                    "one compute phase of a step (forward, sample, ...), or every "
                                    "rank wait on communication, before the engine fails (0: off; "
                                    "a rank's first step gets 3x; runtime/engine/stall.py)")
+    dp_size: int = Field(default=1, ge=1, le=64, description="data-parallel replicas: "
+                         "independent pipelines of pp_size ranks each behind one server "
+                         "(least-loaded routing; runtime/dp/replicas.py); dp x pp rank processes")
+    spec_ngram: int = Field(default=3, ge=1, le=16, description="n-gram length the speculative "
+                            "proposer matches against the request's earlier tokens (tokens)")
     step_cost: str | None = Field(default=None, description="JSON file of step-cost coefficients "
                                   "(python -m runtime.bench pp --calibrate --json-out FILE writes "
                                   "one) for --adaptive-lanes and --dynamic-chunks; default: the "

@@ -107,7 +107,8 @@ async def _one(engine: AsyncEngine, i: int, ids: list[int], params: SamplingPara
 
 async def run(prompts: list[list[int]], params: SamplingParams, config) -> list[dict]:
     """Start an engine, run every prompt (token ids) concurrently, shut the engine down."""
-    engine = await AsyncEngine.start(config)
+    from runtime.dp.replicas import start_engine
+    engine = await start_engine(config)  # one pipeline, or --dp replicas
     try:
         return await asyncio.gather(*(_one(engine, i, ids, params) for i, ids in enumerate(prompts)))
     finally:

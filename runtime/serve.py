@@ -100,7 +100,8 @@ async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.soc
     until a signal or engine death, stop both.
 
     Args:
-        start_engine: coroutine function that starts the engine (default ``AsyncEngine.start``).
+        start_engine: coroutine function that starts the engine (default
+            ``runtime.dp.replicas.start_engine``: one pipeline, or ``dp_size`` replicas).
 
     Returns:
         The exit code: 0 after a signal, 1 when the engine died, 130 when a signal came while the
@@ -109,12 +110,13 @@ async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.soc
     Raises:
         EngineDeadError: the engine failed to start (after the server stopped).
     """
-    from runtime.engine import AsyncEngine
+    from runtime.dp.replicas import start_engine as start_dp_or_one
     from runtime.server import create_app
     from runtime.server.startup import StartupApp
 
     t0 = time.perf_counter()
-    print(f"loading model '{config.model}' over {config.scheduler.pp_size} pipeline stage(s) "
+    dp = f" x {config.dp_size} data-parallel replicas" if config.dp_size > 1 else ""
+    print(f"loading model '{config.model}' over {config.scheduler.pp_size} pipeline stage(s){dp} "
           f"({config.scheduler.mode} schedule); {url_of(sock, args.host)}/health answers 503 "
           "'loading' until ready ...", flush=True)
     front = StartupApp()
@@ -128,7 +130,7 @@ async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.soc
         async def start_engine(cfg: EngineConfig):  # noqa: F811 - the supervised start
             return await EngineSupervisor.start(cfg, args.max_restarts, args.restart_backoff,
                                                 start_engine=start_one)
-    load = loop.create_task((start_engine or AsyncEngine.start)(config))
+    load = loop.create_task((start_engine or start_dp_or_one)(config))
     engine: Any = None
 
     def on_signal() -> None:
@@ -163,7 +165,7 @@ async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.soc
                 await asyncio.sleep(0.05)
             if server.started:
                 print(f"ready: {url_of(sock, args.host)}  (model '{engine.model_name}', "
-                      f"pp={config.scheduler.pp_size}, up in {time.perf_counter() - t0:.1f} s)", flush=True)
+                      f"pp={config.scheduler.pp_size}, dp={config.dp_size}, up in {time.perf_counter() - t0:.1f} s)", flush=True)
             while not server.should_exit:
                 if not engine.is_alive and not getattr(engine, "restarting", False):
                     print(f"error: the engine died: {getattr(engine, 'error', None)}", file=sys.stderr,
@@ -196,7 +198,11 @@ def parse_cli(argv: list[str] | None = None) -> tuple[argparse.Namespace, Engine
         p.error(f"--max-restarts: must be >= 0, got {args.max_restarts}")
     if args.restart_backoff < 0:
         p.error(f"--restart-backoff: must be >= 0, got {args.restart_backoff}")
-    return args, engine_config(p, args)
+    config = engine_config(p, args)
+    if args.restart_workers and config.dp_size > 1:
+        p.error("--restart-workers: not supported with --dp > 1 yet (a dead replica stops the "
+                "server; restart it from the supervisor)")
+    return args, config
 
 
 def main(argv: list[str] | None = None) -> int:

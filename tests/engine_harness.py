@@ -18,8 +18,9 @@ class EngineThread:
     """An event loop in a daemon thread holding one started :class:`AsyncEngine`."""
 
     def __init__(self, config: EngineConfig, start=None) -> None:
-        """``start``: coroutine function starting the engine (default ``AsyncEngine.start``;
-        e.g. an ``EngineSupervisor.start`` with restart settings)."""
+        """``start(config)``: the coroutine function that starts the engine (default
+        ``AsyncEngine.start``; an ``EngineSupervisor.start`` with restart settings;
+        ``runtime.dp.replicas.start_engine`` for ``--dp``)."""
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()

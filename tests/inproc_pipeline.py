@@ -92,20 +92,34 @@ class InprocPipeline:
         stages: ``[pp_size]`` StageModels built with ``max_num_reqs >= max_num_seqs``.
         max_num_seqs, max_model_len, max_prefill_chunk, max_num_batched_tokens: scheduler limits.
         eos_token_id: EOS id handed to every request (SmolLM2: 2).
+        num_spec_tokens, spec_ngram: n-gram speculative decoding (``--spec-tokens``,
+            ``--spec-ngram``); 0 drafts: off.
+        mode: ``overlapped`` or ``sync`` (one step in flight; the ranks' PPHandlers have depth 1,
+            so rank 0 consumes step s's broadcast at step s + 1, which the scheduler issues only
+            after step s's result, i.e. after the last rank posted it).
     """
 
     def __init__(self, stages, max_num_seqs: int, max_model_len: int = 256,
                  max_prefill_chunk: int = 32, max_num_batched_tokens: int = 256,
-                 eos_token_id: int = 2) -> None:
+                 eos_token_id: int = 2, num_spec_tokens: int = 0, spec_ngram: int = 3,
+                 mode: str = "overlapped") -> None:
         self.pp = len(stages)
         self.sched = Scheduler(SchedulerConfig(
             pp_size=self.pp, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_prefill_chunk=max_prefill_chunk, max_model_len=max_model_len, mode="overlapped"))
+            max_prefill_chunk=max_prefill_chunk, max_model_len=max_model_len, mode=mode,
+            num_spec_tokens=num_spec_tokens))
         wire = _Wire(self.pp)
+
+        def spec(r: int):
+            if num_spec_tokens == 0:
+                return None
+            from runtime.worker.spec_verify import SpecDecoder
+            return SpecDecoder(num_spec_tokens, spec_ngram, r == 0, r == self.pp - 1)
         self.runners = [
             StageRunner(LocalGroups(r, self.pp, wire), st,
-                        DeviceState(max_num_seqs, max_model_len, 1, torch.device("cpu"), r),
-                        overlapped=True, validate_every=1)
+                        DeviceState(max_num_seqs, max_model_len, 1 + num_spec_tokens,
+                                    torch.device("cpu"), r),
+                        overlapped=mode == "overlapped", validate_every=1, spec=spec(r))
             for r, st in enumerate(stages)]
         self.queues: list[deque[SchedulerOutput]] = [deque() for _ in range(self.pp)]
         self.tokens: dict[str, list[int]] = {}

@@ -308,4 +308,5 @@ class AsyncEngine:
         return {"num_running": self.sched.num_running, "num_waiting": self.sched.num_waiting,
                 "steps_total": self._steps_total, "generated_tokens_total": self._tokens_total,
                 "rank_busy_seconds": list(self._busy), "bubble_fraction": bubble, "pp_size": pp,
-                **self.sched.kv_stats()}
+                "active_seconds": active,
+                **self.sched.kv_stats(), **self.sched.spec_stats()}

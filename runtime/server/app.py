@@ -142,8 +142,13 @@ def create_app(engine: Any, config: EngineConfig, api_key: str | None = None,
         if getattr(engine, "restarting", False):
             return JSONResponse({"status": "restarting", "message": RESTARTING_MESSAGE},
                                 status_code=503, headers={"Retry-After": "5"})
+        detail = getattr(engine, "health_detail", None)  # runtime.dp.replicas.ReplicatedEngine
+        if detail is not None and not engine.is_alive:
+            raise APIError(f"The engine is not running: {engine.error}", status=503,
+                           type="service_unavailable", code="engine_dead")
         require_engine()
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok"} if detail is None
+                            else {"status": "ok", "replicas": detail()})
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:

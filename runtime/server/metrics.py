@@ -67,6 +67,11 @@ class EngineCollector(Collector):
             yield CounterMetricFamily(PREFIX + "engine_restarts",
                                       "Engine restarts after failures (--restart-workers)",
                                       value=s["engine_restarts_total"])
+        from runtime.server.spec_metrics import spec_metrics  # --spec-tokens (issue #14)
+        yield from spec_metrics(s)
+        if "replicas" in s:  # --dp: the same figures per replica (issue #14)
+            from runtime.dp.metrics import replica_metrics
+            yield from replica_metrics(s)
 
 
 def _kv_metrics(s: dict[str, Any]) -> Iterator[Metric]:

@@ -78,8 +78,9 @@ class _Worker:
         start, end = self.args.layer_range
         self.num_kv_blocks = rank_num_blocks(cfg, stage.cfg, end - start, dtype, device)
         stage.allocate_kv_cache(self.num_kv_blocks)
-        state = DeviceState(cfg.scheduler.max_num_seqs, cfg.scheduler.max_model_len, 1, device, self.rank,
-                            cfg.scheduler.block_size)
+        k = cfg.scheduler.num_spec_tokens
+        state = DeviceState(cfg.scheduler.max_num_seqs, cfg.scheduler.max_model_len, 1 + k, device,
+                            self.rank, cfg.scheduler.block_size)
         sink = NULL_SINK
         if cfg.trace_dir:
             sink = JsonlSink(rank_trace_path(cfg.trace_dir, self.rank),
@@ -88,9 +89,16 @@ class _Worker:
         # block the host on a peer (PP=1, or NCCL's stream-ordered receives).
         self._may_hold = cfg.scheduler.pp_size == 1 or self.groups.nccl
         fast, graphs = self._fast_path(stage, cfg, device)
+        spec = None
+        if k > 0:  # speculative decoding (#14); the reference (CPU) path only
+            if fast is not None:
+                raise ValueError("--spec-tokens: speculative decoding runs on the CPU reference "
+                                 "path only (the CUDA fast path does not verify drafts yet)")
+            from runtime.worker.spec_verify import SpecDecoder
+            spec = SpecDecoder(k, cfg.spec_ngram, self.groups.is_first, self.groups.is_last)
         self.runner = StageRunner(self.groups, stage, state, cfg.scheduler.mode == "overlapped",
                                   cfg.validate_every, sink, fast=fast, graphs=graphs,
-                                  progress=self.progress)
+                                  progress=self.progress, spec=spec)
         self.sink = sink
 
     def _fast_path(self, stage, cfg: EngineConfig, device: torch.device):

@@ -99,3 +99,16 @@ class LogprobRows:
             outs[int(self.row_ids[j])] = (lp[j], alts)
         return outs
 
+
+
+class ReadyLogprobs:
+    """Logprob entries already built on the host (speculative decoding's verify), with the
+    :class:`LogprobRows` interface."""
+
+    def __init__(self, entries: list | None) -> None:
+        self._entries = entries
+
+    def entries(self) -> list | None:
+        """``[num_rows]`` entries as :meth:`LogprobRows.entries` returns them (a list per row of
+        emitted tokens for rows that carried drafts)."""
+        return self._entries

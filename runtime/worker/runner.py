@@ -32,10 +32,11 @@ from runtime.worker.device_state import DeviceState
 from runtime.worker.groups import PPGroups
 from runtime.worker.host_copy import HostCopy, to_device
 from runtime.worker.mirror_check import AsyncMirrorCheck
-from runtime.worker.pending_result import LogprobRows, PendingResult
+from runtime.worker.pending_result import LogprobRows, PendingResult, ReadyLogprobs
 from runtime.worker.progress import Progress
 from runtime.worker.sampler import TokenHistory, sample
 from runtime.worker.step_inputs import build_fast_meta
+from runtime.worker.spec_verify import SpecDecoder, logprob_rows as spec_logprob_rows
 
 
 class _PendingRecv:
@@ -88,12 +89,13 @@ class StageRunner:
             ``StageModel.forward``; always on the CPU).
         graphs: captured decode-only CUDA graphs of ``fast``, or None (eager).
         progress: where the rank reports its phase (read by its heartbeat; stall detection).
+        spec: speculative decoding hooks (``--spec-tokens`` > 0), or None.
     """
 
     def __init__(self, groups: PPGroups, stage: StageModel, state: DeviceState, overlapped: bool,
                  validate_every: int, sink: EventSink = NULL_SINK,
                  fast: PagedStage | None = None, graphs: DecodeGraphs | None = None,
-                 progress: Progress | None = None) -> None:
+                 progress: Progress | None = None, spec: SpecDecoder | None = None) -> None:
         self.g, self.stage, self.state = groups, stage, state
         self.progress = progress if progress is not None else Progress(groups.rank, hook=None)
         self.fast, self.graphs = fast, graphs
@@ -110,6 +112,7 @@ class StageRunner:
         self._meta: BatchMeta | None = None         # of the step being run
         self._sampled: SampledPayload | None = None  # the payload this rank just sampled
         self.timing = StepTiming()
+        self.spec = spec
 
     @property
     def handler(self) -> PPHandler | None:
@@ -159,14 +162,19 @@ class StageRunner:
 
     # ---- RankBackend: forward ----------------------------------------------------------------
     def prepare_inputs(self, out: SchedulerOutput) -> _Inputs:
+        starts = out.start_positions
+        if self.spec is not None:  # speculative decoding (#14): own corrected starts, drafts
+            starts = self.spec.prepare(out, self.state)
         if self.fast is None:
-            meta = BatchMeta.build(out.slots, out.start_positions, out.num_scheduled_tokens,
+            meta = BatchMeta.build(out.slots, starts, out.num_scheduled_tokens,
                                    self.device, torch.from_numpy(self.state.block_table_np),
                                    self.state.block_size, attention_groups=True)
         else:   # numpy arithmetic, two uploads (runtime/worker/step_inputs.py)
-            meta = build_fast_meta(out.slots, out.start_positions, out.num_scheduled_tokens,
+            meta = build_fast_meta(out.slots, starts, out.num_scheduled_tokens,
                                    self.state.block_table_np, self.state.block_size, self.device)
         self._meta = meta
+        if self.spec is not None and self.g.is_last:
+            meta = self.spec.logit_meta(meta, out)
         ids = self.state.input_ids(meta.token_slots, meta.positions) if self.g.is_first else None
         return _Inputs(meta, ids)
 
@@ -230,7 +238,12 @@ class StageRunner:
         if r == 0:
             return payload
         t0, ns0 = time.perf_counter(), time.monotonic_ns()
-        if mask is not None:
+        if mask is not None and self.spec is not None:  # speculative decoding (#14)
+            params = [self.state.sampling_state.params[int(out.slots[i])]
+                      for i in np.nonzero(mask)[0]]
+            v, rows = self.spec.sample(out, mask, logits, params, self.state, payload.buf)
+            self._logprobs = ReadyLogprobs(spec_logprob_rows(v, rows, r, params))
+        elif mask is not None:
             rows = np.flatnonzero(mask)
             s_rows = out.slots[rows]
             batch, slots_t = self.state.sampling_state.batch(
@@ -258,7 +271,7 @@ class StageRunner:
     def apply_sampled(self, step: int, idx_mapping: np.ndarray, payload: SampledPayload) -> None:
         p = SampledPayload(payload.buf.to(self.device, non_blocking=True))
         idx = to_device(idx_mapping, self.device, torch.int64)
-        if payload is self._sampled:    # sampled here without drafts: nothing rejected, no sync
+        if payload is self._sampled and self.spec is None:  # no drafts: nothing rejected, no sync
             rejected_np = np.zeros(len(idx_mapping), dtype=np.int64)
         else:
             rejected_np = p.num_rejected.cpu().numpy()
