@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from runtime.config import EngineConfig
 from runtime.dp.replicas import ReplicatedEngine, replica_config
 from runtime.engine import EngineDeadError, RequestRejected
-from runtime.outputs import RequestOutput
+from runtime.engine.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
 from runtime.server.metrics import ServerMetrics
 

@@ -277,7 +277,7 @@ def test_soak_slice_of_the_10000_seed_run():
 
 def test_soak_jobs_report_equals_the_sequential_run():
     """``--jobs 2`` folds the per-seed results in seed order: the report is identical."""
-    from ppstate.sim_soak import soak
+    from ppstate.sim.soak import soak
     seeds = range(100, 106)
     seq = soak(seeds)
     assert soak(seeds, jobs=2) == seq

@@ -30,7 +30,7 @@ from typing import Any
 
 from runtime.config import EngineConfig
 from runtime.engine import AsyncEngine, EngineDeadError, RequestRejected
-from runtime.outputs import RequestOutput
+from runtime.engine.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
 
 #: stats() keys summed over replicas (counts, tokens, seconds, blocks)

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ppstate.spec_decode import propose_ngram, verify_rows
-from runtime.sampler import SamplingBatch, TokenHistory, sample
+from runtime.worker.sampler import SamplingBatch, TokenHistory, sample
 
 
 @dataclass
