@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
            "(default: the engine issues as soon as schedule() gives a step)")
     a("--spec-tokens", type=_nonneg, default=0, metavar="K",
       help="each sampled decode row reports 0..K rejected speculative tokens (default 0)")
-    a("--mutant", choices=sorted(MUTANTS), default=None,
+    a("--mutant", choices=sorted(MUTANTS), default=None, metavar="NAME",
       help="switch one known-bad variant on (see --list-mutants)")
     a("--list-mutants", action="store_true", help="print the mutants and exit")
     a("--no-por", dest="por", action="store_false",

@@ -57,8 +57,13 @@ def system_can_move(w: World) -> bool:
         return False
     if w.clone()._issue():
         return True
-    return not cfg.por and any(w._runnable(r) and w.clone()._attempt(r)
-                               for r in range(w.pp_size))
+    return not cfg.por and any(w._runnable(r) and _try_rank(w, r) for r in range(w.pp_size))
+
+
+def _try_rank(w: World, r: int) -> bool:
+    c = w.clone()
+    c.chooser = Chooser()
+    return c._attempt(r)
 
 
 def end_violations(w: World) -> list[dict]:
