@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ppstate.batch import SchedulerOutput, StepResult
+from ppstate.batch import SchedulerOutput
+from ppstate.check.backend import BackendMethods
 from ppstate.check.comm import Blocked, Op
 from ppstate.events import EventSink
 from ppstate.mirror import MIRROR_FIELDS, CpuMirror
@@ -30,18 +31,8 @@ if TYPE_CHECKING:
     from ppstate.check.world import World
 
 
-class OpHandle:
-    """Completion handle of a posted deferred receive (what the PPHandler keeps per entry)."""
-
-    def __init__(self, rank: "CheckRank", op: Op) -> None:
-        self.rank, self.op = rank, op
-
-    def wait(self) -> None:
-        self.rank.wait(self.op)
-
-
-class CheckRank:
-    """Rank ``rank`` of ``pp_size`` in the model checker.
+class CheckRank(BackendMethods):
+    """Rank ``rank`` of ``pp_size`` in the model checker (its step order: :mod:`ppstate.check.step`).
 
     Args:
         rank, pp_size: position in the pipeline.
@@ -56,8 +47,9 @@ class CheckRank:
         self.is_first, self.is_last = rank == 0, rank == pp_size - 1
         self.depth = pp_size if overlapped else 1
         self.sink = sink
-        self.handler = (PPHandler(pp_size, max_num_reqs, sink=sink, rank=rank)
-                        if overlapped and pp_size > 1 and not self.is_last else None)
+        from ppstate.check.step import CheckStep
+        self.stepper = CheckStep(self, rank, pp_size, self.depth, max_num_reqs, sink=sink)
+        self.handler: PPHandler | None = self.stepper.handler
         self.mirror = CpuMirror(max_num_reqs, rank=rank)
         i64 = dict(dtype=np.int64)
         self.device = {f: np.zeros(max_num_reqs, **i64) for f in MIRROR_FIELDS}  # [max_num_reqs] each
@@ -79,7 +71,7 @@ class CheckRank:
         """(Re-)start the step in progress: logged ops and choices are answered from the logs."""
         self._cursor = self._choice_cursor = 0
 
-    def end_step(self) -> None:
+    def finish_step(self) -> None:
         """The step completed: the next one starts with empty logs."""
         self.next_step += 1
         self.oplog, self.choice_log, self.blocked_on = [], [], None
@@ -126,19 +118,14 @@ class CheckRank:
         """Post this rank's side of step ``step``'s sampled-token broadcast (never blocks)."""
         return self._issue(group, "bcast", step, payload=payload, is_root=root)
 
-    def blocking_broadcast(self, step: int, payload: Any, root: bool) -> Any:
-        """Sync mode: broadcast on the pp group and wait for it."""
-        return self.wait(self.post_broadcast(step, payload, root, group="pp"))
-
     # ---------------------------------------------------------------- device state
     def apply_freed_new(self, out: SchedulerOutput) -> None:
-        """Free and admit slots (the scheduler's ``freed`` / ``new_requests``), block deltas."""
+        """Free and admit slots (the scheduler's ``freed`` / ``new_requests``), block deltas
+        (the PPHandler generations were bumped by the step order already)."""
         mon = self.world.monitor
         for f in out.freed:
             mon.check_owner(self, out.step, f.slot, f.req_id)
             self.owner[f.slot] = None
-            if self.handler is not None:
-                self.handler.on_slot_freed(f.slot, out.step)
         for n in out.new_requests:
             mon.check_owner(self, out.step, n.slot, None)
             s, kept = n.slot, n.num_output_tokens
@@ -170,8 +157,8 @@ class CheckRank:
         np.add.at(d["num_computed_tokens"], slots, n)
         self.mirror.apply_scheduled(slots, n)
 
-    def apply_sampled(self, idx: np.ndarray, token_ids: np.ndarray, num_sampled: np.ndarray,
-                      num_rejected: np.ndarray, src: SchedulerOutput | None = None) -> None:
+    def apply_sampled_rows(self, idx: np.ndarray, token_ids: np.ndarray, num_sampled: np.ndarray,
+                           num_rejected: np.ndarray, src: SchedulerOutput | None = None) -> None:
         """Sampled phase for rows ``idx >= 0``: append the ids to the slot's history, device
         ``num_computed_tokens -= rejected``, and the mirror's correction
         (:meth:`CpuMirror.apply_rejected`)."""
@@ -185,11 +172,6 @@ class CheckRank:
             self.device["num_computed_tokens"][slot] -= int(num_rejected[i])
         self.mirror.apply_rejected(idx, num_rejected.astype(np.int64))
 
-    def apply_payload(self, payload: tuple, idx: np.ndarray) -> None:
-        """Apply a received broadcast payload ``(step, token_ids, num_sampled, num_rejected)``."""
-        step, token_ids, num_sampled, num_rejected = payload
-        self.apply_sampled(idx, token_ids, num_sampled, num_rejected, self.world.outputs[step])
-
     # ---------------------------------------------------------------- model
     def input_tokens(self, out: SchedulerOutput) -> np.ndarray:
         """Rank 0's input token per row ``[num_rows]``: last sampled id (or last prompt id) for
@@ -201,8 +183,8 @@ class CheckRank:
             toks[i] = hist[-1] if hist else int(self.last_prompt[slot])
         return toks
 
-    def sample(self, out: SchedulerOutput, mask: np.ndarray | None, inputs: np.ndarray,
-               spec_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def sample_rows(self, out: SchedulerOutput, mask: np.ndarray | None, inputs: np.ndarray,
+                    spec_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The last rank's sample: ``(token_ids [num_rows, 1], num_sampled [num_rows],
         num_rejected [num_rows])``; EOS and rejections are the checker's choices."""
         n = out.num_rows
@@ -225,11 +207,6 @@ class CheckRank:
             if spec_tokens and decode:
                 rejected[i] = self.choose(spec_tokens + 1)
         return ids, num_sampled, rejected
-
-    def result(self, out: SchedulerOutput, ids: np.ndarray, num_sampled: np.ndarray,
-               rejected: np.ndarray) -> StepResult:
-        return StepResult(out.step, ids.copy(), num_sampled.astype(np.int32),
-                          rejected.astype(np.int32))
 
     # ---------------------------------------------------------------- validation
     def validate(self, step: int, check_blocks: bool) -> None:

@@ -1,109 +1,112 @@
-"""The order of one rank's step, driven on a :class:`~ppstate.check.rank.CheckRank`.
+"""The order of one rank's step as the model checker runs it (:class:`CheckStep`).
 
-Same order as ``runtime/worker/runner.py`` (``StageRunner.step``; docs/design.md §5): consume the
-deferred entry -> free / admit -> inputs -> receive -> forward -> send -> last rank: sample, apply,
-broadcast (or skip); other ranks: post the deferred receive (sync: blocking broadcast, immediate
-apply) -> immediate post-update -> validate the mirrors. Events are emitted as the runner emits
-them (``docs/trace_format.md``), so a counterexample replays with ``python -m ppstate.replay``.
+The same order, and the same calls in the same places, as the shared rank step of the runtime and
+the simulator (docs/design.md §5): begin -> deferred consume (the PPHandler waits on the posted
+receive; usable rows applied) -> PPHandler generations of freed slots -> free / admit ->
+non-empty steps: inputs -> receive -> forward -> send -> immediate post-update -> last rank:
+sample -> apply -> publish (broadcast or skip) -> result; other ranks: post the receive and
+enqueue it, or enqueue an empty entry and skip -> end (validate the mirrors). ``depth`` is
+``pp_size`` in overlapped mode and 1 in sync mode.
+
+Two mutant hooks (``ppstate/mutants.py``) sit at the decisions they break:
+``rank_local_skip`` (the last rank drops rows from its broadcast decision by its own count of a
+request's tokens) and ``blocking_all_chunk_broadcast`` (every step's broadcast waited for at
+once, also when no row needs it).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
 from ppstate import mutants
 from ppstate.batch import SchedulerOutput, StepResult
-from ppstate.check.rank import CheckRank, OpHandle
-from ppstate.pp_handler import need_sampled_mask
-
-if TYPE_CHECKING:
-    from ppstate.check.world import World
+from ppstate.events import NULL_SINK, EventSink
+from ppstate.pp_handler import PPHandler, need_sampled_mask
 
 
-def run_step(rk: CheckRank, out: SchedulerOutput, w: "World") -> StepResult | None:
-    """Run step ``out`` on rank ``rk``; the last rank returns its StepResult.
+def sampled_idx_mapping(out: SchedulerOutput, mask: np.ndarray | None) -> np.ndarray:
+    """``[num_rows]`` int64: the slot of each row that needs a sample, -1 elsewhere."""
+    if mask is None:
+        return np.full(out.num_rows, -1, dtype=np.int64)
+    return np.where(mask, out.slots, -1).astype(np.int64)
 
-    Raises:
-        Blocked: a wait cannot complete yet (the caller re-runs the step later).
+
+class CheckStep:
+    """Runs steps of rank ``rank`` of ``pp_size`` on ``backend`` (see the module docstring).
+
+    Args:
+        backend: the rank's executor. depth: PPHandler depth. max_num_reqs: slots.
+        sink: event sink of the PPHandler.
     """
-    sink, r, s = rk.sink, rk.rank, out.step
-    sink.emit("rank.step", step=s, rank=r, num_rows=out.num_rows)
-    if rk.handler is not None:
-        entry = rk.handler.consume()          # waits on the pending receive, if any
+
+    def __init__(self, backend: Any, rank: int, pp_size: int, depth: int, max_num_reqs: int,
+                 sink: EventSink = NULL_SINK) -> None:
+        self.backend, self.rank, self.pp_size = backend, rank, pp_size
+        self.is_last = rank == pp_size - 1
+        self.handler: PPHandler | None = None
+        if not self.is_last:
+            self.handler = PPHandler(depth, max_num_reqs, sink=sink, rank=rank)
+        self._last_pos = np.zeros(max_num_reqs, dtype=np.int64)  # [max_num_reqs] last rank's own count
+
+    def step(self, out: SchedulerOutput) -> StepResult | None:
+        """Run step ``out``; the StepResult on the last rank, None elsewhere."""
+        b = self.backend
+        b.begin_step(out)
+        self._consume()
+        if self.handler is not None:
+            for f in out.freed:
+                self.handler.on_slot_freed(f.slot, out.step)
+        b.free_and_admit(out)
+        for n in out.new_requests:   # mutant rank_local_skip's rank-local memory
+            self._last_pos[n.slot] = n.max_seq_len - 1
+        mask = need_sampled_mask(out)
+        logits = self._forward(out) if out.num_rows else None
+        result = None
+        blocking = mutants.active("blocking_all_chunk_broadcast") and self.pp_size > 1
+        if blocking and mask is None and out.num_rows:   # mutant: broadcast every step
+            mask = np.zeros(out.num_rows, dtype=bool)
+        if self.is_last:
+            payload = b.sample(out, mask, logits)
+            if out.num_rows:
+                b.apply_sampled(out.step, sampled_idx_mapping(out, mask), payload)
+            if mutants.active("rank_local_skip") and mask is not None and all(
+                    out.start_positions[i] + out.num_scheduled_tokens[i] >=
+                    self._last_pos[out.slots[i]] for i in np.nonzero(mask)[0]):
+                mask = None   # mutant: "nobody needs the last token of a finished request"
+            b.publish(out, mask, payload)
+            result = b.result(out, payload)
+        elif mask is None:
+            self.handler.enqueue(out.step, out, None)
+            b.skip_receive(out)
+        elif blocking:   # mutant: posted and waited for at once, applied now
+            handle = b.post_receive(out, mask)
+            handle.wait()
+            self.handler.enqueue(out.step, out, None)
+            b.note_posted(out, mask)
+            from ppstate.pp_handler import ConsumedEntry
+            entry = ConsumedEntry(out.step, sampled_idx_mapping(out, mask), handle, mask)
+            b.apply_sampled(out.step, entry.idx_mapping, b.received(entry))
+        else:
+            self.handler.enqueue(out.step, out, mask, b.post_receive(out, mask))
+            b.note_posted(out, mask)
+        b.end_step(out)
+        return result
+
+    def _consume(self) -> None:
+        if self.handler is None:
+            return
+        entry = self.handler.consume()      # waits on the posted receive, if any
         if entry is not None:
-            rk.apply_payload(entry.handle.op.payload, entry.idx_mapping)
-    rk.apply_freed_new(out)
-    mask = need_sampled_mask(out)
-    result = None
-    if out.is_empty:
-        if rk.handler is not None:
-            rk.handler.enqueue(s, out, None, None)
-        if rk.pp_size > 1:
-            sink.emit("broadcast.skipped", step=s, rank=r)
-        if rk.is_last:
-            result = rk.result(out, np.zeros((0, 1), np.int64), np.zeros(0, np.int64),
-                               np.zeros(0, np.int64))
-    else:
-        w.monitor.check_inputs(rk, out)
-        hidden = rk.input_tokens(out) if rk.is_first else rk.recv_prev(s)
-        if not rk.is_last:
-            rk.send_next(s, hidden)
-        rk.apply_scheduled(out)
-        if rk.is_last:
-            result = _sample_and_publish(rk, out, mask, hidden, w)
-        else:
-            _post_receive(rk, out, mask)
-    rk.validate(s, check_blocks=w.spec_tokens == 0)
-    return result
+            self.backend.apply_sampled(entry.step, entry.idx_mapping, self.backend.received(entry))
 
-
-def _blocking(rk: CheckRank) -> bool:
-    return not rk.overlapped or mutants.active("blocking_all_chunk_broadcast")
-
-
-def _sample_and_publish(rk: CheckRank, out: SchedulerOutput, mask: np.ndarray | None,
-                        inputs: np.ndarray, w: "World") -> StepResult:
-    ids, num_sampled, rejected = rk.sample(out, mask, inputs, w.spec_tokens)
-    idx = np.where(mask if mask is not None else False, out.slots, -1).astype(np.int64)
-    rk.apply_sampled(idx, ids, num_sampled, rejected)
-    w.monitor.record_sampled(out, ids[:, 0])
-    if mutants.active("rank_local_skip") and mask is not None and all(
-            rk.stopped[int(out.slots[i])] or len(rk.history[int(out.slots[i])]) >=
-            rk.output_cap[int(out.slots[i])] for i in np.nonzero(mask)[0]):
-        mask = None   # mutant: "nobody needs the last token of a finished request"
-    if rk.pp_size > 1:
-        payload = (out.step, ids, num_sampled, rejected)
-        if mask is None and not mutants.active("blocking_all_chunk_broadcast"):
-            rk.sink.emit("broadcast.skipped", step=out.step, rank=rk.rank)
-        else:
-            if _blocking(rk):
-                rk.blocking_broadcast(out.step, payload, root=True)
-            else:
-                rk.post_broadcast(out.step, payload, root=True)
-            rk.sink.emit("broadcast.posted", step=out.step, rank=rk.rank,
-                         rows=0 if mask is None else int(mask.sum()))
-    rk.sink.emit("sampled", step=out.step, rank=rk.rank, req_ids=list(out.req_ids),
-                 token_ids=ids.tolist(), num_sampled=num_sampled.tolist())
-    return rk.result(out, ids, num_sampled, rejected)
-
-
-def _post_receive(rk: CheckRank, out: SchedulerOutput, mask: np.ndarray | None) -> None:
-    s, r = out.step, rk.rank
-    if mask is None and not mutants.active("blocking_all_chunk_broadcast"):
-        if rk.handler is not None:
-            rk.handler.enqueue(s, out, None, None)
-        rk.sink.emit("broadcast.skipped", step=s, rank=r)
-        return
-    if _blocking(rk):   # sync mode: blocking broadcast on the pp group, immediate consume
-        if rk.handler is not None:   # the mutant keeps the FIFO turning, with empty entries
-            rk.handler.enqueue(s, out, None, None)
-        payload = rk.blocking_broadcast(s, None, root=False)
-        rk.sink.emit("broadcast.posted", step=s, rank=r, rows=0 if mask is None else int(mask.sum()))
-        if mask is not None:
-            rk.apply_payload(payload, np.where(mask, out.slots, -1).astype(np.int64))
-        return
-    op = rk.post_broadcast(s, None, root=False)
-    rk.handler.enqueue(s, out, mask, OpHandle(rk, op))
-    rk.sink.emit("broadcast.posted", step=s, rank=r, rows=int(mask.sum()))
+    def _forward(self, out: SchedulerOutput) -> Any:
+        b = self.backend
+        inputs = b.prepare_inputs(out)
+        received = b.receive(out) if self.rank > 0 else None
+        hidden = b.forward(out, inputs, received)
+        if not self.is_last:
+            b.send(out, hidden)
+        b.apply_scheduled(out)
+        return hidden

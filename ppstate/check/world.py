@@ -28,7 +28,6 @@ from ppstate.check.choices import Chooser
 from ppstate.check.comm import Blocked, Comm
 from ppstate.check.monitor import Monitor, MonitorSink
 from ppstate.check.rank import CheckRank
-from ppstate.check.step import run_step
 from ppstate.events import NULL_SINK, RecordingSink
 from ppstate.scheduler import RequestSpec, Scheduler
 from ppstate.sim_workload import EOS_TOKEN, FIRST_TOKEN
@@ -198,14 +197,14 @@ class World:
         n_events, n_ops = len(rk.sink.events), len(rk.oplog)
         rk.begin_attempt()
         try:
-            result = run_step(rk, out, self)
+            result = rk.stepper.step(out)
         except Blocked as b:
             before.oplog, before.choice_log, before.blocked_on = rk.oplog, rk.choice_log, b.op
             self.ranks[r] = before
             del rk.sink.events[n_events:]
             self._drain_mismatches()
             return len(before.oplog) > n_ops
-        rk.end_step()
+        rk.finish_step()
         if result is not None:
             self.results.append(result)
         self._drain_mismatches()
