@@ -78,9 +78,6 @@ class LocalGroups:
             return None, buf
         return _Work(self.wire, k, buf), buf
 
-    def blocking_broadcast(self, buf: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError("sync mode needs concurrent ranks; use the process engine")
-
     def keep_pending(self, work, tensor: torch.Tensor) -> None:
         """Nothing to keep alive: the last rank's payload was copied when posted."""
 

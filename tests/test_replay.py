@@ -161,7 +161,7 @@ def test_cli_timeline_plot_explain(recorded, tmp_path, capsys):
 
 def test_sim_violation_trace_replays_the_violation(tmp_path, monkeypatch, capsys):
     from ppstate.budget import SchedulerConfig
-    from ppstate.sim_cli import run_cli
+    from ppstate.sim.cli import run_cli
     monkeypatch.chdir(tmp_path)
     with monkeypatch.context() as m:  # planted bug: decode cadence 1 instead of pp_size
         m.setattr(SchedulerConfig, "cadence", property(lambda self: 1))
@@ -182,8 +182,8 @@ def test_prefix_cache_hits_replay_without_prompt_ids(tmp_path):
     """Prompts are not recorded (no --trace-prompts), yet prefix-cache hits depend on them: the
     arrival carries the chained block hashes, and replay rebuilds stand-in prompts with the same
     block equalities, so every hit and every block-table delta replays exactly."""
-    from ppstate.sim_trace import record_sim
-    from ppstate.sim_workload import SimConfig
+    from ppstate.sim.trace import record_sim
+    from ppstate.sim.workload import SimConfig
     from ppstate.trace.run import load_run
 
     cfg = SimConfig(pp_size=2, num_requests=12, seed=3, shared_prefix=48, block_size=16)

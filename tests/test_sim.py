@@ -8,11 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import ppstate.sim_rank as sim_rank
+import ppstate.rank_step as rank_step
+import ppstate.sim.rank as sim_rank
 from ppstate.budget import SchedulerConfig
 from ppstate.pp_handler import PPHandler
 from ppstate.sim import Simulator, main, run_sim
-from ppstate.sim_workload import SimConfig, SimRequest
+from ppstate.sim.workload import SimConfig, SimRequest
 
 ROOT = Path(__file__).resolve().parent.parent
 KEYS = {"steps", "ticks", "completed", "aborted", "output_tokens", "throughput_tokens_per_tick",
@@ -124,8 +125,16 @@ def test_checker_catches_cadence_and_broadcast_mutants(monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(SchedulerConfig, "cadence", property(lambda self: 1))
         assert 5 in {v["invariant"] for v in run_sim(sweep_config(1)).invariant_violations}
-    monkeypatch.setattr(sim_rank, "should_broadcast", lambda out: out.num_rows > 0)
+    last_rank_posts_every_nonempty_step(monkeypatch)
     assert {v["invariant"] for v in run_sim(sweep_config(1)).invariant_violations} == {1}
+
+
+def last_rank_posts_every_nonempty_step(monkeypatch):
+    """Plant a rank-local bug: the simulator's last rank publishes whenever the step has rows
+    (ignoring the order's need-sampled mask) while the other ranks follow the mask."""
+    publish = sim_rank.SimRank.publish
+    monkeypatch.setattr(sim_rank.SimRank, "publish", lambda self, out, mask, payload: publish(
+        self, out, np.ones(out.num_rows, dtype=bool) if out.num_rows else None, payload))
 
 
 def _final_chunk_mask(out):
@@ -137,18 +146,15 @@ def test_wrong_broadcast_decision_agreed_by_all_ranks_is_caught(monkeypatch, wro
     """Every rank takes the same wrong decision (so the ranks never disagree); the checker's own
     statement of the rule (chunk positions vs prompt lengths) still reports invariant 1."""
     if wrong == "post_all_non_final":   # the chunked-PP hang: post although nobody needs a sample
-        monkeypatch.setattr(sim_rank, "need_sampled_mask", _final_chunk_mask)
-        monkeypatch.setattr(sim_rank, "should_broadcast", lambda out: out.num_rows > 0)
+        monkeypatch.setattr(rank_step, "need_sampled_mask", _final_chunk_mask)
     elif wrong == "mask_all_rows":       # non-final chunk rows marked as needing their sample
-        monkeypatch.setattr(sim_rank, "need_sampled_mask",
+        monkeypatch.setattr(rank_step, "need_sampled_mask",
                             lambda out: np.ones(out.num_rows, dtype=bool) if out.num_rows else None)
-        monkeypatch.setattr(sim_rank, "should_broadcast", lambda out: out.num_rows > 0)
     else:                                # a step with any non-final chunk row skips the broadcast
         def skip_mixed(out):
             m = _final_chunk_mask(out)
             return None if m is None or not m.all() else m
-        monkeypatch.setattr(sim_rank, "need_sampled_mask", skip_mixed)
-        monkeypatch.setattr(sim_rank, "should_broadcast", lambda out: skip_mixed(out) is not None)
+        monkeypatch.setattr(rank_step, "need_sampled_mask", skip_mixed)
     res = run_sim(sweep_config(1))
     assert 1 in {v["invariant"] for v in res.invariant_violations}
     assert not any("only" in v["message"] for v in res.invariant_violations)  # ranks agreed
@@ -156,7 +162,7 @@ def test_wrong_broadcast_decision_agreed_by_all_ranks_is_caught(monkeypatch, wro
 
 def test_rows_needing_sample_rule():
     from ppstate.batch import SchedulerOutput
-    from ppstate.sim_checks import InvariantChecker
+    from ppstate.sim.checks import InvariantChecker
     checker = InvariantChecker.__new__(InvariantChecker)
     checker.prompt_len = {"a": 10, "b": 4, "c": 7}
     checker.row_admission = {}
@@ -261,9 +267,9 @@ def test_kv_preemption_and_prefix_sharing_sweep_and_block_mutant(monkeypatch):
 
 
 def test_soak_slice_of_the_10000_seed_run():
-    """A slice of ``python -m ppstate.sim_soak`` (the README reports the 10,000-seed figure):
+    """A slice of ``python -m ppstate.sim.soak`` (the README reports the 10,000-seed figure):
     per-seed configurations with aborts, slot reuse, chunked prefill, bursts, preemption."""
-    from ppstate.sim_soak import soak
+    from ppstate.sim.soak import soak
     r = soak(range(40))
     assert (r["seeds"], r["runs_with_violations"], r["violation_seeds"]) == (40, 0, [])
     assert r["aborted"] > 0 and r["completed"] > 0 and r["requests"] == r["aborted"] + r["completed"]

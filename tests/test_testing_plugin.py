@@ -9,10 +9,11 @@ import shutil
 from importlib.metadata import entry_points
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 
-from ppstate import sim_rank
+from ppstate.sim import rank as sim_rank
 from ppstate.budget import SchedulerConfig
 from ppstate.testing import InvariantViolation, assert_invariants, explain, replay
 
@@ -85,7 +86,9 @@ def test_cadence_mutant_fails_naming_invariant_5_and_step(sim_pipeline, monkeypa
 def test_rank_local_broadcast_mutant_fails_naming_invariant_1_and_step(sim_pipeline, monkeypatch):
     # planted bug: the last rank decides to broadcast from "rows exist", not "a row needs its
     # sample", so it sends for a step of only a non-final chunk while rank 0 does not receive
-    monkeypatch.setattr(sim_rank, "should_broadcast", lambda out: out.num_rows > 0)
+    publish = sim_rank.SimRank.publish
+    monkeypatch.setattr(sim_rank.SimRank, "publish", lambda self, out, mask, payload: publish(
+        self, out, np.ones(out.num_rows, dtype=bool) if out.num_rows else None, payload))
     pipe = sim_pipeline(pp_size=2, chunk=8, seed=3)
     pipe.add_request("a", 20, max_tokens=2)
     pipe.run_until_done()

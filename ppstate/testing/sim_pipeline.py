@@ -17,8 +17,8 @@ import numpy as np
 
 from ppstate.events import RecordingSink
 from ppstate.scheduler import RequestSpec
-from ppstate.sim import Simulator
-from ppstate.sim_workload import (EOS_TOKEN, FIRST_TOKEN, VOCAB, SimConfig, SimRequest,
+from ppstate.sim.simulator import Simulator
+from ppstate.sim.workload import (EOS_TOKEN, FIRST_TOKEN, VOCAB, SimConfig, SimRequest,
                                   expected_output)
 from ppstate.trace.run import write_run
 

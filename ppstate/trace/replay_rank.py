@@ -1,11 +1,13 @@
 """Replay of one PP rank: re-derive the rank's decisions from the recorded scheduler outputs and
-results, in the order the runtime worker emits them (``docs/design.md`` §5), with a fresh
-:class:`~ppstate.pp_handler.PPHandler`, :class:`~ppstate.mirror.CpuMirror` and slot-owner table.
+results by running the runtime's own step order (:class:`~ppstate.rank_step.RankStep`) over a
+recording backend, with a fresh :class:`~ppstate.pp_handler.PPHandler` (depth ``pp_size``
+overlapped, 1 sync), :class:`~ppstate.mirror.CpuMirror` and slot-owner table.
 
-Per step: ``rank.step`` -> deferred ``pp.consume`` (non-last ranks, overlapped) -> ``pp.free`` of
-each freed slot -> empty step: ``pp.enqueue`` + ``broadcast.skipped``; otherwise the immediate
-mirror update, then the last rank's ``broadcast.*`` and ``sampled``, or a non-last rank's
-``pp.enqueue`` + ``broadcast.*`` -> ``mirror.check`` when mirrors are validated at this step.
+Per step: ``rank.step`` -> deferred ``pp.consume`` (non-last ranks) -> ``pp.free`` of each freed
+slot -> the immediate mirror update (non-empty steps) -> the last rank's ``broadcast.*`` and
+``sampled``, or a non-last rank's ``broadcast.posted`` + ``pp.enqueue`` (``pp.enqueue`` +
+``broadcast.skipped`` when no row needs a sample) -> ``mirror.check`` when mirrors are validated
+at this step.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from ppstate.batch import SchedulerOutput
+from ppstate.batch import SchedulerOutput, StepResult
 from ppstate.events import RecordingSink
 from ppstate.mirror import CpuMirror
-from ppstate.pp_handler import PPHandler, need_sampled_mask
+from ppstate.payload import SampledPayload
+from ppstate.pp_handler import ConsumedEntry
+from ppstate.rank_step import RankStep
 from ppstate.trace.compare import ANY, Divergence, context_before, matches, normalise
 from ppstate.trace.models import RANK_DECISIONS
 
@@ -39,7 +43,8 @@ class RankSetup:
 
 
 class RankReplay:
-    """Derives rank ``setup.rank``'s events for each step it ran.
+    """Derives rank ``setup.rank``'s events for each step it ran (a
+    :class:`~ppstate.rank_step.RankBackend` whose operations emit what the runtime's emit).
 
     Args:
         setup: rank parameters.
@@ -53,10 +58,10 @@ class RankReplay:
         self.s, self.outputs, self.results, self.checker = setup, outputs, results, checker
         self.is_last = setup.rank == setup.pp_size - 1
         self.sink = RecordingSink()
-        overlapped = setup.mode == "overlapped"
-        self.handler = (PPHandler(setup.pp_size, setup.max_num_reqs, sink=self.sink,
-                                  rank=setup.rank)
-                        if overlapped and setup.pp_size > 1 and not self.is_last else None)
+        depth = setup.pp_size if setup.mode == "overlapped" else 1
+        self.order = RankStep(self, setup.rank, setup.pp_size, depth, setup.max_num_reqs,
+                              self.sink)
+        self.handler = self.order.handler
         self.mirror = CpuMirror(setup.max_num_reqs, rank=setup.rank)
         self.owner: list[str | None] = [None] * setup.max_num_reqs    # [max_num_reqs]
 
@@ -64,52 +69,16 @@ class RankReplay:
     def run_step(self, out: SchedulerOutput) -> list[dict]:
         """Apply step ``out``; returns the events a correct rank emits for it."""
         start = len(self.sink.events)
-        r, s = self.s.rank, out.step
-        self.sink.emit("rank.step", step=s, rank=r, num_rows=out.num_rows)
-        if self.handler is not None:
-            entry = self.handler.consume()
-            if entry is not None:
-                self._apply_rejected(entry.step, entry.idx_mapping)
-        for f in out.freed:
-            self.owner[f.slot] = None
-            if self.handler is not None:
-                self.handler.on_slot_freed(f.slot, s)
-        for n in out.new_requests:
-            self.owner[n.slot] = n.req_id
-            self.mirror.add_request(n.slot, len(n.prompt_token_ids), n.max_seq_len,
-                                    n.num_cached_tokens)  # prefix-cache hit: already computed
-        mask = need_sampled_mask(out)
-        if out.is_empty:
-            if self.handler is not None:
-                self.handler.enqueue(s, out, None)
-            if self.s.pp_size > 1:
-                self.sink.emit("broadcast.skipped", step=s, rank=r)
-        else:
-            self.mirror.apply_scheduled(out.slots.astype(np.int64),
-                                        out.num_scheduled_tokens.astype(np.int64))
-            self._publish(out, mask)
-        if self.s.validate_every and s % self.s.validate_every == 0:
-            live = np.array([i for i, o in enumerate(self.owner) if o is not None], dtype=np.int64)
-            self.sink.emit("mirror.check", step=s, rank=r, slots=live.tolist(),
-                           num_computed_tokens=self.mirror.num_computed_tokens_np[live].tolist(),
-                           ok=ANY, message=ANY)
+        self.order.step(out)
         return self.sink.events[start:]
 
-    def _publish(self, out: SchedulerOutput, mask: np.ndarray | None) -> None:
-        r, s = self.s.rank, out.step
-        if self.is_last:
-            if self.s.pp_size > 1:
-                self._broadcast(s, mask)
-            res = self.results.get(s)
-            self.sink.emit("sampled", step=s, rank=r, req_ids=list(out.req_ids),
-                           token_ids=ANY if res is None else res["token_ids"],
-                           num_sampled=ANY if res is None else res["num_sampled"])
-            return
-        if self.handler is not None:
-            self.handler.enqueue(s, out, mask)
-        self._broadcast(s, mask)
-        if self.handler is None and mask is not None:  # sync: immediate consume
-            self._apply_rejected(s, np.where(mask, out.slots, -1).astype(np.int64))
+    def _payload(self, step: int, num_rows: int) -> SampledPayload:
+        """The recorded payload of ``step`` (zeros when its result was not recorded)."""
+        res = self.results.get(step)
+        p = SampledPayload.zeros(num_rows)
+        if res is not None:
+            p.num_rejected[:] = np.asarray(res["num_rejected"], dtype=np.int64)
+        return p
 
     def _broadcast(self, step: int, mask: np.ndarray | None) -> None:
         if mask is None:
@@ -117,10 +86,72 @@ class RankReplay:
         else:
             self.sink.emit("broadcast.posted", step=step, rank=self.s.rank, rows=int(mask.sum()))
 
-    def _apply_rejected(self, step: int, idx: np.ndarray) -> None:
-        res = self.results.get(step)
-        if res is not None:
-            self.mirror.apply_rejected(idx, np.asarray(res["num_rejected"], dtype=np.int64))
+    # RankBackend: the operations that leave a trace in the recorded decisions
+    def begin_step(self, out: SchedulerOutput) -> None:
+        self.sink.emit("rank.step", step=out.step, rank=self.s.rank, num_rows=out.num_rows)
+
+    def free_and_admit(self, out: SchedulerOutput) -> None:
+        for f in out.freed:
+            self.owner[f.slot] = None
+        for n in out.new_requests:
+            self.owner[n.slot] = n.req_id
+            self.mirror.add_request(n.slot, len(n.prompt_token_ids), n.max_seq_len,
+                                    n.num_cached_tokens)  # prefix-cache hit: already computed
+
+    def prepare_inputs(self, out: SchedulerOutput) -> None:
+        return None
+
+    def receive(self, out: SchedulerOutput) -> None:
+        return None
+
+    def forward(self, out: SchedulerOutput, inputs: Any, received: Any) -> None:
+        return None
+
+    def send(self, out: SchedulerOutput, hidden: Any) -> None:
+        return None
+
+    def apply_scheduled(self, out: SchedulerOutput) -> None:
+        self.mirror.apply_scheduled(out.slots.astype(np.int64),
+                                    out.num_scheduled_tokens.astype(np.int64))
+
+    def sample(self, out: SchedulerOutput, mask: np.ndarray | None, logits: Any) -> SampledPayload:
+        return self._payload(out.step, out.num_rows)
+
+    def apply_sampled(self, step: int, idx_mapping: np.ndarray, payload: SampledPayload) -> None:
+        if step in self.results:
+            self.mirror.apply_rejected(idx_mapping, np.asarray(payload.num_rejected))
+
+    def publish(self, out: SchedulerOutput, mask: np.ndarray | None,
+                payload: SampledPayload) -> None:
+        if self.s.pp_size > 1:
+            self._broadcast(out.step, mask)
+
+    def post_receive(self, out: SchedulerOutput, mask: np.ndarray) -> None:
+        self._broadcast(out.step, mask)
+
+    def skip_receive(self, out: SchedulerOutput) -> None:
+        self._broadcast(out.step, None)
+
+    def received(self, entry: ConsumedEntry) -> SampledPayload:
+        return self._payload(entry.step, len(entry.idx_mapping))
+
+    def result(self, out: SchedulerOutput, payload: SampledPayload) -> StepResult:
+        if out.num_rows:
+            res = self.results.get(out.step)
+            self.sink.emit("sampled", step=out.step, rank=self.s.rank, req_ids=list(out.req_ids),
+                           token_ids=ANY if res is None else res["token_ids"],
+                           num_sampled=ANY if res is None else res["num_sampled"])
+        return StepResult(out.step, payload.token_ids.copy(),
+                          payload.num_sampled.astype(np.int32),
+                          payload.num_rejected.astype(np.int32))
+
+    def end_step(self, out: SchedulerOutput) -> None:
+        s = out.step
+        if self.s.validate_every and s % self.s.validate_every == 0:
+            live = np.array([i for i, o in enumerate(self.owner) if o is not None], dtype=np.int64)
+            self.sink.emit("mirror.check", step=s, rank=self.s.rank, slots=live.tolist(),
+                           num_computed_tokens=self.mirror.num_computed_tokens_np[live].tolist(),
+                           ok=ANY, message=ANY)
 
     # ---------------------------------------------------------------- comparison
     def compare(self, recorded: list[dict],

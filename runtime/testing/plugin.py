@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from ppstate.testing import SimPipeline
-from ppstate.sim_workload import SimConfig
+from ppstate.sim.workload import SimConfig
 
 try:
     import pytest_asyncio

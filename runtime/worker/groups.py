@@ -116,12 +116,6 @@ class PPGroups:
             work = dist.broadcast(t, src=self.last_rank, group=self.bcast_group, async_op=True)
         return work, t
 
-    def blocking_broadcast(self, buf: torch.Tensor) -> torch.Tensor:
-        """Sync mode: broadcast on the PP group and wait (the baseline the benchmarks compare)."""
-        t = buf.to("cpu") if self.stage_on_host else buf
-        self._wait(dist.broadcast(t, src=self.last_rank, group=self.pp_group, async_op=True))
-        return t.to(self.device) if self.stage_on_host else t
-
     def keep_pending(self, work, tensor: torch.Tensor) -> None:
         """Keep ``tensor`` alive until ``work`` (a posted broadcast) completes; waited lazily
         together with the p2p sends."""

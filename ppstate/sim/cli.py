@@ -1,4 +1,4 @@
-"""Command line of the simulator: ``python -m ppstate.sim ... --json``.
+"""Command line of the simulator: ``python -m ppstate.sim ... --json`` (``ppstate/sim/__main__.py``).
 
 Prints one JSON object (or a short text summary without ``--json``) with steps, ticks, completed,
 aborted, output_tokens, throughput_tokens_per_tick, bubble_fraction and invariant_violations.
@@ -15,7 +15,9 @@ import sys
 from dataclasses import asdict
 
 from ppstate.errors import PPStateError
-from ppstate.sim_workload import SimConfig
+from ppstate.sim.simulator import run_sim
+from ppstate.sim.trace import DEFAULT_SIM_TRACE_DIR, record_sim
+from ppstate.sim.workload import SimConfig
 
 
 def _pair(text: str) -> tuple[int, int]:
@@ -84,8 +86,6 @@ def config_from_args(ns: argparse.Namespace) -> SimConfig:
 
 def run_cli(argv: list[str] | None = None) -> int:
     """Parse ``argv``, run, print; returns 0 clean, 1 on violations, 2 on bad arguments."""
-    from ppstate.sim import run_sim
-    from ppstate.sim_trace import DEFAULT_SIM_TRACE_DIR, record_sim
     ns = build_parser().parse_args(argv)
     trace = None
     try:

@@ -16,7 +16,7 @@ import numpy as np
 from ppstate.batch import SchedulerOutput
 from ppstate.request import TokenUpdate
 from ppstate.scheduler import Scheduler
-from ppstate.sim_workload import ExpectedOutput, SimRequest, expected_output
+from ppstate.sim.workload import ExpectedOutput, SimRequest, expected_output
 
 MAX_REPORTED = 50  # violations kept per run (the count keeps going)
 

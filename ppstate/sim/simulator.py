@@ -1,28 +1,28 @@
 """Deterministic discrete-event simulator of a ``pp_size``-stage pipeline running the real scheduler.
 
-Logical integer ticks; one seed draws the whole workload (:mod:`ppstate.sim_workload`). Each rank
-is a :class:`~ppstate.sim_rank.SimRank` (device state, CPU mirrors, PPHandler on non-last ranks).
+Logical integer ticks; one seed draws the whole workload (:mod:`ppstate.sim.workload`). Each rank
+is a :class:`~ppstate.sim.rank.SimRank` (device state, CPU mirrors, PPHandler on non-last ranks).
 Timing rules: rank r starts step s only after it finished s-1, after rank r-1 finished s (the p2p
 hand-off of hidden states; rank 0: after the step was issued) and, on non-last ranks, after the last
 rank finished step s-depth when that deferred receive is pending. A stage takes
 ``stage_base + stage_per_token * tokens`` ticks. After every tick the
-:class:`~ppstate.sim_checks.InvariantChecker` has seen all new facts.
+:class:`~ppstate.sim.checks.InvariantChecker` has seen all new facts.
 
 Usage: ``python -m ppstate.sim --pp 4 --requests 64 --seed 1 --mode overlapped --json``
-(see :mod:`ppstate.sim_cli`).
+(see :mod:`ppstate.sim.cli`). Each rank runs the runtime's step order
+(:class:`ppstate.rank_step.RankStep`) with :class:`~ppstate.sim.rank.SimRank` as its backend.
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 
 from ppstate.budget import SchedulerConfig
 from ppstate.events import NULL_SINK, EventSink
 from ppstate.scheduler import RequestSpec, Scheduler
-from ppstate.sim_checks import InvariantChecker
-from ppstate.sim_rank import SimRank, Wire
-from ppstate.sim_workload import EOS_TOKEN, SimConfig, SimRequest, make_workload
+from ppstate.sim.checks import InvariantChecker
+from ppstate.sim.rank import SimRank, Wire
+from ppstate.sim.workload import EOS_TOKEN, SimConfig, SimRequest, make_workload
 
 
 @dataclass
@@ -45,7 +45,7 @@ class SimResult:
 
 class Simulator:
     """One run of ``cfg`` (use :func:`run_sim`); ``sink`` records the scheduler's events
-    (:mod:`ppstate.sim_trace` writes them as a replayable trace)."""
+    (:mod:`ppstate.sim.trace` writes them as a replayable trace)."""
 
     def __init__(self, cfg: SimConfig, sink: EventSink = NULL_SINK) -> None:
         self.cfg = cfg
@@ -213,13 +213,3 @@ def repro_command(cfg: SimConfig) -> str:
             + (f" --kv-blocks {cfg.num_kv_blocks}" if cfg.num_kv_blocks else "")
             + f" --shared-prefix {cfg.shared_prefix}"
             + ("" if cfg.enable_prefix_caching else " --no-prefix-caching") + " --json")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """CLI entry point; returns the exit status (1 when invariants were violated)."""
-    from ppstate.sim_cli import run_cli
-    return run_cli(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,10 +1,10 @@
-"""``python -m ppstate.sim_soak``: the simulator over many seeds (issue #12, item 7).
+"""``python -m ppstate.sim.soak``: the simulator over many seeds (issue #12, item 7).
 
 Each seed picks its own configuration (:func:`soak_config`): 2-4 stages, overlapped or sync,
 aborts at random ticks, few slots for many requests (slot reuse), prefill chunks smaller than
 the prompts (chunked prefill), burst or Poisson arrivals, a tight or roomy KV cache (preemption),
 prefix caching on or off. Every simulator run checks the invariants at every tick
-(:mod:`ppstate.sim_checks`). Prints one JSON object: seeds run, runs with violations (their
+(:mod:`ppstate.sim.checks`). Prints one JSON object: seeds run, runs with violations (their
 seeds, at most 20) and totals (requests, aborted, steps); exit status 1 on any violation.
 Reproduce one seed with ``--start SEED --seeds 1``.
 """
@@ -16,8 +16,8 @@ import json
 import sys
 from collections.abc import Iterable
 
-from ppstate.sim import run_sim
-from ppstate.sim_workload import SimConfig
+from ppstate.sim.simulator import run_sim
+from ppstate.sim.workload import SimConfig
 
 
 def soak_config(seed: int) -> SimConfig:
@@ -58,7 +58,7 @@ def soak(seeds: Iterable[int]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ppstate.sim_soak", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m ppstate.sim.soak", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, default=10_000, help="number of seeds")
     p.add_argument("--start", type=int, default=0, help="first seed")

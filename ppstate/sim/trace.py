@@ -12,8 +12,8 @@ import dataclasses
 from pathlib import Path
 
 from ppstate.events import RecordingSink
-from ppstate.sim import SimResult, Simulator
-from ppstate.sim_workload import SimConfig
+from ppstate.sim.simulator import SimResult, Simulator
+from ppstate.sim.workload import SimConfig
 from ppstate.trace.run import write_run
 
 #: where ``python -m ppstate.sim`` writes the trace of a failing run when no --trace-dir is given

@@ -17,7 +17,7 @@ import numpy as np
 from ppstate.batch import SchedulerOutput
 
 if TYPE_CHECKING:
-    from ppstate.sim_checks import InvariantChecker
+    from ppstate.sim.checks import InvariantChecker
 
 UNKNOWN = -2
 

@@ -1,0 +1,8 @@
+"""``python -m ppstate.sim``: run the simulator from the command line (:mod:`ppstate.sim.cli`)."""
+
+import sys
+
+from ppstate.sim.cli import run_cli
+
+if __name__ == "__main__":
+    sys.exit(run_cli())
