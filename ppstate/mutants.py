@@ -9,8 +9,9 @@ The five, each a bug another engine shipped or nearly shipped (docs/design.md §
 
 ==============================  =================================================================
 ``rank_local_skip``             the last rank decides the broadcast skip from its own state (it
-                                skips when every sampled row's request just finished), while the
-                                other ranks decide from the scheduler output
+                                skips when its CPU mirror says every sampled row produced its
+                                request's last token), while the other ranks decide from the
+                                scheduler output
 ``no_generation_check``         the PPHandler applies deferred rows without comparing the slot's
                                 generation (stale tokens after slot reuse)
 ``short_cadence``               decode cadence ``pp_size - 1`` instead of ``pp_size``
@@ -25,11 +26,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
 
 #: name -> one-line description (``python -m ppstate.check --list-mutants``)
 MUTANTS: dict[str, str] = {
     "rank_local_skip": "the last rank decides the broadcast skip from its own state "
-                       "(skips when every sampled row's request just finished)",
+                       "(skips when its mirror says every sampled row's request just finished)",
     "no_generation_check": "deferred rows are applied without the slot-generation check",
     "short_cadence": "decode cadence pp_size - 1 instead of pp_size",
     "blocking_all_chunk_broadcast": "sampled-token broadcast on the p2p group, waited for at "
@@ -62,3 +66,13 @@ def enabled(*names: str) -> Iterator[None]:
     finally:
         _active.clear()
         _active.update(before)
+
+
+def rank_local_mask(backend: Any, out: Any, mask: np.ndarray) -> np.ndarray | None:
+    """Mutant ``rank_local_skip``'s decision on the last rank, from its own CPU mirror
+    (``backend.mirror``): None ("nobody needs the last token of a finished request") when every
+    row of ``mask`` reached ``max_seq_len - 1`` computed tokens, else ``mask``."""
+    mirror = backend.mirror
+    slots = np.asarray(out.slots, dtype=np.int64)[np.asarray(mask, dtype=bool)]
+    done = mirror.num_computed_tokens_np[slots] >= mirror.max_seq_len_np[slots] - 1
+    return None if bool(done.all()) else mask

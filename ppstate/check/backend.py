@@ -1,13 +1,14 @@
-"""The model checker's side of the rank-step protocol: what :class:`~ppstate.check.step.CheckStep`
-calls on a :class:`~ppstate.check.rank.CheckRank`, in the method names of the runtime's backends
+"""The model checker's backend of the shared step order: the
+:class:`~ppstate.rank_step.RankBackend` methods of :class:`~ppstate.check.rank.CheckRank`
 (``begin_step``, ``free_and_admit``, ``prepare_inputs``, ``receive``, ``forward``, ``send``,
 ``apply_scheduled``, ``sample``, ``apply_sampled``, ``publish``, ``post_receive``, ``skip_receive``,
 ``received``, ``result``, ``end_step``).
 
 "Hidden states" are rank 0's input token per row (``[num_rows]``), so the last rank's sample is
-conditioned on what rank 0 read. The broadcast payload is ``[num_rows, 3]`` int64: token id,
-``num_sampled``, ``num_rejected`` (:class:`Payload`). Events are emitted where the runtime runner
-emits them (``docs/trace_format.md``) and feed the monitor through the rank's sink.
+conditioned on what rank 0 read. The broadcast payload is a
+:class:`~ppstate.payload.SampledPayload` of width 1 (``[num_rows, 3]`` int64). Events are emitted
+where the runtime runner emits them (``docs/trace_format.md``) and feed the monitor through the
+rank's sink.
 """
 
 from __future__ import annotations
@@ -17,29 +18,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ppstate.batch import SchedulerOutput, StepResult
+from ppstate.payload import SampledPayload
 
 if TYPE_CHECKING:
     from ppstate.check.comm import Op
     from ppstate.pp_handler import ConsumedEntry
-
-
-class Payload:
-    """The sampled-token broadcast of one step: ``buf`` ``[num_rows, 3]`` int64."""
-
-    def __init__(self, buf: np.ndarray) -> None:
-        self.buf = buf
-
-    @property
-    def token_ids(self) -> np.ndarray:
-        return self.buf[:, :1]            # [num_rows, 1]
-
-    @property
-    def num_sampled(self) -> np.ndarray:
-        return self.buf[:, 1]             # [num_rows]
-
-    @property
-    def num_rejected(self) -> np.ndarray:
-        return self.buf[:, 2]             # [num_rows]
 
 
 class OpHandle:
@@ -74,20 +57,20 @@ class BackendMethods:
     def send(self, out: SchedulerOutput, hidden: np.ndarray) -> None:
         self.send_next(out.step, hidden)
 
-    def sample(self, out: SchedulerOutput, mask: np.ndarray | None, logits: Any) -> Payload:
+    def sample(self, out: SchedulerOutput, mask: np.ndarray | None, logits: Any) -> SampledPayload:
         buf = np.zeros((out.num_rows, 3), dtype=np.int64)
         if out.num_rows:
             ids, num_sampled, rejected = self.sample_rows(out, mask, logits, self.world.spec_tokens)
             buf[:, 0], buf[:, 1], buf[:, 2] = ids[:, 0], num_sampled, rejected
             self.world.monitor.record_sampled(out, ids[:, 0])
-        return Payload(buf)
+        return SampledPayload(buf)
 
-    def apply_sampled(self, step: int, idx_mapping: np.ndarray, payload: Payload) -> None:
+    def apply_sampled(self, step: int, idx_mapping: np.ndarray, payload: SampledPayload) -> None:
         src = self.world.outputs[step] if not self.is_last else None
         self.apply_sampled_rows(idx_mapping, payload.token_ids, payload.num_sampled,
                                 payload.num_rejected, src)
 
-    def publish(self, out: SchedulerOutput, mask: np.ndarray | None, payload: Payload) -> None:
+    def publish(self, out: SchedulerOutput, mask: np.ndarray | None, payload: SampledPayload) -> None:
         if self.pp_size > 1 and mask is None:
             self.sink.emit("broadcast.skipped", step=out.step, rank=self.rank)
         elif self.pp_size > 1:
@@ -100,26 +83,22 @@ class BackendMethods:
 
     def post_receive(self, out: SchedulerOutput, mask: np.ndarray) -> OpHandle:
         op = self.post_broadcast(out.step, None, root=False)
-        return OpHandle(self, op)
-
-    def note_posted(self, out: SchedulerOutput, mask: np.ndarray) -> None:
-        """The receive is posted and queued (the runner's ``broadcast.posted``, after
-        ``pp.enqueue``)."""
         self.sink.emit("broadcast.posted", step=out.step, rank=self.rank, rows=int(mask.sum()))
+        return OpHandle(self, op)
 
     def skip_receive(self, out: SchedulerOutput) -> None:
         self.sink.emit("broadcast.skipped", step=out.step, rank=self.rank)
 
-    def received(self, entry: "ConsumedEntry") -> Payload:
+    def received(self, entry: "ConsumedEntry") -> SampledPayload:
         got = entry.handle.op.payload   # (step, payload); another step's after a mismatch
         if got is None:                  # matched with no root (a mismatch): nothing arrived
-            return Payload(np.zeros((len(entry.idx_mapping), 3), dtype=np.int64))
+            return SampledPayload(np.zeros((len(entry.idx_mapping), 3), dtype=np.int64))
         payload = got[1]
         if payload.buf.shape[0] != len(entry.idx_mapping):   # mismatch: sizes differ
-            return Payload(np.zeros((len(entry.idx_mapping), 3), dtype=np.int64))
+            return SampledPayload(np.zeros((len(entry.idx_mapping), 3), dtype=np.int64))
         return payload
 
-    def result(self, out: SchedulerOutput, payload: Payload) -> StepResult:
+    def result(self, out: SchedulerOutput, payload: SampledPayload) -> StepResult:
         return StepResult(out.step, payload.token_ids.copy(), payload.num_sampled.astype(np.int32),
                           payload.num_rejected.astype(np.int32))
 

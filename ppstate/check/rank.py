@@ -9,7 +9,7 @@ after the forward; sampled phase: ``-`` rejected tokens). Communication goes thr
 ops already issued (:attr:`CheckRank.oplog`) answered from the log instead of issued again.
 
 Sampling is the checker's choice: each row that needs a sample yields the deterministic "model"
-token (:func:`ppstate.sim_workload.model_token`) or EOS, and with ``spec_tokens = K`` each decode
+token (:func:`ppstate.sim.workload.model_token`) or EOS, and with ``spec_tokens = K`` each decode
 row reports 0..K rejected speculative tokens.
 """
 
@@ -25,14 +25,16 @@ from ppstate.check.comm import Blocked, Op
 from ppstate.events import EventSink
 from ppstate.mirror import MIRROR_FIELDS, CpuMirror
 from ppstate.pp_handler import PPHandler
-from ppstate.sim_workload import EOS_TOKEN, model_token
+from ppstate.rank_step import RankStep
+from ppstate.sim.workload import EOS_TOKEN, model_token
 
 if TYPE_CHECKING:
     from ppstate.check.world import World
 
 
 class CheckRank(BackendMethods):
-    """Rank ``rank`` of ``pp_size`` in the model checker (its step order: :mod:`ppstate.check.step`).
+    """Rank ``rank`` of ``pp_size`` in the model checker: a backend of the shared step order
+    (:class:`~ppstate.rank_step.RankStep`, in :attr:`stepper`).
 
     Args:
         rank, pp_size: position in the pipeline.
@@ -47,8 +49,7 @@ class CheckRank(BackendMethods):
         self.is_first, self.is_last = rank == 0, rank == pp_size - 1
         self.depth = pp_size if overlapped else 1
         self.sink = sink
-        from ppstate.check.step import CheckStep
-        self.stepper = CheckStep(self, rank, pp_size, self.depth, max_num_reqs, sink=sink)
+        self.stepper = RankStep(self, rank, pp_size, self.depth, max_num_reqs, sink=sink)
         self.handler: PPHandler | None = self.stepper.handler
         self.mirror = CpuMirror(max_num_reqs, rank=rank)
         i64 = dict(dtype=np.int64)

@@ -30,7 +30,7 @@ from ppstate.check.monitor import Monitor, MonitorSink
 from ppstate.check.rank import CheckRank
 from ppstate.events import NULL_SINK, RecordingSink
 from ppstate.scheduler import RequestSpec, Scheduler
-from ppstate.sim_workload import EOS_TOKEN, FIRST_TOKEN
+from ppstate.sim.workload import EOS_TOKEN, FIRST_TOKEN
 
 
 @dataclass(frozen=True)
