@@ -132,3 +132,11 @@ def test_cli_json_exit_status_and_flag_errors(tmp_path, capsys):
     assert "--prompt-len" in capsys.readouterr().err
     assert check_main(["--list-mutants"]) == 0
     assert "short_cadence" in capsys.readouterr().out
+
+
+def test_docs_show_the_current_help(monkeypatch):
+    from pathlib import Path
+    from ppstate.check.__main__ import build_parser
+    monkeypatch.setenv("COLUMNS", "100")
+    doc = (Path(__file__).parent.parent / "docs" / "checker.md").read_text(encoding="utf-8")
+    assert build_parser().format_help().rstrip("\n") in doc
