@@ -13,6 +13,7 @@ from typing import Literal
 
 import numpy as np
 
+from ppstate import mutants
 from ppstate.errors import SchedulerError
 from ppstate.step_cost import CPU_DEFAULTS, model_of
 
@@ -107,6 +108,8 @@ class SchedulerConfig:
     @property
     def cadence(self) -> int:
         """Steps between two sampling rows of one request: pp_size overlapped, 1 sync."""
+        if mutants.active("short_cadence") and self.mode == "overlapped":  # model checker's mutant
+            return self.pp_size - 1
         return self.pp_size if self.mode == "overlapped" else 1
 
     @property

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from ppstate import mutants
 from ppstate.errors import MirrorDivergence
 
 MIRROR_FIELDS = ("num_computed_tokens", "prefill_len", "num_computed_prefill_tokens", "max_seq_len",
@@ -96,6 +97,8 @@ class CpuMirror:
 
     def apply_rejected(self, slots: np.ndarray, num_rejected: np.ndarray) -> None:
         """Deferred correction on consume: ``num_computed_tokens -= rejected`` (``-1`` rows skipped)."""
+        if mutants.active("no_rejected_correction"):  # model checker's mutant; never on in runs
+            return
         keep = slots >= 0
         self.num_computed_tokens_np[slots[keep]] -= num_rejected[keep]
 

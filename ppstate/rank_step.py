@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ppstate import mutants
 from ppstate.batch import SchedulerOutput, StepResult
 from ppstate.events import NULL_SINK, EventSink
 from ppstate.payload import SampledPayload
@@ -152,19 +153,37 @@ class RankStep:
         mask = need_sampled_mask(out)
         logits = self._forward(out) if out.num_rows else None
         result = None
+        blocking = mutants.active("blocking_all_chunk_broadcast") and out.num_rows > 0  # mutant
+        if blocking and mask is None:
+            mask = np.zeros(out.num_rows, dtype=bool)
         if self.is_last:
             payload = b.sample(out, mask, logits)
             if out.num_rows:
                 b.apply_sampled(out.step, sampled_idx_mapping(out, mask), payload)
+            if mutants.active("rank_local_skip") and mask is not None:   # mutant
+                mask = mutants.rank_local_mask(b, out, mask)
             b.publish(out, mask, payload)
             result = b.result(out, payload)
         elif mask is None:
             self.handler.enqueue(out.step, out, None)
             b.skip_receive(out)
+        elif blocking:
+            self._receive_now(out, mask)
         else:
             self.handler.enqueue(out.step, out, mask, b.post_receive(out, mask))
         b.end_step(out)
         return result
+
+    def _receive_now(self, out: SchedulerOutput, mask: np.ndarray) -> None:
+        """Mutant ``blocking_all_chunk_broadcast`` (``ppstate.mutants``; the model checker's):
+        the receive is posted and waited for at once, even when no row needs it, and applied
+        in this step (as before vLLM #38726)."""
+        handle = self.backend.post_receive(out, mask)
+        self.handler.enqueue(out.step, out, None)
+        if callable(getattr(handle, "wait", None)):
+            handle.wait()
+        entry = ConsumedEntry(out.step, sampled_idx_mapping(out, mask), handle, mask)
+        self.backend.apply_sampled(out.step, entry.idx_mapping, self.backend.received(entry))
 
     def _consume(self) -> None:
         if self.handler is None:

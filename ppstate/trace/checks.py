@@ -26,6 +26,12 @@ class _NoState:
 
     num_waiting = 0
 
+    class kv:  # noqa: N801 - mimics Scheduler.kv (the block pool is not known after a divergence)
+        class pool:  # noqa: N801
+            @staticmethod
+            def check_invariants() -> None:
+                return None
+
 
 class TraceChecker:
     """Collects invariant violations while a trace is replayed.

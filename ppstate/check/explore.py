@@ -1,0 +1,169 @@
+"""Breadth-first explicit-state exploration of :class:`~ppstate.check.world.World`.
+
+Each state is stored as its pickle; two states are the same when their pickles are (a digest of
+the bytes is kept per state seen). Breadth first, so the first violation found has a shortest
+path: its actions (with the choices taken inside each) are kept as parent links and replayed
+into a trace by :mod:`ppstate.check.counterexample`.
+
+Judged in every state: the monitor's invariants (:mod:`ppstate.check.monitor`); deadlock (work
+left and nothing can move: no rank step, result or issue, which settling already tried); at the
+end of a run (every request arrived and none live) no op may be left unmatched.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from ppstate import mutants
+from ppstate.check.choices import Chooser, choice_vectors
+from ppstate.check.snapshot import digest, dumps, loads
+from ppstate.check.world import CheckConfig, World
+
+
+@dataclass
+class CheckResult:
+    """Outcome of one exploration (the CLI's JSON object, with ``counterexample`` added)."""
+    config: dict
+    states: int = 0
+    transitions: int = 0
+    depth: int = 0
+    complete: bool = True
+    seconds: float = 0.0
+    violations: list[dict] = field(default_factory=list)
+    path: list[tuple] = field(default_factory=list)   # (action, choices) of the first violation
+    counterexample: str | None = None
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["path"] = [[list(a), list(c)] for a, c in self.path]
+        d["num_violations"] = len(self.violations)
+        return d
+
+
+def _step_world(data: bytes, action: tuple, chooser: Chooser) -> World | None:
+    w: World = loads(data)
+    return w if w.apply(action, chooser) else None
+
+
+def system_can_move(w: World) -> bool:
+    """Can the engine or a rank move without the environment (arrival, abort)? A settled world
+    without ``--async`` / ``--no-por`` already ran every rank step and issue it could."""
+    cfg = w.cfg
+    if w.results:
+        return True
+    if cfg.por and not cfg.async_engine:
+        return False
+    if w.clone()._issue():
+        return True
+    return not cfg.por and any(w._runnable(r) and _try_rank(w, r) for r in range(w.pp_size))
+
+
+def _try_rank(w: World, r: int) -> bool:
+    c = w.clone()
+    c.chooser = Chooser()
+    return c._attempt(r)
+
+
+def end_violations(w: World) -> list[dict]:
+    """Deadlock and end-of-run checks of a settled state without violations."""
+    if w.unfinished():
+        if not system_can_move(w):
+            return [{"invariant": 6, "step": w.sched.next_step, "rank": None,
+                     "message": w.describe_stuck()}]
+        return []
+    if w.arrived == w.cfg.num_requests:
+        left = w.comm.pending()
+        if left:
+            return [{"invariant": 1, "step": left[0].step, "rank": left[0].rank,
+                     "message": "run ended with unmatched ops: " +
+                     "; ".join(f"rank {o.rank} {o.describe()}" for o in left)}]
+        open_reqs = [f"r{i}" for i in range(w.arrived) if f"r{i}" not in w.monitor.inner.closed]
+        if open_reqs:
+            return [{"invariant": 3, "step": w.sched.next_step, "rank": None,
+                     "message": f"run ended, the client never saw {open_reqs} finish"}]
+    return []
+
+
+def explore(cfg: CheckConfig, max_states: int = 2_000_000, max_violations: int = 1) -> CheckResult:
+    """Explore every state reachable within ``cfg``'s bounds (see the module docstring).
+
+    Args:
+        cfg: bounds, mode, mutant.
+        max_states: stop (``complete`` False) after this many distinct states.
+        max_violations: stop after this many violating states (each is not expanded).
+    """
+    names = (cfg.mutant,) if cfg.mutant else ()
+    with mutants.enabled(*names):
+        return _explore(cfg, max_states, max_violations)
+
+
+def _explore(cfg: CheckConfig, max_states: int, max_violations: int) -> CheckResult:
+    t0 = time.perf_counter()
+    res = CheckResult(config=cfg.as_dict())
+    root = World(cfg)
+    root.settle()
+    data = dumps(root)
+    seen = {digest(data)}
+    parents: dict[int, tuple[int, tuple, tuple]] = {}
+    frontier: deque[tuple[int, int, bytes]] = deque([(0, 0, data)])
+    res.states, next_id = 1, 1
+    while frontier:
+        nid, depth, data = frontier.popleft()
+        w: World = loads(data)
+        for action in w.actions():
+            for choices, child in choice_vectors(lambda ch: _step_world(data, action, ch)):
+                if child is None:
+                    continue
+                res.transitions += 1
+                cdata = dumps(child)
+                d = digest(cdata)
+                if d in seen:
+                    continue
+                seen.add(d)
+                cid, next_id = next_id, next_id + 1
+                parents[cid] = (nid, action, choices)
+                res.states += 1
+                res.depth = max(res.depth, depth + 1)
+                found = child.violations or end_violations(child)
+                if found:
+                    if not res.violations:
+                        res.path = _path(parents, cid)
+                    res.violations += found
+                    if len({v["message"] for v in res.violations}) >= max_violations:
+                        res.seconds = round(time.perf_counter() - t0, 3)
+                        return res
+                    continue
+                frontier.append((cid, depth + 1, cdata))
+                if res.states >= max_states:
+                    res.complete = False
+                    res.seconds = round(time.perf_counter() - t0, 3)
+                    return res
+    res.seconds = round(time.perf_counter() - t0, 3)
+    return res
+
+
+def _path(parents: dict[int, tuple[int, tuple, tuple]], nid: int) -> list[tuple]:
+    path = []
+    while nid in parents:
+        pid, action, choices = parents[nid]
+        path.append((action, choices))
+        nid = pid
+    return path[::-1]
+
+
+def replay_path(cfg: CheckConfig, path: list[tuple], record: bool = True,
+                drain: bool = False) -> World:
+    """Re-run ``path`` (actions with their choices) from the initial state; ``drain``: then run
+    on to the end (:meth:`World.drain`)."""
+    names = (cfg.mutant,) if cfg.mutant else ()
+    with mutants.enabled(*names):
+        w = World(cfg, record=record)
+        w.settle()
+        for action, choices in path:
+            if not w.apply(tuple(action), Chooser(tuple(choices))):
+                raise RuntimeError(f"path action {action} not enabled on replay")
+        if drain:
+            w.drain()
+        return w

@@ -1,0 +1,227 @@
+"""The model checker's rank: device state, communication and sampling of one PP rank.
+
+A :class:`CheckRank` owns the real :class:`~ppstate.pp_handler.PPHandler` (non-last ranks,
+overlapped mode) and :class:`~ppstate.mirror.CpuMirror`, plus a numpy stand-in of the device
+per-slot counters that follows the post-update kernels' rules (immediate phase: ``+`` query length
+after the forward; sampled phase: ``-`` rejected tokens). Communication goes through
+:class:`~ppstate.check.comm.Comm`; a wait that cannot complete raises
+:class:`~ppstate.check.comm.Blocked`, and the world re-runs the step from its start later with the
+ops already issued (:attr:`CheckRank.oplog`) answered from the log instead of issued again.
+
+Sampling is the checker's choice: each row that needs a sample yields the deterministic "model"
+token (:func:`ppstate.sim.workload.model_token`) or EOS, and with ``spec_tokens = K`` each decode
+row reports 0..K rejected speculative tokens.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ppstate.batch import SchedulerOutput
+from ppstate.check.backend import BackendMethods
+from ppstate.check.comm import Blocked, Op
+from ppstate.events import EventSink
+from ppstate.mirror import MIRROR_FIELDS, CpuMirror
+from ppstate.pp_handler import PPHandler
+from ppstate.rank_step import RankStep
+from ppstate.sim.workload import EOS_TOKEN, model_token
+
+if TYPE_CHECKING:
+    from ppstate.check.world import World
+
+
+class CheckRank(BackendMethods):
+    """Rank ``rank`` of ``pp_size`` in the model checker: a backend of the shared step order
+    (:class:`~ppstate.rank_step.RankStep`, in :attr:`stepper`).
+
+    Args:
+        rank, pp_size: position in the pipeline.
+        overlapped: deferred consume (depth ``pp_size``) or sync mode (blocking broadcast).
+        max_num_reqs: slots.
+        sink: the rank's event sink (trace + monitor).
+    """
+
+    def __init__(self, rank: int, pp_size: int, overlapped: bool, max_num_reqs: int,
+                 sink: EventSink) -> None:
+        self.rank, self.pp_size, self.overlapped = rank, pp_size, overlapped
+        self.is_first, self.is_last = rank == 0, rank == pp_size - 1
+        self.depth = pp_size if overlapped else 1
+        self.sink = sink
+        self.stepper = RankStep(self, rank, pp_size, self.depth, max_num_reqs, sink=sink)
+        self.handler: PPHandler | None = self.stepper.handler
+        self.mirror = CpuMirror(max_num_reqs, rank=rank)
+        i64 = dict(dtype=np.int64)
+        self.device = {f: np.zeros(max_num_reqs, **i64) for f in MIRROR_FIELDS}  # [max_num_reqs] each
+        self.owner: list[str | None] = [None] * max_num_reqs               # [max_num_reqs]
+        self.history: list[list[int]] = [[] for _ in range(max_num_reqs)]  # sampled ids per slot
+        self.output_cap = np.zeros(max_num_reqs, **i64)   # [max_num_reqs] outputs allowed
+        self.sample_seed = np.zeros(max_num_reqs, **i64)  # [max_num_reqs]
+        self.ignore_eos = np.zeros(max_num_reqs, dtype=bool)  # [max_num_reqs]
+        self.stopped = np.zeros(max_num_reqs, dtype=bool)  # [max_num_reqs] EOS sampled (last rank)
+        self.last_prompt = np.zeros(max_num_reqs, **i64)  # [max_num_reqs]
+        self.next_step = 0
+        self.oplog: list[Op] = []      # ops issued by the step in progress (resumed after a block)
+        self.choice_log: list[int] = []  # choices taken by the step in progress
+        self.blocked_on: Op | None = None  # the op the step in progress waits for
+        self._cursor = self._choice_cursor = 0
+        self.world: "World | None" = None
+
+    def begin_attempt(self) -> None:
+        """(Re-)start the step in progress: logged ops and choices are answered from the logs."""
+        self._cursor = self._choice_cursor = 0
+
+    def finish_step(self) -> None:
+        """The step completed: the next one starts with empty logs."""
+        self.next_step += 1
+        self.oplog, self.choice_log, self.blocked_on = [], [], None
+
+    def choose(self, n: int) -> int:
+        """A choice of the explorer in ``range(n)``; the same one when the step is re-run."""
+        if self._choice_cursor < len(self.choice_log):
+            c = self.choice_log[self._choice_cursor]
+        else:
+            c = self.world.chooser.choose(n)
+            self.choice_log.append(c)
+        self._choice_cursor += 1
+        return c
+
+    # ---------------------------------------------------------------- communication
+    def _issue(self, group: str, kind: str, step: int, peer: int = -1, payload: Any = None,
+               is_root: bool = False) -> Op:
+        """Issue an op, or return the one this step already issued (re-run after a block)."""
+        if self._cursor < len(self.oplog):
+            op = self.oplog[self._cursor]
+            assert (op.group, op.kind, op.step) == (group, kind, step), "step re-run diverged"
+        else:
+            op = self.world.comm.issue(group, kind, self.rank, step, peer, payload, is_root)
+            self.oplog.append(op)
+        self._cursor += 1
+        return op
+
+    def wait(self, op: Op) -> Any:
+        """Blocking wait on ``op``; raises :class:`Blocked` while it cannot complete."""
+        self.world.monitor.on_wait(self, op)
+        if not op.done:
+            raise Blocked(op)
+        return op.payload
+
+    def send_next(self, step: int, hidden: np.ndarray) -> None:
+        """Non-blocking p2p send of the step's hidden states to rank + 1 (pp group)."""
+        self._issue("pp", "send", step, self.rank + 1, hidden)
+
+    def recv_prev(self, step: int) -> np.ndarray:
+        """Blocking p2p receive from rank - 1 (pp group)."""
+        return self.wait(self._issue("pp", "recv", step, self.rank - 1))
+
+    def post_broadcast(self, step: int, payload: Any, root: bool, group: str = "bcast") -> Op:
+        """Post this rank's side of step ``step``'s sampled-token broadcast (never blocks)."""
+        return self._issue(group, "bcast", step, payload=payload, is_root=root)
+
+    # ---------------------------------------------------------------- device state
+    def apply_freed_new(self, out: SchedulerOutput) -> None:
+        """Free and admit slots (the scheduler's ``freed`` / ``new_requests``), block deltas
+        (the PPHandler generations were bumped by the step order already)."""
+        mon = self.world.monitor
+        for f in out.freed:
+            mon.check_owner(self, out.step, f.slot, f.req_id)
+            self.owner[f.slot] = None
+        for n in out.new_requests:
+            mon.check_owner(self, out.step, n.slot, None)
+            s, kept = n.slot, n.num_output_tokens
+            self.owner[s] = n.req_id
+            self.history[s] = list(n.prompt_token_ids[len(n.prompt_token_ids) - kept:])
+            self.output_cap[s] = n.max_seq_len - (len(n.prompt_token_ids) - kept)
+            self.sample_seed[s] = n.sampling["seed"]
+            self.ignore_eos[s] = bool(n.sampling.get("ignore_eos", False))
+            self.stopped[s] = False
+            self.last_prompt[s] = n.prompt_token_ids[-1]
+            for f, v in (("num_computed_tokens", n.num_cached_tokens),
+                         ("num_computed_prefill_tokens", n.num_cached_tokens),
+                         ("prefill_len", len(n.prompt_token_ids)),
+                         ("max_seq_len", n.max_seq_len), ("num_blocks", 0)):
+                self.device[f][s] = v
+            self.mirror.add_request(s, len(n.prompt_token_ids), n.max_seq_len, n.num_cached_tokens)
+        if out.block_table_slots.size:
+            s = out.block_table_slots.astype(np.int64)
+            np.maximum.at(self.device["num_blocks"], s, out.block_table_cols.astype(np.int64) + 1)
+            self.mirror.apply_block_updates(out.block_table_slots, out.block_table_cols)
+
+    def apply_scheduled(self, out: SchedulerOutput) -> None:
+        """Immediate phase after the forward: device (kernel rule) and mirror, ``+`` query length."""
+        slots = out.slots.astype(np.int64)
+        n = out.num_scheduled_tokens.astype(np.int64)
+        d = self.device
+        pre = np.maximum(d["prefill_len"][slots] - d["num_computed_prefill_tokens"][slots], 0)
+        np.add.at(d["num_computed_prefill_tokens"], slots, np.minimum(n, pre))
+        np.add.at(d["num_computed_tokens"], slots, n)
+        self.mirror.apply_scheduled(slots, n)
+
+    def apply_sampled_rows(self, idx: np.ndarray, token_ids: np.ndarray, num_sampled: np.ndarray,
+                           num_rejected: np.ndarray, src: SchedulerOutput | None = None) -> None:
+        """Sampled phase for rows ``idx >= 0``: append the ids to the slot's history, device
+        ``num_computed_tokens -= rejected``, and the mirror's correction
+        (:meth:`CpuMirror.apply_rejected`)."""
+        for i, slot in enumerate(idx.tolist()):
+            if slot < 0:
+                continue
+            if src is not None:
+                self.world.monitor.check_apply(self, src.step, src.req_ids[i], slot)
+            for k in range(int(num_sampled[i])):
+                self.history[slot].append(int(token_ids[i, k]))
+            self.device["num_computed_tokens"][slot] -= int(num_rejected[i])
+        self.mirror.apply_rejected(idx, num_rejected.astype(np.int64))
+
+    # ---------------------------------------------------------------- model
+    def input_tokens(self, out: SchedulerOutput) -> np.ndarray:
+        """Rank 0's input token per row ``[num_rows]``: last sampled id (or last prompt id) for
+        rows that sample, -1 for non-final chunks; it travels with the hidden states."""
+        toks = np.full(out.num_rows, -1, dtype=np.int64)
+        for i in np.nonzero(out.is_final_chunk)[0].tolist():
+            slot = int(out.slots[i])
+            hist = self.history[slot]
+            toks[i] = hist[-1] if hist else int(self.last_prompt[slot])
+        return toks
+
+    def sample_rows(self, out: SchedulerOutput, mask: np.ndarray | None, inputs: np.ndarray,
+                    spec_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The last rank's sample: ``(token_ids [num_rows, 1], num_sampled [num_rows],
+        num_rejected [num_rows])``; EOS and rejections are the checker's choices."""
+        n = out.num_rows
+        ids = np.zeros((n, 1), dtype=np.int64)
+        num_sampled = np.zeros(n, dtype=np.int64)
+        rejected = np.zeros(n, dtype=np.int64)
+        rows = [] if mask is None else np.nonzero(mask)[0].tolist()
+        for i in rows:
+            slot = int(out.slots[i])
+            index = len(self.history[slot])
+            branch = not self.stopped[slot] and not self.ignore_eos[slot] and \
+                index < self.output_cap[slot]
+            if branch and self.choose(2) == 1:
+                tok = EOS_TOKEN
+                self.stopped[slot] = True
+            else:
+                tok = model_token(int(self.sample_seed[slot]), index, int(inputs[i]), -1)
+            ids[i, 0], num_sampled[i] = tok, 1
+            decode = int(out.start_positions[i]) >= int(self.mirror.prefill_len_np[slot])
+            if spec_tokens and decode:
+                rejected[i] = self.choose(spec_tokens + 1)
+        return ids, num_sampled, rejected
+
+    # ---------------------------------------------------------------- validation
+    def validate(self, step: int, check_blocks: bool) -> None:
+        """Mirror agreement (invariant 4) and KV completeness (8) on the live slots; a divergence
+        is recorded as a ``mirror.check`` event with ``ok`` False (the monitor reports it)."""
+        live = np.array([i for i, o in enumerate(self.owner) if o is not None], dtype=np.int64)
+        values = self.mirror.num_computed_tokens_np[live].tolist()
+        ok, message = True, None
+        if live.size:
+            try:
+                self.mirror.validate(self.device, live, step, owners=self.owner)
+                if check_blocks:
+                    self.mirror.validate_blocks(self.world.block_size, live, step, self.owner)
+            except Exception as exc:  # noqa: BLE001 - MirrorDivergence, reported as a violation
+                ok, message = False, str(exc)
+        self.sink.emit("mirror.check", step=step, rank=self.rank, slots=live.tolist(),
+                       num_computed_tokens=values, ok=ok, message=message)

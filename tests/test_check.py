@@ -1,0 +1,142 @@
+"""The bounded model checker (``python -m ppstate.check``): clean on the real code at a small
+bound, every mutant caught with a counterexample that ``python -m ppstate.replay`` re-finds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ppstate import mutants
+from ppstate.check import CheckConfig, explore
+from ppstate.check.__main__ import main as check_main
+from ppstate.check.comm import Comm
+from ppstate.check.counterexample import write_counterexample
+from ppstate.pp_handler import PPHandler
+from ppstate.batch import SchedulerOutput
+from ppstate.trace.replayer import replay
+
+import numpy as np
+
+# Small bounds: each test explores at most about a thousand states (seconds of CPU).
+BASE = dict(pp_size=2, num_requests=2, prompt_len=(1, 1), max_tokens=(1, 2), abort_anywhere=True)
+
+# mutant -> (config, invariant of the first violation)
+MUTANT_CASES = {
+    "rank_local_skip": (dict(pp_size=2, num_requests=1, max_tokens=(1, 1)), 1),
+    "no_generation_check": (dict(pp_size=2, num_requests=2, prompt_len=(1, 1), max_tokens=(1, 2),
+                                 abort_anywhere=True), 2),
+    "short_cadence": (dict(pp_size=2, num_requests=1, prompt_len=(1, 1), max_tokens=(2, 2)), 5),
+    "blocking_all_chunk_broadcast": (dict(pp_size=2, num_requests=1, prompt_len=(3, 3),
+                                          max_tokens=(1, 1)), 1),
+    "no_rejected_correction": (dict(pp_size=2, num_requests=1, prompt_len=(1, 1),
+                                    max_tokens=(2, 2), spec_tokens=1), 4),
+}
+
+
+def test_baseline_clean_at_a_small_bound():
+    res = explore(CheckConfig(**BASE))
+    assert res.complete and res.violations == []
+    assert res.states == 2795 and res.transitions == 3332 and res.depth == 12
+
+
+def test_baseline_clean_pp3_sync_and_spec_tokens():
+    for kw in (dict(pp_size=3, num_requests=1, prompt_len=(1, 3), max_tokens=(1, 2)),
+               dict(pp_size=2, num_requests=2, prompt_len=(1, 2), max_tokens=(1, 1), mode="sync"),
+               dict(pp_size=2, num_requests=1, prompt_len=(1, 2), max_tokens=(2, 3),
+                    spec_tokens=1)):
+        res = explore(CheckConfig(**kw))
+        assert res.complete and res.violations == [], (kw, res.violations[:2])
+
+
+@pytest.mark.parametrize("name", sorted(MUTANT_CASES))
+def test_mutant_caught_and_counterexample_replays(name, tmp_path):
+    kw, invariant = MUTANT_CASES[name]
+    cfg = CheckConfig(mutant=name, **kw)
+    res = explore(cfg)
+    assert res.violations, f"{name} not caught"
+    assert res.violations[0]["invariant"] == invariant, res.violations
+    run_dir = write_counterexample(cfg, res.path, tmp_path)
+    got = replay(run_dir)
+    assert not got.ok
+    assert invariant in {v["invariant"] for v in got.invariant_violations}, \
+        (got.invariant_violations, got.first_divergence)
+    assert not mutants.active(name)   # switched off again after the run
+
+
+def test_mutants_are_caught_without_partial_order_reduction_too():
+    for name in ("rank_local_skip", "short_cadence"):
+        kw, invariant = MUTANT_CASES[name]
+        res = explore(CheckConfig(mutant=name, por=False, async_engine=True, **kw))
+        assert res.violations and res.violations[0]["invariant"] == invariant
+
+
+def test_no_por_baseline_agrees_with_por_on_verdict():
+    kw = dict(pp_size=2, num_requests=1, prompt_len=(1, 2), max_tokens=(1, 1))
+    por = explore(CheckConfig(**kw))
+    full = explore(CheckConfig(por=False, async_engine=True, **kw))
+    assert por.violations == [] and full.violations == []
+    assert full.states > por.states   # rank order and issue timing explored as well
+
+
+def test_comm_orders_ops_per_group_and_detects_a_mismatch():
+    comm = Comm(2)
+    send = comm.issue("pp", "send", 0, step=0, peer=1, payload="h0")
+    bc0 = comm.issue("pp", "bcast", 0, step=0)                    # behind the send on rank 0
+    assert not send.done and not bc0.done
+    bc1 = comm.issue("pp", "bcast", 1, step=0, payload="ids", is_root=True)
+    assert not bc1.done                                            # rank 1's recv not issued
+    recv = comm.issue("pp", "recv", 1, step=0, peer=0)
+    assert not recv.done           # rank 1 issued its broadcast first: ops complete in issue order
+    assert comm.pending() == [send, bc0, bc1, recv]   # a deadlock: each waits behind the other
+    comm2 = Comm(2)
+    comm2.issue("bcast", "bcast", 0, step=3)
+    comm2.issue("bcast", "bcast", 1, step=4, payload="x", is_root=True)
+    (msg, step), = comm2.take_mismatches()
+    assert "rank 0 receives step 3, rank 1 sends step 4" in msg and step == 3
+
+
+def test_generation_check_hook_is_in_the_real_pp_handler():
+    out = SchedulerOutput(0, ("a",), np.array([0], np.int32), np.array([1], np.int32),
+                          np.array([0], np.int32), np.array([True]))
+    for on, want in ((False, None), (True, [0])):
+        h = PPHandler(1, 1)
+        h.consume()
+        h.enqueue(0, out, np.array([True]))
+        h.on_slot_freed(0)
+        with mutants.enabled(*(["no_generation_check"] if on else [])):
+            entry = h.consume()
+        assert (entry if entry is None else entry.idx_mapping.tolist()) == want
+
+
+def test_unknown_mutant_is_refused():
+    with pytest.raises(KeyError, match="unknown mutant 'nope'"):
+        with mutants.enabled("nope"):
+            pass
+
+
+def test_cli_json_exit_status_and_flag_errors(tmp_path, capsys):
+    assert check_main(["--pp", "2", "--requests", "1", "--prompt-len", "1:2", "--max-tokens",
+                       "1:2", "--json", "--trace-dir", str(tmp_path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["num_violations"] == 0 and out["states"] > 10 and out["counterexample"] is None
+    assert check_main(["--requests", "1", "--max-tokens", "1:1", "--mutant", "rank_local_skip",
+                       "--json", "--trace-dir", str(tmp_path)]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["violations"][0]["invariant"] == 1 and out["counterexample"].startswith(str(tmp_path))
+    with pytest.raises(SystemExit) as exc:
+        check_main(["--mutant", "no_rejected_correction"])
+    assert exc.value.code == 2 and "--spec-tokens" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        check_main(["--prompt-len", "3:1"])
+    assert "--prompt-len" in capsys.readouterr().err
+    assert check_main(["--list-mutants"]) == 0
+    assert "short_cadence" in capsys.readouterr().out
+
+
+def test_docs_show_the_current_help(monkeypatch):
+    from pathlib import Path
+    from ppstate.check.__main__ import build_parser
+    monkeypatch.setenv("COLUMNS", "100")
+    doc = (Path(__file__).parent.parent / "docs" / "checker.md").read_text(encoding="utf-8")
+    assert build_parser().format_help().rstrip("\n") in doc
