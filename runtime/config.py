@@ -85,7 +85,7 @@ class EngineConfig(BaseModel):
         "loading the weights (CUDA, e.g. 0.9); default: max_model_len tokens in every slot")
     enforce_eager: bool = Field(default=False, description="CUDA: run decode steps eagerly "
                                 "instead of replaying captured CUDA graphs")
-    stall_timeout_s: float = Field(default=10.0, ge=0, description="seconds a rank may stay in "
+    stall_timeout_s: float = Field(default=8.0, ge=0, description="seconds a rank may stay in "
                                    "one compute phase of a step (forward, sample, ...), or every "
                                    "rank wait on communication, before the engine fails (0: off; "
                                    "a rank's first step gets 3x; runtime/engine/stall.py)")

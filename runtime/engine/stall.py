@@ -19,7 +19,7 @@ read never makes a phase look longer than it was by more than one heartbeat inte
 
 How long may a legitimate phase take? A step's forward covers at most ``max_num_batched_tokens``
 tokens on a rank's layers, so its length is bounded by that budget and the rank's speed; the
-default 10 s is far above what the default budget (512 tokens) takes on a CPU (on the 2-core
+default 8 s is far above what the default budget (512 tokens) takes on a CPU (on the 2-core
 development machine a full 256-token chunk of the embedded model takes well under a second per
 rank). The first step a rank runs (lazy allocations, first touch of the weights, first kernel
 compilations on CUDA) gets :data:`WARMUP_FACTOR` times the limit. A slower machine or a larger
