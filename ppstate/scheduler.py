@@ -28,7 +28,7 @@ from ppstate.events import NULL_SINK, EventSink
 from ppstate.kv_manager import KVManager
 from ppstate.lanes import choose_lanes
 from ppstate.lifecycle import Lifecycle
-from ppstate.request import FINISH_REASONS, Request, RequestSpec, TokenUpdate
+from ppstate.request import Request, RequestSpec, TokenUpdate
 from ppstate.scheduler_queues import QueueOps
 from ppstate.scheduler_results import FINISHED_HISTORY, StepResults
 from ppstate.scheduler_rows import RowBuilder
@@ -252,11 +252,6 @@ class Scheduler(QueueOps, StepResults):
         if self.sink.enabled:
             self.sink.emit("lifecycle", step=self._next_step, req_id=req.req_id,
                            trigger=trigger, state=state)
-
-
-def finish_reason_of(state: str) -> str | None:
-    """Client-visible finish reason of a lifecycle state ("stop" | "length" | "abort" | None)."""
-    return FINISH_REASONS.get(state)
 
 
 def arrival_fields(spec: RequestSpec, sink: EventSink, config: SchedulerConfig) -> dict:
