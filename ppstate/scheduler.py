@@ -7,6 +7,8 @@ requests into free slots, all within ``max_num_batched_tokens``, ``max_prefill_c
 balanced-admission row cap. Its only output is a :class:`~ppstate.batch.SchedulerOutput`.
 Results come back in step order through :meth:`Scheduler.on_step_result`.
 
+Files: this one (state, client side, :meth:`Scheduler.schedule`), ``scheduler_rows`` (the rows
+of one step), ``scheduler_queues`` (admission, preemption) and ``scheduler_results`` (results).
 Lifecycle edges go through :class:`~ppstate.lifecycle.Lifecycle`; per-token counters live in
 :class:`~ppstate.budget.RequestArrays`; KV blocks in :class:`~ppstate.kv_manager.KVManager` (taken
 when a row is scheduled; when a running request cannot get one, the youngest running request is
@@ -18,27 +20,30 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
-
 from ppstate.blocks import block_hashes
-from ppstate.batch import FreedSlot, NewRequest, SchedulerOutput, StepResult
+from ppstate.batch import FreedSlot, SchedulerOutput
 from ppstate.budget import RequestArrays, SchedulerConfig, StepBudget
 from ppstate.errors import SchedulerError
 from ppstate.events import NULL_SINK, EventSink
 from ppstate.kv_manager import KVManager
 from ppstate.lanes import choose_lanes
 from ppstate.lifecycle import Lifecycle
-from ppstate.request import FINISH_REASONS, Request, RequestSpec, TokenUpdate
+from ppstate.request import Request, RequestSpec, TokenUpdate
+from ppstate.scheduler_queues import QueueOps
+from ppstate.scheduler_results import FINISHED_HISTORY, StepResults
 from ppstate.scheduler_rows import RowBuilder
 from ppstate.slots import SlotTable
 from ppstate.trace.codec import encode_output
 
 __all__ = ["Scheduler", "SchedulerConfig", "RequestSpec", "TokenUpdate", "FINISHED_HISTORY"]
 
-FINISHED_HISTORY = 1024  # finished requests whose final state state_of still answers
 
-
-class Scheduler:
+class Scheduler(QueueOps, StepResults):
     """Continuous batching over ``config.max_num_seqs`` slots.
+
+    The queue operations the row builder calls (admission, preemption) are in
+    :class:`~ppstate.scheduler_queues.QueueOps`, the result side (:meth:`on_step_result`, finishing
+    a request) in :class:`~ppstate.scheduler_results.StepResults`; this class holds the state.
 
     Args:
         config: budgets, pp_size and mode.
@@ -252,164 +257,6 @@ class Scheduler:
         if self.sink.enabled:
             self.sink.emit("lifecycle", step=self._next_step, req_id=req.req_id,
                            trigger=trigger, state=state)
-
-    # ---------------------------------------------------------------- results
-    def on_step_result(self, result: StepResult) -> list[TokenUpdate]:
-        """Apply the last rank's output of the oldest in-flight step.
-
-        Rows of requests no longer live (finished at an earlier step, aborted), rows scheduled
-        before a preemption of their request, and rows that are non-final prefill chunks are
-        ignored. A request stops at the first EOS (unless ignore_eos)
-        or stop token id, or when it has max_tokens tokens; its slot is freed then.
-
-        Returns:
-            One TokenUpdate per live sampling row with ``num_sampled > 0``, in row order.
-
-        Raises:
-            SchedulerError: ``result.step`` is not the oldest in-flight step, or its row count
-                differs from that step's.
-        """
-        if self.sink.enabled:
-            self.sink.emit("result", step=self._next_step, of_step=result.step,
-                           token_ids=result.sampled_token_ids.tolist(),
-                           num_sampled=result.num_sampled.tolist(),
-                           num_rejected=result.num_rejected.tolist())
-        if not self._in_flight or self._in_flight[0].step != result.step:
-            expected = self._in_flight[0].step if self._in_flight else None
-            raise SchedulerError(f"step result {result.step} out of order (expected {expected})")
-        out = self._in_flight[0]
-        if len(result.num_sampled) != out.num_rows:
-            raise SchedulerError(f"step {result.step}: result has {len(result.num_sampled)} rows, "
-                                 f"the step had {out.num_rows}")
-        self._in_flight.popleft()
-        epochs = self._in_flight_epochs.popleft()
-        drafts = self._in_flight_drafts.popleft()
-        updates = []
-        num_sampled, final = result.num_sampled.tolist(), out.is_final_chunk.tolist()
-        sampled = result.sampled_token_ids.tolist()     # [num_rows][width] python ints
-        for i, req_id in enumerate(out.req_ids):
-            req = self._running.get(req_id)
-            n = num_sampled[i]
-            if req is None or n <= 0 or not final[i] or req.epoch != epochs[i]:
-                continue  # gone, not sampling, or a row of an admission ended by preemption
-            if drafts[i] > 0:  # speculative decoding (#14)
-                self._spec_row(req, drafts[i], int(result.num_rejected[i]))
-            updates.append(self._append_tokens(req, sampled[i][:n]))
-        if self.sink.enabled:
-            self.sink.emit("tokens", step=self._next_step, of_step=result.step,
-                           updates=[vars(u) for u in updates])
-        return updates
-
-    def spec_stats(self) -> dict[str, int]:
-        """Speculative decoding counters (tokens / rows, cumulative): drafts proposed and
-        accepted, decode rows that carried drafts. Acceptance rate = accepted / proposed; tokens
-        per such row = 1 + accepted / rows."""
-        return {"spec_proposed_tokens": self.num_spec_proposed,
-                "spec_accepted_tokens": self.num_spec_proposed - self.num_spec_rejected,
-                "spec_decode_rows": self.num_spec_rows}
-
-    def _spec_row(self, req: Request, drafts: int, rejected: int) -> None:
-        """Count a decode row that carried ``drafts`` drafts, and apply its correction."""
-        self.num_spec_rows += 1
-        self.num_spec_proposed += drafts
-        if rejected > 0:
-            self._correct_rejected(req, rejected)
-
-    def _correct_rejected(self, req: Request, rejected: int) -> None:
-        """The deferred correction of a decode row whose last ``rejected`` drafts were rejected:
-        the scheduler scheduled (and took KV blocks for) the row's ``1 + k`` tokens optimistically;
-        the rejected positions are recomputed by a later row. Rows of ``req`` scheduled before this
-        result arrived carry a start position ``rejected`` too high; the ranks position every row
-        from their own corrected counters (they consume the same correction first), and the
-        blocks already taken stay with the request (``CpuMirror.validate_blocks`` allows them)."""
-        self.arrays.num_computed_tokens[req.slot] -= rejected
-        self.arrays.num_sampling_rows[req.slot] -= rejected
-        self.num_spec_rejected += rejected
-
-    def _append_tokens(self, req: Request, tokens: list[int]) -> TokenUpdate:
-        slot, taken, reason = req.slot, [], None
-        count = int(self.arrays.num_output_tokens[slot])
-        for tok in tokens:
-            tok = int(tok)
-            taken.append(tok)
-            req.output_token_ids.append(tok)
-            count += 1
-            reason = req.spec.stop_reason(tok)
-            if reason is None and count >= req.max_tokens:
-                reason = "length"
-            if reason is not None:
-                break
-        self.arrays.num_output_tokens[slot] = count
-        if reason is not None:
-            self._finish(req, "stop" if reason == "stop" else "hit_length")
-        return TokenUpdate(req.req_id, taken, reason)
-
-    def _finish(self, req: Request, trigger: str) -> None:
-        self.fire(req, trigger)
-        if req.slot >= 0:
-            self.kv.free(req)
-            self.slots.free(req.req_id)
-            self._freed.append(FreedSlot(req.req_id, req.slot, req.state))
-            del self._running[req.req_id]
-        self._finished[req.req_id] = req.state
-        self._finished.move_to_end(req.req_id)
-        while len(self._finished) > FINISHED_HISTORY:
-            self._finished.popitem(last=False)
-        del self._live[req.req_id]
-        self.lifecycle.remove(req)
-
-    # ---------------------------------------------------------------- used by RowBuilder
-    def running_requests(self) -> list[Request]:
-        """Live requests holding a slot, in admission order."""
-        return list(self._running.values())
-
-    def pop_waiting(self) -> Request | None:
-        """Oldest waiting request (FCFS), or None."""
-        return self._waiting.popleft() if self._waiting else None
-
-    def peek_waiting(self) -> Request | None:
-        """Oldest waiting request without removing it."""
-        return self._waiting[0] if self._waiting else None
-
-    def youngest_running(self, exclude: set[str]) -> Request | None:
-        """The most recently admitted running request not in ``exclude`` (preemption victim)."""
-        for req in reversed(self._running.values()):
-            if req.req_id not in exclude:
-                return req
-        return None
-
-    def preempt(self, req: Request) -> None:
-        """Preempt ``req`` (recompute): blocks and slot freed (FreedSlot in this step's output,
-        so workers bump the slot generation and drop its deferred rows), back to the head of
-        the waiting queue with its received tokens kept."""
-        self.fire(req, "preempt")
-        self.kv.free(req)
-        slot = self.slots.free(req.req_id)
-        self._freed.append(FreedSlot(req.req_id, slot, "preempted"))
-        del self._running[req.req_id]
-        req.slot = -1
-        req.prefill_tokens = req.spec.prompt_token_ids + tuple(req.output_token_ids)
-        self._waiting.appendleft(req)
-        self.num_preemptions += 1
-
-    def place(self, req: Request, step: int, hit: list[int]) -> NewRequest:
-        """Allocate a slot for ``req``, fire ``admit``, give it its prefix-hit blocks ``hit`` and
-        initialise its progress arrays (re-admission: prompt + received tokens are prefilled)."""
-        req.slot = self.slots.allocate(req.req_id)
-        self._admissions += 1
-        req.epoch = self._admissions  # unique: stale rows of an earlier request with this id never match
-        self.fire(req, "admit")
-        cached = self.kv.start(req, hit)
-        n_out = len(req.output_token_ids)
-        self.arrays.reset(req.slot, len(req.prefill_tokens), req.max_tokens, step, cached, n_out)
-        self._running[req.req_id] = req
-        return NewRequest(req.req_id, req.slot, req.prefill_tokens,
-                          req.prompt_len + req.max_tokens, dict(req.spec.sampling), cached, n_out)
-
-
-def finish_reason_of(state: str) -> str | None:
-    """Client-visible finish reason of a lifecycle state ("stop" | "length" | "abort" | None)."""
-    return FINISH_REASONS.get(state)
 
 
 def arrival_fields(spec: RequestSpec, sink: EventSink, config: SchedulerConfig) -> dict:

@@ -1,4 +1,5 @@
-"""Builds the rows of one step for :class:`ppstate.scheduler.Scheduler`.
+"""Builds the rows of one step for :class:`ppstate.scheduler.Scheduler` (through the narrow
+:class:`RowSource` protocol, so this module does not import the scheduler).
 
 Order of priority inside a step: eligible decode rows (oldest eligibility first), then continuing
 prefill chunks, then FCFS admission of waiting requests while slots, tokens and the row cap allow.
@@ -11,31 +12,59 @@ admitted in the same step. Admission keeps ``watermark_blocks`` free.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from ppstate.batch import NewRequest, SchedulerOutput, FreedSlot
-from ppstate.budget import StepBudget
+from ppstate.budget import RequestArrays, SchedulerConfig, StepBudget
 from ppstate.chunk_sizing import chunk_limit
+from ppstate.kv_manager import KVManager
 from ppstate.lanes import lane_open
 from ppstate.request import Request
 from ppstate.spec_decode import drafts_for_row
+from ppstate.slots import SlotTable
 
-if TYPE_CHECKING:
-    from ppstate.scheduler import Scheduler
+
+class RowSource(Protocol):
+    """What :class:`RowBuilder` needs of the scheduler (:class:`ppstate.scheduler.Scheduler` is
+    one; the queue operations are :class:`ppstate.scheduler_queues.QueueOps`).
+
+    Attributes:
+        config: budgets, pp_size, mode.
+        arrays: per-slot progress (``[max_num_seqs]`` int64 each), updated in place per row.
+        kv: the KV-cache manager (blocks taken per row).
+        slots: the slot table (free slots bound admission).
+        lanes: lanes filled with decode rows this step (:mod:`ppstate.lanes`).
+        num_prefill_tokens: prefill tokens scheduled so far (the builder adds to it).
+    """
+    config: SchedulerConfig
+    arrays: RequestArrays
+    kv: KVManager
+    slots: SlotTable
+    lanes: int
+    num_prefill_tokens: int
+
+    def running_requests(self) -> list[Request]: ...
+    def pop_waiting(self) -> Request | None: ...
+    def peek_waiting(self) -> Request | None: ...
+    def youngest_running(self, exclude: set[str]) -> Request | None: ...
+    def preempt(self, req: Request) -> None: ...
+    def place(self, req: Request, step: int, hit: list[int]) -> NewRequest: ...
+    def fire(self, req: Request, trigger: str) -> None: ...
 
 
 class RowBuilder:
     """Collects the rows of step ``step`` within ``budget``.
 
     Args:
-        sched: the scheduler (its arrays, slots and lifecycle are updated in place).
+        sched: the scheduler, as a :class:`RowSource` (its arrays, slots and lifecycle are updated
+            in place).
         step: the step being built.
         budget: tokens and rows left in this step.
     """
 
-    def __init__(self, sched: "Scheduler", step: int, budget: StepBudget) -> None:
+    def __init__(self, sched: RowSource, step: int, budget: StepBudget) -> None:
         self.sched, self.step, self.budget = sched, step, budget
         self.arrays = sched.arrays
         self.cadence = sched.config.cadence

@@ -11,6 +11,7 @@ duplicate (trigger, source) pairs.
 from __future__ import annotations
 
 from functools import lru_cache
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,21 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ppstate.errors import SpecError
 
-SPECS_DIR = Path(__file__).resolve().parent.parent / "specs"
+
+
+def _specs_dir() -> Path:
+    """Where the state tables are: ``ppstate/specs/`` inside an installed (non-editable) package,
+    found through :mod:`importlib.resources` (setup.py copies ``specs/*.yaml`` there when it
+    builds the wheel), else ``specs/`` next to the package (a source checkout, an editable
+    install). A zipped install is not supported (the tables are read as files)."""
+    shipped = resources.files("ppstate") / "specs"
+    if isinstance(shipped, Path) and shipped.is_dir():
+        return shipped
+    return Path(__file__).resolve().parent.parent / "specs"
+
+
+#: the directory of the state tables (``specs/`` of the repository, or its copy in the package)
+SPECS_DIR = _specs_dir()
 
 #: Destination meaning "stay in the source state" (a transition with effects only).
 SAME = "="

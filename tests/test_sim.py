@@ -30,7 +30,7 @@ def sweep_config(seed):
                      shared_prefix=shared, block_size=bs, num_kv_blocks=blocks,
                      enable_prefix_caching=seed % 5 != 4,
                      mode="sync" if seed % 7 == 3 else "overlapped",
-                     prompt_len=(1, 40), output_len=(1, 24), chunk=(8, 16, 5)[seed % 3],
+                     prompt_len=(1, 40), output_len=(1, 24), max_prefill_chunk=(8, 16, 5)[seed % 3],
                      max_num_seqs=(3, 4, 8)[(seed // 3) % 3],
                      max_num_batched_tokens=(16, 24, 64)[(seed // 9) % 3],
                      abort_rate=0.25, arrival="poisson" if seed % 2 else "burst",
@@ -87,7 +87,7 @@ def test_cli_exit_1_prints_seed_and_repro(monkeypatch, capsys):
 
 
 def test_broadcast_skipped_for_all_non_final_chunk_steps():
-    cfg = SimConfig(pp_size=3, chunk=8, workload=(
+    cfg = SimConfig(pp_size=3, max_prefill_chunk=8, workload=(
         SimRequest("long", 0, tuple(range(3, 43)), 2, 7),     # chunks at steps 0..4
         SimRequest("short", 0, (3, 4, 5), 1, 8)))             # row share 1: admitted at step 1
     sim = Simulator(cfg)
@@ -227,7 +227,7 @@ def test_schedule_efficiency_overlapped_vs_sync(pp, floor):
     ratios = []
     for seed in range(3):
         kw = dict(pp_size=pp, num_requests=64, seed=seed, prompt_len=(8, 32),
-                  output_len=(64, 128), chunk=32, eos_prob=0.0)
+                  output_len=(64, 128), max_prefill_chunk=32, eos_prob=0.0)
         over, sync = run_sim(SimConfig(mode="overlapped", **kw)), run_sim(SimConfig(mode="sync", **kw))
         assert over.invariant_violations == [] == sync.invariant_violations
         assert over.output_tokens == sync.output_tokens

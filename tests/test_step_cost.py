@@ -1,7 +1,6 @@
 """Step-cost model, adaptive lanes and dynamic chunk sizing (ppstate.step_cost / lanes / chunk_sizing)."""
 
 import dataclasses
-import functools
 
 import numpy as np
 import pytest
@@ -131,16 +130,17 @@ def test_dynamic_chunks_split_a_long_prompt_into_shrinking_chunks():
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_simulator_invariants_hold_with_adaptive_lanes_and_dynamic_chunks(seed, monkeypatch):
+def test_simulator_invariants_hold_with_adaptive_lanes_and_dynamic_chunks(seed):
     # cheap steps dominated by the base cost: the lane policy picks 1 lane at low load
-    monkeypatch.setattr(sim, "SchedulerConfig", functools.partial(
-        SchedulerConfig, adaptive_lanes=True, dynamic_chunks=True, cost_base_s=0.01,
-        cost_per_row_s=0.0, cost_per_token_s=1e-4, cost_per_prefix_token_s=2e-5))
-    cfg = SimConfig(pp_size=2 + seed % 3, num_requests=10, seed=seed, prompt_len=(1, 90),
-                    output_len=(1, 20), chunk=16, max_num_seqs=(3, 6, 16)[seed % 3],
-                    max_num_batched_tokens=64, abort_rate=0.2,
-                    arrival="poisson" if seed % 2 else "burst", block_size=4)
+    sched = SchedulerConfig(pp_size=2 + seed % 3, max_prefill_chunk=16,
+                            max_num_seqs=(3, 6, 16)[seed % 3], max_num_batched_tokens=64,
+                            block_size=4, adaptive_lanes=True, dynamic_chunks=True,
+                            cost_base_s=0.01, cost_per_row_s=0.0, cost_per_token_s=1e-4,
+                            cost_per_prefix_token_s=2e-5)
+    cfg = SimConfig(scheduler=sched, num_requests=10, seed=seed, prompt_len=(1, 90),
+                    output_len=(1, 20), abort_rate=0.2,
+                    arrival="poisson" if seed % 2 else "burst")
     s = sim.Simulator(cfg)
-    assert s.sched.config.adaptive_lanes
+    assert s.sched.config is sched and s.sched.config.adaptive_lanes
     res = s.run()
     assert res.invariant_violations == [] and res.completed + res.aborted == 10

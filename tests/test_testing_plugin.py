@@ -52,7 +52,7 @@ def _chunked_abort_run(pipe):
 
 
 def test_sim_pipeline_abort_mid_decode_and_chunked_prefill(sim_pipeline, tmp_path):
-    pipe = sim_pipeline(pp_size=2, chunk=8, seed=5)
+    pipe = sim_pipeline(pp_size=2, max_prefill_chunk=8, seed=5)
     _chunked_abort_run(pipe)
     assert pipe.finish_reason("long") == "abort" and pipe.finish_reason("short") == "length"
     got = pipe.tokens("long")
@@ -69,7 +69,7 @@ def test_sim_pipeline_abort_mid_decode_and_chunked_prefill(sim_pipeline, tmp_pat
 
 def test_cadence_mutant_fails_naming_invariant_5_and_step(sim_pipeline, monkeypatch, tmp_path):
     monkeypatch.setattr(SchedulerConfig, "cadence", property(lambda self: 1))  # planted bug
-    pipe = sim_pipeline(pp_size=2, chunk=8, seed=3)
+    pipe = sim_pipeline(pp_size=2, max_prefill_chunk=8, seed=3)
     pipe.add_request("a", 4, max_tokens=6)
     pipe.run_until_done()
     first = {"invariant": 5, "step": 1, "rank": None,
@@ -89,7 +89,7 @@ def test_rank_local_broadcast_mutant_fails_naming_invariant_1_and_step(sim_pipel
     publish = sim_rank.SimRank.publish
     monkeypatch.setattr(sim_rank.SimRank, "publish", lambda self, out, mask, payload: publish(
         self, out, np.ones(out.num_rows, dtype=bool) if out.num_rows else None, payload))
-    pipe = sim_pipeline(pp_size=2, chunk=8, seed=3)
+    pipe = sim_pipeline(pp_size=2, max_prefill_chunk=8, seed=3)
     pipe.add_request("a", 20, max_tokens=2)
     pipe.run_until_done()
     want = (r"invariant 1 \(collective matching\) violated at step 0: broadcast posted by "

@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=("overlapped", "sync"), default="overlapped")
     p.add_argument("--prompt-len", type=_pair, default=(8, 32), metavar="A:B")
     p.add_argument("--output-len", type=_pair, default=(8, 32), metavar="A:B")
-    p.add_argument("--chunk", type=_positive, default=32, help="max prefill chunk (tokens)")
+    p.add_argument("--max-prefill-chunk", "--chunk", dest="chunk", type=_positive, default=32,
+                   help="max prefill chunk (tokens); --chunk is an alias")
     p.add_argument("--abort-rate", type=float, default=0.0)
     p.add_argument("--arrival", choices=("burst", "poisson"), default="burst")
     p.add_argument("--max-num-seqs", type=_positive, default=64)
@@ -74,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(ns: argparse.Namespace) -> SimConfig:
     """SimConfig from parsed flags (raises SchedulerError on bad values)."""
     return SimConfig(pp_size=ns.pp, num_requests=ns.requests, seed=ns.seed, mode=ns.mode,
-                     prompt_len=ns.prompt_len, output_len=ns.output_len, chunk=ns.chunk,
+                     prompt_len=ns.prompt_len, output_len=ns.output_len, max_prefill_chunk=ns.chunk,
                      max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
                      max_model_len=ns.max_model_len, abort_rate=ns.abort_rate, arrival=ns.arrival,
                      eos_prob=ns.eos_prob, stage_base=ns.stage_cost[0],

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ppstate.budget import SchedulerConfig
 from ppstate.events import NULL_SINK, EventSink
 from ppstate.scheduler import RequestSpec, Scheduler
 from ppstate.sim.checks import InvariantChecker
@@ -49,21 +48,17 @@ class Simulator:
 
     def __init__(self, cfg: SimConfig, sink: EventSink = NULL_SINK) -> None:
         self.cfg = cfg
-        self.sched = Scheduler(SchedulerConfig(
-            pp_size=cfg.pp_size, max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens, max_prefill_chunk=cfg.chunk,
-            max_model_len=cfg.max_model_len, mode=cfg.mode, block_size=cfg.block_size,
-            num_kv_blocks=cfg.num_kv_blocks, enable_prefix_caching=cfg.enable_prefix_caching),
-            sink=sink)
+        sc = cfg.scheduler
+        self.sched = Scheduler(sc, sink=sink)
         self.requests = make_workload(cfg)
         self.arrivals = sorted(self.requests, key=lambda r: r.arrival)
         self.aborts = sorted((r.abort_at, r.req_id) for r in self.requests if r.abort_at >= 0)
         self.checker = InvariantChecker(self.requests, self.sched)
-        depth = cfg.pp_size if cfg.mode == "overlapped" else 1
+        depth = sc.pp_size if sc.mode == "overlapped" else 1
         self.depth = depth
-        kv = (cfg.max_model_len, self.sched.config.num_kv_blocks, cfg.block_size)
-        self.ranks = [SimRank(r, cfg.pp_size, depth, cfg.max_num_seqs, self.checker, kv)
-                      for r in range(cfg.pp_size)]
+        kv = (sc.max_model_len, sc.num_kv_blocks, sc.block_size)
+        self.ranks = [SimRank(r, sc.pp_size, depth, sc.max_num_seqs, self.checker, kv)
+                      for r in range(sc.pp_size)]
         self.wire = Wire()
         self.outputs = self.wire.outputs
         self.now = 0
@@ -73,7 +68,7 @@ class Simulator:
 
     def _step_bound(self) -> int:
         work = sum(len(r.prompt) + r.max_tokens + 1 for r in self.requests)
-        return (work + 16) * (self.cfg.pp_size + 1) * 2
+        return (work + 16) * (self.cfg.scheduler.pp_size + 1) * 2
 
     # ---------------------------------------------------------------- events of one tick
     def _arrive(self) -> None:
@@ -187,7 +182,7 @@ class Simulator:
             steps=self.sched.next_step, ticks=ticks, completed=completed,
             aborted=self.num_aborted, output_tokens=self.output_tokens,
             throughput_tokens_per_tick=round(self.output_tokens / ticks, 6),
-            bubble_fraction=round(1.0 - busy / (self.cfg.pp_size * ticks), 6),
+            bubble_fraction=round(1.0 - busy / (self.cfg.scheduler.pp_size * ticks), 6),
             preemptions=self.sched.num_preemptions,
             prefix_hit_tokens=self.sched.kv.pool.hit_tokens,
             invariant_violations=[v.as_dict() for v in self.checker.violations],
@@ -202,14 +197,17 @@ def run_sim(cfg: SimConfig) -> SimResult:
 
 def repro_command(cfg: SimConfig) -> str:
     """The CLI line that reproduces a run of ``cfg`` (random workloads only)."""
-    return (f"python -m ppstate.sim --pp {cfg.pp_size} --requests {cfg.num_requests} "
-            f"--seed {cfg.seed} --mode {cfg.mode} --prompt-len {cfg.prompt_len[0]}:"
+    sc = cfg.scheduler
+    default_blocks = sc.max_num_seqs * -(-sc.max_model_len // sc.block_size)  # --kv-blocks unset
+    return (f"python -m ppstate.sim --pp {sc.pp_size} --requests {cfg.num_requests} "
+            f"--seed {cfg.seed} --mode {sc.mode} --prompt-len {cfg.prompt_len[0]}:"
             f"{cfg.prompt_len[1]} --output-len {cfg.output_len[0]}:{cfg.output_len[1]} "
-            f"--chunk {cfg.chunk} --abort-rate {cfg.abort_rate} --arrival {cfg.arrival} "
-            f"--max-num-seqs {cfg.max_num_seqs} --max-num-batched-tokens "
-            f"{cfg.max_num_batched_tokens} --eos-prob {cfg.eos_prob} --stage-cost "
+            f"--chunk {sc.max_prefill_chunk} --abort-rate {cfg.abort_rate} --arrival {cfg.arrival} "
+            f"--max-num-seqs {sc.max_num_seqs} --max-num-batched-tokens "
+            f"{sc.max_num_batched_tokens} --eos-prob {cfg.eos_prob} --stage-cost "
             f"{cfg.stage_base}:{cfg.stage_per_token} --p2p-ticks {cfg.p2p_ticks} --broadcast-ticks "
-            f"{cfg.broadcast_ticks} --block-size {cfg.block_size}"
-            + (f" --kv-blocks {cfg.num_kv_blocks}" if cfg.num_kv_blocks else "")
+            f"{cfg.broadcast_ticks} --block-size {sc.block_size}"
+            + (f" --kv-blocks {sc.num_kv_blocks}" if sc.num_kv_blocks != default_blocks else "")
+            + (f" --max-model-len {sc.max_model_len}" if sc.max_model_len != 2048 else "")
             + f" --shared-prefix {cfg.shared_prefix}"
-            + ("" if cfg.enable_prefix_caching else " --no-prefix-caching") + " --json")
+            + ("" if sc.enable_prefix_caching else " --no-prefix-caching") + " --json")

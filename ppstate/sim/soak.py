@@ -33,7 +33,7 @@ def soak_config(seed: int) -> SimConfig:
     blocks = need * (1, 2, slots)[(seed // 11) % 3]  # tight: preemption; roomy: none
     return SimConfig(pp_size=pp, num_requests=8 + seed % 25, seed=seed,
                      mode="sync" if seed % 6 == 5 else "overlapped",
-                     prompt_len=(1, 48), output_len=(1, 32), chunk=chunk, max_num_seqs=slots,
+                     prompt_len=(1, 48), output_len=(1, 32), max_prefill_chunk=chunk, max_num_seqs=slots,
                      max_num_batched_tokens=(16, 32, 128)[(seed // 13) % 3],
                      abort_rate=(0.0, 0.2, 0.5)[seed % 3 if seed % 4 else 1],
                      arrival="burst" if seed % 2 else "poisson", eos_prob=(0.0, 0.3)[seed % 2],

@@ -6,11 +6,13 @@ a fixed order, so a (config, seed) pair reproduces a run exactly. Times are inte
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
+from ppstate.budget import SchedulerConfig
 from ppstate.errors import SchedulerError
 
 EOS_TOKEN = 2       # SmolLM2's <|im_end|>
@@ -42,14 +44,29 @@ class SimRequest:
     abort_at: int = -1
 
 
-@dataclass(frozen=True)
+#: the scheduler defaults of a simulation where they differ from :class:`SchedulerConfig`'s own
+SIM_SCHEDULER_DEFAULTS = {"max_prefill_chunk": 32}
+#: names of the scheduler's fields, which :class:`SimConfig` also takes flat
+SCHEDULER_FIELDS = frozenset(f.name for f in dataclasses.fields(SchedulerConfig))
+
+
+@dataclass(frozen=True, init=False)
 class SimConfig:
     """Simulation parameters (CLI flags in brackets).
 
+    The scheduler's budgets and KV-cache geometry are :attr:`scheduler`, a
+    :class:`ppstate.budget.SchedulerConfig` (declared once there). They may be given flat
+    (``SimConfig(pp_size=3, max_prefill_chunk=8)``) or as ``scheduler=`` (a SchedulerConfig or a
+    dict of its fields); flat fields override ``scheduler``'s, unset ones take
+    :data:`SIM_SCHEDULER_DEFAULTS`, then the scheduler's defaults.
+
     Attributes:
-        pp_size [--pp], num_requests [--requests], seed [--seed], mode [--mode].
+        scheduler: pp_size [--pp], mode [--mode], max_prefill_chunk [--max-prefill-chunk, alias
+            --chunk], max_num_seqs, max_num_batched_tokens, max_model_len, block_size,
+            num_kv_blocks [--kv-blocks (default: room for max_model_len per slot)],
+            enable_prefix_caching [--no-prefix-caching]; few KV blocks force preemptions.
+        num_requests [--requests], seed [--seed].
         prompt_len, output_len: inclusive (low, high) ranges in tokens [--prompt-len A:B, --output-len].
-        chunk: max_prefill_chunk [--chunk]; max_num_seqs, max_num_batched_tokens, max_model_len.
         abort_rate: probability a request is aborted at a random tick [--abort-rate].
         arrival: "burst" (all at tick 0) or "poisson" (mean gap ``mean_gap`` ticks) [--arrival].
         eos_prob: probability a request's model emits EOS before max_tokens [--eos-prob].
@@ -58,24 +75,20 @@ class SimConfig:
         p2p_ticks: hidden-state hand-off from rank r to r + 1 [--p2p-ticks].
         broadcast_ticks: last rank's sampled-id broadcast until earlier ranks hold it
             [--broadcast-ticks].
-        block_size, num_kv_blocks, enable_prefix_caching: KV cache of the scheduler
-            [--block-size, --kv-blocks (default: room for max_model_len per slot),
-            --no-prefix-caching]; few blocks force preemptions.
         shared_prefix: tokens of one random prefix put in front of every prompt (prefix
             sharing) [--shared-prefix].
         workload: explicit requests (overrides the random ones; tests).
         max_steps: liveness bound (0: derived from the workload).
+
+    Raises:
+        SchedulerError: a field out of range (the message names it).
+        TypeError: a keyword that is neither a simulation nor a scheduler field.
     """
-    pp_size: int = 2
+    scheduler: SchedulerConfig
     num_requests: int = 16
     seed: int = 0
-    mode: Literal["overlapped", "sync"] = "overlapped"
     prompt_len: tuple[int, int] = (8, 32)
     output_len: tuple[int, int] = (8, 32)
-    chunk: int = 32
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 256
-    max_model_len: int = 2048
     abort_rate: float = 0.0
     arrival: Literal["burst", "poisson"] = "burst"
     mean_gap: float = 4.0
@@ -84,12 +97,25 @@ class SimConfig:
     stage_per_token: int = 2
     p2p_ticks: int = 0
     broadcast_ticks: int = 0
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    enable_prefix_caching: bool = True
     shared_prefix: int = 0
     workload: tuple[SimRequest, ...] | None = None
     max_steps: int = 0
+
+    def __init__(self, scheduler: SchedulerConfig | dict | None = None, **fields: Any) -> None:
+        flat = {name: fields.pop(name) for name in list(fields) if name in SCHEDULER_FIELDS}
+        if isinstance(scheduler, SchedulerConfig):
+            if flat:
+                if "max_model_len" in flat or "max_num_seqs" in flat or "block_size" in flat:
+                    flat.setdefault("num_kv_blocks", None)  # re-derive the default capacity
+                scheduler = dataclasses.replace(scheduler, **flat)
+        else:
+            scheduler = SchedulerConfig(**{**SIM_SCHEDULER_DEFAULTS, **(scheduler or {}), **flat})
+        object.__setattr__(self, "scheduler", scheduler)
+        for f in dataclasses.fields(self)[1:]:
+            object.__setattr__(self, f.name, fields.pop(f.name, f.default))
+        if fields:
+            raise TypeError(f"SimConfig got unknown fields: {', '.join(sorted(fields))}")
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         for name in ("prompt_len", "output_len"):
@@ -126,7 +152,7 @@ def make_workload(cfg: SimConfig) -> tuple[SimRequest, ...]:
         ignore_eos = bool(rng.random() < 0.1)
         if cfg.arrival == "poisson":
             t += int(np.ceil(rng.exponential(cfg.mean_gap)))
-        horizon = (plen + max_tokens) * cfg.pp_size * cfg.stage_time(4)
+        horizon = (plen + max_tokens) * cfg.scheduler.pp_size * cfg.stage_time(4)
         abort_at = t + int(rng.integers(0, horizon + 1)) if rng.random() < cfg.abort_rate else -1
         reqs.append(SimRequest(f"req-{i}", t, prompt, max_tokens, int(rng.integers(1, 2**31)),
                                eos_at, ignore_eos, abort_at))

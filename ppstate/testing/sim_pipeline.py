@@ -63,7 +63,7 @@ class SimPipeline:
                          eos_at, ignore_eos)
         sim, chk = self.sim, self.sim.checker
         sim.requests = (*sim.requests, req)
-        exp = expected_output(req, self.config.max_model_len)
+        exp = expected_output(req, self.config.scheduler.max_model_len)
         chk.prompt_len[req_id], chk.expected[req_id] = len(ids), exp
         chk._truth[req_id] = np.array(ids + tuple(exp.tokens), dtype=np.int64)
         sim.max_steps = self.config.max_steps or sim._step_bound()

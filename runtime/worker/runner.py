@@ -41,7 +41,7 @@ from runtime.worker.spec_verify import SpecDecoder, logprob_rows as spec_logprob
 
 class _PendingRecv:
     """Completion handle of a posted deferred receive of ``step``: ``wait()`` (called by the
-    PPHandler on consume) is bounded by the group timeout and counted as waiting time."""
+    PPHandler on consume) is bounded by the group timeout; traced as the ``broadcast`` phase."""
 
     def __init__(self, runner: "StageRunner", step: int, work, buf: torch.Tensor) -> None:
         self.runner, self.step, self.work, self.buf = runner, step, work, buf
@@ -49,20 +49,20 @@ class _PendingRecv:
 
     def wait(self) -> None:
         r = self.runner
-        t0, ns0 = time.perf_counter(), time.monotonic_ns()
+        ns0 = time.monotonic_ns()
         r.progress.enter("broadcast-wait")
         r.g.wait(self.work)
         r.progress.enter("prepare")
-        r.timing.wait_s += time.perf_counter() - t0
         if r.sink.enabled:
             r._emit_timing("broadcast", self.step + r.handler.depth, ns0)
 
 
 @dataclass
 class StepTiming:
-    """Seconds this rank spent computing (busy) and waiting on peers in one step."""
+    """Seconds this rank spent computing in one step (sent to the engine as ``ResultMsg.busy_s``).
+    Time spent waiting on peers is not summed: the trace's ``recv`` / ``broadcast`` phase events
+    carry it (``docs/trace_format.md``)."""
     busy_s: float = 0.0
-    wait_s: float = 0.0
 
 
 @dataclass
@@ -179,10 +179,9 @@ class StageRunner:
         return _Inputs(meta, ids)
 
     def receive(self, out: SchedulerOutput) -> torch.Tensor:
-        t0, ns_r = time.perf_counter(), time.monotonic_ns()
+        ns_r = time.monotonic_ns()
         self.progress.enter("recv")
         packed = self.g.recv_prev((2, out.total_tokens, self.hidden_size), self.act_dtype)
-        self.timing.wait_s += time.perf_counter() - t0
         if self.sink.enabled:
             self._emit_timing("recv", out.step, ns_r)
         return packed
