@@ -31,14 +31,12 @@ from ppstate.sim.checks import InvariantChecker
 if TYPE_CHECKING:
     from ppstate.batch import SchedulerOutput
     from ppstate.check.comm import Op
-    from ppstate.check.rank import CheckRank
-    from ppstate.check.world import World
 
 
 class Monitor:
     """All checks of one world; ``violations`` lists what broke (dicts, first first)."""
 
-    def __init__(self, sched: Scheduler, world: "World") -> None:
+    def __init__(self, sched: Scheduler, world: Any) -> None:  # world: ppstate.check.world.World
         self.inner = InvariantChecker((), sched)
         self.world = world
         self.delivered: dict[str, list[int]] = {}
@@ -92,13 +90,13 @@ class Monitor:
                                f"tokens ending {got[-1:]} (max_tokens {self.max_tokens[rid]})")
 
     # ---------------------------------------------------------------- rank side
-    def check_owner(self, rk: "CheckRank", step: int, slot: int, want: str | None) -> None:
+    def check_owner(self, rk: Any, step: int, slot: int, want: str | None) -> None:
         self.inner.check_owner(rk.rank, step, slot, want, rk.owner[slot])
 
-    def check_apply(self, rk: "CheckRank", step: int, row_req: str, slot: int) -> None:
+    def check_apply(self, rk: Any, step: int, row_req: str, slot: int) -> None:
         self.inner.check_apply(rk.rank, step, row_req, slot, rk.owner[slot])
 
-    def check_inputs(self, rk: "CheckRank", out: "SchedulerOutput") -> None:
+    def check_inputs(self, rk: Any, out: "SchedulerOutput") -> None:
         self.inner.check_inputs(rk.rank, out, rk.owner, rk.history)
 
     def record_sampled(self, out: "SchedulerOutput", tokens: np.ndarray) -> None:
@@ -114,7 +112,7 @@ class Monitor:
             msg = ev["message"] or "mirror differs from the device"
             self.violation(8 if "num_blocks" in msg else 4, ev["step"], ev["rank"], msg)
 
-    def on_wait(self, rk: "CheckRank", op: "Op") -> None:
+    def on_wait(self, rk: Any, op: "Op") -> None:
         """Progress rules for a blocking wait on a broadcast (overlapped mode)."""
         if op.kind != "bcast" or not rk.overlapped or self.world.pp_size == 1:
             return

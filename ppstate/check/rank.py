@@ -15,7 +15,7 @@ row reports 0..K rejected speculative tokens.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -28,8 +28,6 @@ from ppstate.pp_handler import PPHandler
 from ppstate.rank_step import RankStep
 from ppstate.sim.workload import EOS_TOKEN, model_token
 
-if TYPE_CHECKING:
-    from ppstate.check.world import World
 
 
 class CheckRank(BackendMethods):
@@ -66,7 +64,7 @@ class CheckRank(BackendMethods):
         self.choice_log: list[int] = []  # choices taken by the step in progress
         self.blocked_on: Op | None = None  # the op the step in progress waits for
         self._cursor = self._choice_cursor = 0
-        self.world: "World | None" = None
+        self.world: Any = None  # the ppstate.check.world.World running this rank (no import: no cycle)
 
     def begin_attempt(self) -> None:
         """(Re-)start the step in progress: logged ops and choices are answered from the logs."""
