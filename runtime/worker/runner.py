@@ -179,8 +179,9 @@ class StageRunner:
     def apply_scheduled(self, out: SchedulerOutput) -> None:
         dev = self.device
         slots = torch.as_tensor(out.slots, dtype=torch.int64, device=dev)
-        query_lens = torch.as_tensor(out.num_scheduled_tokens, dtype=torch.int64, device=dev)
-        self.state.apply_scheduled(slots, query_lens, out.slots.astype(np.int64),
+        num_scheduled_tokens = torch.as_tensor(out.num_scheduled_tokens, dtype=torch.int64,
+                                               device=dev)
+        self.state.apply_scheduled(slots, num_scheduled_tokens, out.slots.astype(np.int64),
                                    out.num_scheduled_tokens.astype(np.int64))
 
     def _stage_forward(self, meta: BatchMeta, **inputs):
