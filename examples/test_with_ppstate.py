@@ -64,7 +64,7 @@ async def test_chunked_prefill_gives_the_unchunked_tokens(pp_engine):
 
     await engine.shutdown()
     assert_invariants(engine)
-    prefill = [(e["start"], e["num_tokens"], e["final_chunk"])
+    prefill = [(e["start"], e["num_scheduled_tokens"], e["final_chunk"])
                for e in explain(engine.config.trace_dir, "long")
                if e["what"] == "scheduled" and e["start"] < len(ids)]
     assert prefill == [(0, 8, False), (8, 8, False), (16, 4, True)]

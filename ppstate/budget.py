@@ -187,7 +187,8 @@ class StepBudget:
     def can_add(self) -> bool:
         return self.tokens > 0 and self.rows > 0
 
-    def take(self, num_tokens: int, counts_row: bool = True) -> None:
-        """Account one row of ``num_tokens`` tokens (``counts_row``: against the row cap)."""
-        self.tokens -= num_tokens
+    def take(self, num_scheduled_tokens: int, counts_row: bool = True) -> None:
+        """Account one row of ``num_scheduled_tokens`` tokens (``counts_row``: against the row
+        cap)."""
+        self.tokens -= num_scheduled_tokens
         self.rows -= int(counts_row)

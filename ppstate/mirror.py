@@ -82,15 +82,15 @@ class CpuMirror:
                                    req_id=owners[slot] if owners is not None else None,
                                    cpu=int(held[bad[0]]), device=int(need[bad[0]]), rank=self.rank)
 
-    def apply_scheduled(self, slots: np.ndarray, num_tokens: np.ndarray) -> None:
+    def apply_scheduled(self, slots: np.ndarray, num_scheduled_tokens: np.ndarray) -> None:
         """Immediate update after a forward: ``num_computed_tokens += query length``.
 
         Args:
             slots: ``[num_rows]`` slot per row; ``-1`` rows are skipped.
-            num_tokens: ``[num_rows]`` scheduled query length per row (tokens).
+            num_scheduled_tokens: ``[num_rows]`` scheduled query length per row (tokens).
         """
         keep = slots >= 0
-        s, n = slots[keep], num_tokens[keep]
+        s, n = slots[keep], num_scheduled_tokens[keep]
         self.num_computed_tokens_np[s] += n
         pre = self.prefill_len_np[s] - self.num_computed_prefill_tokens_np[s]
         self.num_computed_prefill_tokens_np[s] += np.minimum(n, np.maximum(pre, 0))

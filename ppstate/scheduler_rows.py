@@ -70,7 +70,7 @@ class RowBuilder:
         self.cadence = sched.config.cadence
         self.req_ids: list[str] = []
         self.slots: list[int] = []
-        self.num_tokens: list[int] = []
+        self.num_scheduled_tokens: list[int] = []
         self.starts: list[int] = []
         self.final: list[bool] = []
         self.new: list[NewRequest] = []
@@ -79,19 +79,19 @@ class RowBuilder:
         self.kv = sched.kv
         self.preempted = False
 
-    def _row(self, req: Request, num_tokens: int, final: bool, counts_row: bool = True,
+    def _row(self, req: Request, num_scheduled_tokens: int, final: bool, counts_row: bool = True,
              outputs: int = 1) -> None:
         a, slot = self.arrays, req.slot
         self.req_ids.append(req.req_id)
         self.slots.append(slot)
-        self.num_tokens.append(num_tokens)
+        self.num_scheduled_tokens.append(num_scheduled_tokens)
         self.starts.append(int(a.num_computed_tokens[slot]))
         self.final.append(final)
         self.epochs.append(req.epoch)
         self.drafts.append(outputs - 1 if req.state == "decoding" else 0)
         if req.state == "prefilling":
-            self.sched.num_prefill_tokens += num_tokens
-        a.num_computed_tokens[slot] += num_tokens
+            self.sched.num_prefill_tokens += num_scheduled_tokens
+        a.num_computed_tokens[slot] += num_scheduled_tokens
         self.kv.grow(req, int(a.num_computed_tokens[slot]))
         self.kv.register_full(req, int(a.num_computed_tokens[slot]))
         if final:
@@ -99,7 +99,7 @@ class RowBuilder:
             a.next_eligible_step[slot] = self.step + self.cadence
         else:
             a.next_eligible_step[slot] = self.step + 1
-        self.budget.take(num_tokens, counts_row)
+        self.budget.take(num_scheduled_tokens, counts_row)
 
     def add_decodes(self) -> None:
         """Rows for decoding requests that are eligible and below max_tokens (optimistic outputs):
@@ -146,7 +146,7 @@ class RowBuilder:
         already holds (:meth:`_row` without the block work; the caller updates the arrays)."""
         self.req_ids.append(req.req_id)
         self.slots.append(req.slot)
-        self.num_tokens.append(1)
+        self.num_scheduled_tokens.append(1)
         self.starts.append(computed)
         self.final.append(True)
         self.epochs.append(req.epoch)
@@ -233,7 +233,7 @@ class RowBuilder:
         return SchedulerOutput(
             step=self.step, req_ids=tuple(self.req_ids),
             slots=np.array(self.slots, dtype=np.int32),                 # [num_rows]
-            num_scheduled_tokens=np.array(self.num_tokens, dtype=np.int32),  # [num_rows]
+            num_scheduled_tokens=np.array(self.num_scheduled_tokens, dtype=np.int32),   # [num_rows]
             start_positions=np.array(self.starts, dtype=np.int32),      # [num_rows]
             is_final_chunk=np.array(self.final, dtype=bool),            # [num_rows]
             new_requests=tuple(self.new), freed=freed, block_table_slots=deltas[0],

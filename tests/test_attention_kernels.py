@@ -19,10 +19,10 @@ def random_batch(g: torch.Generator, *, rows: int, h: int, kvh: int, d: int, blo
                  max_ctx: int, max_q: int, dtype: torch.dtype, device: str, pad_rows: int = 0):
     """A random paged step. Returns (q, k, v, k_cache, v_cache, slot_mapping, block_tables,
     seq_lens, query_start_loc, max_query_len); the cache already holds every row's prefix."""
-    qlens = [1 if torch.rand(1, generator=g).item() < 0.5 else
+    query_lens = [1 if torch.rand(1, generator=g).item() < 0.5 else
              int(torch.randint(1, max_q + 1, (1,), generator=g)) for _ in range(rows)]
     ctxs = [int(torch.randint(0, max_ctx, (1,), generator=g)) for _ in range(rows)]
-    mb = max(-(-(c + q) // block_size) for c, q in zip(ctxs, qlens))
+    mb = max(-(-(c + q) // block_size) for c, q in zip(ctxs, query_lens))
     num_blocks = rows * mb + 3
     perm = torch.randperm(num_blocks, generator=g)
     bt = perm[:rows * mb].view(rows, mb).to(torch.int32)
@@ -30,19 +30,19 @@ def random_batch(g: torch.Generator, *, rows: int, h: int, kvh: int, d: int, blo
     k_cache = rnd(num_blocks, block_size, kvh, d)
     v_cache = rnd(num_blocks, block_size, kvh, d)
     slots = []
-    for r, (c, q) in enumerate(zip(ctxs, qlens)):
+    for r, (c, q) in enumerate(zip(ctxs, query_lens)):
         pos = torch.arange(c, c + q)
         slots.append(bt[r, pos // block_size].long() * block_size + pos % block_size)
-    qlens += [1] * pad_rows
-    seq_lens = [c + q for c, q in zip(ctxs, qlens)] + [0] * pad_rows
+    query_lens += [1] * pad_rows
+    seq_lens = [c + q for c, q in zip(ctxs, query_lens)] + [0] * pad_rows
     slots += [torch.full((1,), -1, dtype=torch.long)] * pad_rows
     bt = torch.cat([bt, torch.zeros(pad_rows, mb, dtype=torch.int32)])
-    t = sum(qlens)
-    qsl = torch.tensor([0] + qlens).cumsum(0).to(torch.int32)
+    t = sum(query_lens)
+    qsl = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32)
     dev = lambda x: x.to(device)  # noqa: E731
     return (dev(rnd(t, h, d)), dev(rnd(t, kvh, d)), dev(rnd(t, kvh, d)), dev(k_cache), dev(v_cache),
             dev(torch.cat(slots)), dev(bt), dev(torch.tensor(seq_lens, dtype=torch.int32)), dev(qsl),
-            max(qlens))
+            max(query_lens))
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

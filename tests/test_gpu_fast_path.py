@@ -134,11 +134,11 @@ def test_batch_meta_without_groups_keeps_the_paged_fields():
     rng = np.random.default_rng(3)
     table = torch.from_numpy(rng.permutation(40 * 8).reshape(40, 8).astype(np.int32))
     slots, starts = rng.permutation(40)[:9], rng.integers(0, 90, 9)
-    qlens = np.where(rng.random(9) < 0.5, 1, rng.integers(1, 30, 9))
-    a = BatchMeta.build(slots, starts, qlens, "cpu", table, 16)
-    b = BatchMeta.build(slots, starts, qlens, "cpu", table, 16, attention_groups=False)
+    query_lens = np.where(rng.random(9) < 0.5, 1, rng.integers(1, 30, 9))
+    a = BatchMeta.build(slots, starts, query_lens, "cpu", table, 16)
+    b = BatchMeta.build(slots, starts, query_lens, "cpu", table, 16, attention_groups=False)
     read = np.concatenate([table[s, :-(-(st + q) // 16)].numpy()
-                           for s, st, q in zip(slots, starts, qlens)])
+                           for s, st, q in zip(slots, starts, query_lens)])
     assert b.groups == () and b.block_bounds == (int(read.min()), int(read.max()))
     assert a.block_bounds[0] <= b.block_bounds[0] and b.block_bounds[1] <= a.block_bounds[1]
     for f in ("positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc", "last_token"):

@@ -76,7 +76,7 @@ def reference_attention(q, k, v):
 @pytest.mark.parametrize("invariant", [True, False], ids=["matmul", "sdpa"])
 def test_attend_mixed_batch_matches_per_row_reference(invariant, block_size):
     g = torch.Generator().manual_seed(0)
-    slots, starts, qlens = [3, 0, 5, 1], [7, 0, 30, 4], [1, 6, 1, 9]
+    slots, starts, query_lens = [3, 0, 5, 1], [7, 0, 30, 4], [1, 6, 1, 9]
     width = -(-48 // block_size)
     table = torch.randperm(6 * width, generator=g).view(6, width)  # scattered blocks per slot
     k_cache, v_cache = (torch.randn(6 * width, block_size, 2, 8, generator=g) for _ in range(2))
@@ -85,15 +85,15 @@ def test_attend_mixed_batch_matches_per_row_reference(invariant, block_size):
     def rows_of(cache, s, a, b):  # positions [a, b) of slot s through its block table
         pos = torch.arange(a, b)
         return cache.view(-1, 2, 8)[table[s][pos // block_size] * block_size + pos % block_size]
-    t = sum(qlens)
+    t = sum(query_lens)
     q, k, v = (torch.randn(t, n, 8, generator=g) for n in (6, 2, 2))
-    meta = BatchMeta.build(slots, starts, qlens, block_table=table, block_size=block_size)
+    meta = BatchMeta.build(slots, starts, query_lens, block_table=table, block_size=block_size)
     out = attend(q, k, v, meta, k_cache, v_cache, invariant)
     ref = paged_attention_reference(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                     meta.query_start_loc, meta.max_query_len, 8 ** -0.5)
     torch.testing.assert_close(out, ref.reshape(t, -1), atol=1e-5, rtol=0)
     off = 0
-    for s, p, n in zip(slots, starts, qlens):
+    for s, p, n in zip(slots, starts, query_lens):
         keys = torch.cat([rows_of(history_k, s, 0, p), k[off:off + n]])
         vals = torch.cat([rows_of(history_v, s, 0, p), v[off:off + n]])
         torch.testing.assert_close(out[off:off + n].double(), reference_attention(q[off:off + n], keys, vals),

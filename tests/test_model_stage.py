@@ -14,9 +14,9 @@ CHATS = ["What is 2+2?", "Name three colors of the rainbow."]
 NEW_TOKENS = 32
 
 
-def run(stages, slots, starts, qlens, ids):
+def run(stages, slots, starts, query_lens, ids):
     """One step through all stages in order -> last-stage fp32 logits [R, V]."""
-    meta = BatchMeta.build(torch.tensor(slots), torch.tensor(starts), torch.tensor(qlens))
+    meta = BatchMeta.build(torch.tensor(slots), torch.tensor(starts), torch.tensor(query_lens))
     hidden, residual = None, None
     for st in stages:
         if st.is_first:

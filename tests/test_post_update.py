@@ -46,7 +46,7 @@ def make_batch(g: torch.Generator, m: int, width: int, device: str = "cpu"):
     ns = torch.randint(0, width + 1, (rows,), generator=g)
     nr = (torch.rand(rows, generator=g) * ns).long()  # 0 <= rejected < max(ns, 1)
     ids = torch.randint(0, 1000, (rows, width), generator=g)
-    return {"idx_mapping": idx.to(device, torch.int32), "query_lens": q.to(device, torch.int32),
+    return {"idx_mapping": idx.to(device, torch.int32), "num_scheduled_tokens": q.to(device, torch.int32),
             "sampled_token_ids": ids.to(device), "num_sampled": ns.to(device, torch.int32),
             "num_rejected": nr.to(device, torch.int32)}
 
@@ -58,7 +58,7 @@ def reference(st: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[s
     for r, slot in enumerate(b["idx_mapping"].tolist()):
         if slot < 0:
             continue
-        q = int(b["query_lens"][r])
+        q = int(b["num_scheduled_tokens"][r])
         s["num_computed_tokens"][slot] += q
         rem = max(s["prefill_len"][slot] - s["num_computed_prefill_tokens"][slot], 0)
         s["num_computed_prefill_tokens"][slot] += min(q, rem)
@@ -80,7 +80,7 @@ def reference(st: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[s
 
 def run(st: dict[str, torch.Tensor], b: dict[str, torch.Tensor], backend: str) -> dict[str, list]:
     st = {k: v.clone() for k, v in st.items()}
-    post_update_computed(b["idx_mapping"], b["query_lens"], st["num_computed_tokens"],
+    post_update_computed(b["idx_mapping"], b["num_scheduled_tokens"], st["num_computed_tokens"],
                          st["num_computed_prefill_tokens"], st["prefill_len"], backend=backend)
     post_update_sampled(b["idx_mapping"], b["sampled_token_ids"], b["num_sampled"],
                         b["num_rejected"], st["last_sampled_tokens"], st["all_token_ids"],
@@ -112,7 +112,7 @@ def test_minus_one_never_touches_last_slot(backend):
           "total_len": torch.tensor([1, 1, 1, 1]), "all_token_ids": torch.zeros(4, 3, dtype=torch.int64),
           "last_sampled_tokens": torch.tensor([[70], [71], [72], [73]])}
     b = {"idx_mapping": torch.tensor([-1, 0, -1], dtype=torch.int32),
-         "query_lens": torch.tensor([3, 2, 3], dtype=torch.int32),
+         "num_scheduled_tokens": torch.tensor([3, 2, 3], dtype=torch.int32),
          "sampled_token_ids": torch.tensor([[100], [101], [102]]),
          "num_sampled": torch.tensor([1, 1, 1], dtype=torch.int32),
          "num_rejected": torch.tensor([1, 0, 1], dtype=torch.int32)}
@@ -131,7 +131,7 @@ def test_writes_bounded_by_max_model_len(backend):
     st = {"num_computed_tokens": torch.tensor([10]), "prefill_len": torch.tensor([4]),
           "num_computed_prefill_tokens": torch.tensor([4]), "total_len": torch.tensor([5]),
           "all_token_ids": torch.arange(6).view(1, 6), "last_sampled_tokens": torch.zeros(1, 3, dtype=torch.int64)}
-    b = {"idx_mapping": torch.tensor([0], dtype=torch.int32), "query_lens": torch.tensor([3], dtype=torch.int32),
+    b = {"idx_mapping": torch.tensor([0], dtype=torch.int32), "num_scheduled_tokens": torch.tensor([3], dtype=torch.int32),
          "sampled_token_ids": torch.tensor([[40, 41, 42]]), "num_sampled": torch.tensor([3], dtype=torch.int32),
          "num_rejected": torch.tensor([2], dtype=torch.int32)}
     out = run(st, b, backend)
@@ -152,7 +152,7 @@ def test_device_update_matches_cpu_mirror():
         for f in ("num_computed_tokens", "prefill_len", "num_computed_prefill_tokens"):
             mirror.array(f)[:] = st[f].numpy()
         slots = b["idx_mapping"].numpy().astype(np.int64)
-        mirror.apply_scheduled(slots, b["query_lens"].numpy())
+        mirror.apply_scheduled(slots, b["num_scheduled_tokens"].numpy())
         mirror.apply_rejected(slots, b["num_rejected"].numpy())
         out = run(st, b, "torch")
         mirror.validate({f: out[f] for f in ("num_computed_tokens", "num_computed_prefill_tokens")},
@@ -165,7 +165,7 @@ def test_argument_errors():
         post_update_sampled(torch.zeros(1, dtype=torch.int32), torch.zeros(1, 2, dtype=torch.int64),
                             z[:1], z[:1], torch.zeros(4, 1, dtype=torch.int64),
                             torch.zeros(4, 8, dtype=torch.int64), z, z.clone())
-    with pytest.raises(ValueError, match="query_lens has 2 rows, expected 1"):
+    with pytest.raises(ValueError, match="num_scheduled_tokens has 2 rows, expected 1"):
         post_update_computed(torch.zeros(1, dtype=torch.int32), z[:2], z, z.clone(), z.clone())
     with pytest.raises(ValueError, match="backend must be one of"):
         post_update_computed(torch.zeros(1, dtype=torch.int32), z[:1], z, z.clone(), z.clone(),

@@ -8,10 +8,10 @@ from ppstate.payload import SampledPayload
 from ppstate.rank_step import RankStep
 
 
-def _out(step, slots, qlens, final, new=()):
+def _out(step, slots, num_scheduled_tokens, final, new=()):
     n = len(slots)
     return SchedulerOutput(step, tuple(f"r{s}" for s in slots), np.array(slots, dtype=np.int32),
-                           np.array(qlens, dtype=np.int32), np.zeros(n, dtype=np.int32),
+                           np.array(num_scheduled_tokens, dtype=np.int32), np.zeros(n, dtype=np.int32),
                            np.array(final, dtype=bool), new_requests=tuple(new))
 
 

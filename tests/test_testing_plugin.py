@@ -62,7 +62,7 @@ def test_sim_pipeline_abort_mid_decode_and_chunked_prefill(sim_pipeline, tmp_pat
     assert_invariants(pipe)
     run_dir = pipe.write_trace(tmp_path)
     assert replay(run_dir).ok
-    prefill = [(e["start"], e["num_tokens"], e["final_chunk"]) for e in explain(run_dir, "long")
+    prefill = [(e["start"], e["num_scheduled_tokens"], e["final_chunk"]) for e in explain(run_dir, "long")
                if e["what"] == "scheduled" and e["start"] < 20]
     assert prefill == [(0, 8, False), (8, 8, False), (16, 4, True)]
 

@@ -76,7 +76,8 @@ def replay(trace_dir: str | Path | TraceRun, until: int | None = None) -> Replay
 
 def explain(trace_dir: str | Path | TraceRun, req_id: str) -> list[dict[str, Any]]:
     """One request's life in a recorded run, in order: ``{step, rank, what, ...}`` entries
-    (``arrival``, ``admitted``, ``scheduled`` with ``start`` / ``num_tokens`` / ``final_chunk``,
+    (``arrival``, ``admitted``, ``scheduled`` with ``start`` / ``num_scheduled_tokens`` /
+    ``final_chunk``,
     ``lifecycle``, ``tokens``, ``deferred consume``, ``slot freed``); see
     :func:`ppstate.trace.explain.explain`.
 

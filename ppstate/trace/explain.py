@@ -63,7 +63,7 @@ def _scheduled(out: dict, req_id: str, generation: dict[int, int],
             rows[step] = i
             found.append({"step": step, "rank": None, "what": "scheduled", "row": i,
                           "slot": out["slots"][i], "start": out["start_positions"][i],
-                          "num_tokens": out["num_scheduled_tokens"][i],
+                          "num_scheduled_tokens": out["num_scheduled_tokens"][i],
                           "final_chunk": out["is_final_chunk"][i]})
     return found
 

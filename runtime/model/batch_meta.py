@@ -128,18 +128,18 @@ class BatchMeta:
                 slot outside the block table, or a row whose context needs more blocks than its
                 block-table row holds.
         """
-        slots, start, qlen = (torch.as_tensor(x, dtype=torch.long).cpu().reshape(-1)
+        slots, start, query_len = (torch.as_tensor(x, dtype=torch.long).cpu().reshape(-1)
                               for x in (slots, start_positions, query_lens))
-        if not (slots.numel() == start.numel() == qlen.numel()) or slots.numel() == 0:
+        if not (slots.numel() == start.numel() == query_len.numel()) or slots.numel() == 0:
             raise ValueError(f"BatchMeta needs R >= 1 rows of equal length; got slots {slots.numel()}, "
-                             f"start_positions {start.numel()}, query_lens {qlen.numel()}")
-        if int(qlen.min()) < 1 or int(start.min()) < 0:
+                             f"start_positions {start.numel()}, query_lens {query_len.numel()}")
+        if int(query_len.min()) < 1 or int(start.min()) < 0:
             raise ValueError("query_lens must be >= 1 and start_positions >= 0")
-        ends = torch.cumsum(qlen, 0)
-        offsets = ends - qlen
-        row = torch.repeat_interleave(torch.arange(slots.numel()), qlen)
+        ends = torch.cumsum(query_len, 0)
+        offsets = ends - query_len
+        row = torch.repeat_interleave(torch.arange(slots.numel()), query_len)
         positions = start[row] + torch.arange(int(ends[-1])) - offsets[row]
-        seq = start + qlen
+        seq = start + query_len
         max_seq = int(seq.max())
         own_layout = block_table is None
         if own_layout:
@@ -154,8 +154,8 @@ class BatchMeta:
         tables = block_table[slots, :width]                              # [R, width]
         tok_slots = slots[row]
         slot_mapping = tables[row, positions // block_size] * block_size + positions % block_size
-        is_decode = qlen == 1
-        groups = [_group(idx, slots, start, qlen, offsets, tables, block_size, device)
+        is_decode = query_len == 1
+        groups = [_group(idx, slots, start, query_len, offsets, tables, block_size, device)
                   for idx in (is_decode.nonzero()[:, 0], (~is_decode).nonzero()[:, 0])
                   if idx.numel() and attention_groups]
         if attention_groups:
@@ -166,14 +166,15 @@ class BatchMeta:
         # non_blocking: a blocking CPU -> CUDA copy synchronises the stream (waits for the GPU)
         to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         i32 = lambda t: t.to(dtype=torch.int32).to(device, non_blocking=True)  # noqa: E731
-        return BatchMeta(slots=to(slots), start_positions=to(start), query_lens=to(qlen),
+        return BatchMeta(slots=to(slots), start_positions=to(start), query_lens=to(query_len),
                          positions=to(positions), token_slots=to(tok_slots), last_token=to(ends - 1),
                          groups=tuple(g._replace_device(device) for g in groups),
                          num_tokens=int(ends[-1]),
                          slot_bounds=(int(slots.min()), int(slots.max())), max_context=max_seq,
                          slot_mapping=to(slot_mapping), block_tables=i32(tables), seq_lens=i32(seq),
                          query_start_loc=i32(torch.cat([torch.zeros(1, dtype=torch.long), ends])),
-                         max_query_len=int(qlen.max()), max_seq_len=max_seq, block_size=block_size,
+                         max_query_len=int(query_len.max()), max_seq_len=max_seq,
+                         block_size=block_size,
                          block_bounds=(int(used.min()), int(used.max())), own_layout=own_layout)
 
 
@@ -184,17 +185,17 @@ def contiguous_block_table(num_slots: int, max_len: int, block_size: int) -> tor
     return torch.arange(num_slots * width, dtype=torch.long).view(num_slots, width)
 
 
-def _group(rows: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, qlen: torch.Tensor,
+def _group(rows: torch.Tensor, slots: torch.Tensor, start: torch.Tensor, query_len: torch.Tensor,
            offsets: torch.Tensor, tables: torch.Tensor, block_size: int,
            device: str | torch.device) -> AttnGroup:
     """Padded layout, causal mask and key indices for the batch rows ``rows`` (indices into R);
     tensors stay on the CPU (``AttnGroup._replace_device`` moves them)."""
-    q, st, off = qlen[rows], start[rows], offsets[rows]
-    q_max, kv_len = int(q.max()), -(-int((st + q).max()) // KV_ALIGN) * KV_ALIGN
+    query_len, st, off = query_len[rows], start[rows], offsets[rows]
+    q_max, kv_len = int(query_len.max()), -(-int((st + query_len).max()) // KV_ALIGN) * KV_ALIGN
     i = torch.arange(q_max)
-    clamped = torch.minimum(i[None, :], (q - 1)[:, None])           # [Rg, q_max]
+    clamped = torch.minimum(i[None, :], (query_len - 1)[:, None])   # [Rg, q_max]
     gather = (off[:, None] + clamped).reshape(-1)
-    valid = (i[None, :] < q[:, None]).reshape(-1)
+    valid = (i[None, :] < query_len[:, None]).reshape(-1)
     query_pos = st[:, None] + clamped                                # absolute position per query
     mask = torch.arange(kv_len)[None, None, :] <= query_pos[:, :, None]
     key_pos = torch.arange(kv_len)

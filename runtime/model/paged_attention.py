@@ -59,7 +59,7 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         query_start_loc: ``[R + 1]``; max_query_len: unused here (kernel launch size);
         scale: softmax scale (``D ** -0.5``).
     Returns:
-        ``[T, H, D]`` in q's dtype: query i of row r (absolute position ``seq_lens[r] - qlen + i``)
+        ``[T, H, D]`` in q's dtype: query i of row r (absolute position ``seq_lens[r] - query_len + i``)
         attends keys ``0 .. position``; query head h reads KV head ``h // (H // KVH)``.
     """
     del max_query_len

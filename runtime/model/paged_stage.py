@@ -55,28 +55,29 @@ class PagedMeta:
         """Host-side construction (numpy), one copy per tensor to ``device``.
 
         Args:
-            block_tables: ``[R, MB]`` int block ids (enough blocks for ``start + qlen`` tokens).
+            block_tables: ``[R, MB]`` int block ids (enough blocks for ``start + query_len`` tokens).
             start_positions: ``[R]`` tokens already cached per row; query_lens: ``[R]`` >= 1.
         Raises:
             ValueError: a row needs more blocks than its table has.
         """
         start = np.asarray(start_positions, dtype=np.int64)
-        qlen = np.asarray(query_lens, dtype=np.int64)
+        query_len = np.asarray(query_lens, dtype=np.int64)
         bt = np.asarray(block_tables, dtype=np.int32)
-        seq = start + qlen
+        seq = start + query_len
         if int(seq.max()) > bt.shape[1] * block_size:
             raise ValueError(f"a row needs {int(seq.max())} tokens but block_tables hold "
                              f"{bt.shape[1]} blocks of {block_size}")
-        qsl = np.concatenate([[0], np.cumsum(qlen)])
-        row = np.repeat(np.arange(len(qlen)), qlen)
+        qsl = np.concatenate([[0], np.cumsum(query_len)])
+        row = np.repeat(np.arange(len(query_len)), query_len)
         pos = start[row] + np.arange(qsl[-1]) - qsl[row]
         slots = bt[row, pos // block_size].astype(np.int64) * block_size + pos % block_size
         to = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a)).to(device, dt)  # noqa: E731
-        max_q = int(qlen.max())
-        splits = choose_num_splits(len(qlen), num_kv_heads, int(seq.max())) if max_q == 1 else 1
+        max_query_len = int(query_len.max())
+        splits = (choose_num_splits(len(query_len), num_kv_heads, int(seq.max()))
+                  if max_query_len == 1 else 1)
         return PagedMeta(to(pos, torch.int64), to(slots, torch.int64), to(bt, torch.int32),
                          to(seq, torch.int32), to(qsl, torch.int32), to(qsl[1:] - 1, torch.int64),
-                         max_q, splits)
+                         max_query_len, splits)
 
     @staticmethod
     def from_batch(meta, num_kv_heads: int) -> "PagedMeta":

@@ -111,12 +111,12 @@ class DeviceState:
         """
         return self.all_token_ids[token_slots, positions]
 
-    def apply_scheduled(self, slots: torch.Tensor, query_lens: torch.Tensor,
-                        slots_np: np.ndarray, query_lens_np: np.ndarray) -> None:
+    def apply_scheduled(self, slots: torch.Tensor, num_scheduled_tokens: torch.Tensor,
+                        slots_np: np.ndarray, num_scheduled_tokens_np: np.ndarray) -> None:
         """Immediate phase after the forward: device kernel + mirror (+query length)."""
-        post_update_computed(slots, query_lens, self.num_computed_tokens,
+        post_update_computed(slots, num_scheduled_tokens, self.num_computed_tokens,
                              self.num_computed_prefill_tokens, self.prefill_len)
-        self.mirror.apply_scheduled(slots_np, query_lens_np)
+        self.mirror.apply_scheduled(slots_np, num_scheduled_tokens_np)
 
     def apply_sampled(self, idx_mapping: torch.Tensor, sampled: torch.Tensor,
                       num_sampled: torch.Tensor, num_rejected: torch.Tensor,

@@ -10,7 +10,7 @@ Three kernels:
   of them), walks the row's keys in tiles of ``BLOCK_N`` through the block table (each key's
   block looked up individually, so a tile may span several cache blocks) and keeps an online
   softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022). Causal: query i of a row
-  with ``qlen`` queries and ``seq_len`` keys sits at position ``seq_len - qlen + i``.
+  with ``query_len`` queries and ``seq_len`` keys sits at position ``seq_len - query_len + i``.
 * ``_combine_splits_kernel`` -- split-K (FlashDecoding, Dao et al. 2023): with ``NUM_SPLITS > 1``
   the attention kernel writes each split's unnormalised partial output with its running max and
   sum; this kernel merges them, one program per (token, head).
@@ -83,15 +83,15 @@ def _paged_attn_kernel(
     qtile = pid2 // NUM_SPLITS
     split = pid2 % NUM_SPLITS
     q_start = tl.load(query_start_loc_ptr + row)
-    qlen = tl.load(query_start_loc_ptr + row + 1) - q_start
-    if qtile * BLOCK_Q < qlen:
+    query_len = tl.load(query_start_loc_ptr + row + 1) - q_start
+    if qtile * BLOCK_Q < query_len:
         seq_len = tl.load(seq_lens_ptr + row)
-        ctx = seq_len - qlen
+        ctx = seq_len - query_len
         offs_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         q_idx = qtile * BLOCK_Q + offs_m // GROUP              # query token within the row
         head = kvh * GROUP + offs_m % GROUP
-        m_valid = (q_idx < qlen) & (offs_m < BLOCK_Q * GROUP)
+        m_valid = (q_idx < query_len) & (offs_m < BLOCK_Q * GROUP)
         d_valid = offs_d < HEAD_DIM
         tok = (q_start + q_idx).to(tl.int64)
         q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],

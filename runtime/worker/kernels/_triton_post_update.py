@@ -25,7 +25,7 @@ from runtime.worker.kernels._jit import kernel_wrapper
 
 def _post_update_computed_kernel(
     idx_mapping_ptr,                   # [R] int32/int64 slot per row, -1 = skip
-    query_lens_ptr,                    # [R] int scheduled tokens per row
+    num_scheduled_tokens_ptr,                    # [R] int scheduled tokens per row
     num_computed_tokens_ptr,           # [max_num_reqs]
     num_computed_prefill_tokens_ptr,   # [max_num_reqs]
     prefill_len_ptr,                   # [max_num_reqs]
@@ -33,12 +33,12 @@ def _post_update_computed_kernel(
     row = tl.program_id(0)
     slot = tl.load(idx_mapping_ptr + row).to(tl.int64)
     if slot >= 0:
-        q = tl.load(query_lens_ptr + row)
+        n = tl.load(num_scheduled_tokens_ptr + row)
         computed = tl.load(num_computed_tokens_ptr + slot)
-        tl.store(num_computed_tokens_ptr + slot, computed + q)
+        tl.store(num_computed_tokens_ptr + slot, computed + n)
         done = tl.load(num_computed_prefill_tokens_ptr + slot)
         remaining = tl.maximum(tl.load(prefill_len_ptr + slot) - done, 0)
-        tl.store(num_computed_prefill_tokens_ptr + slot, done + tl.minimum(q, remaining))
+        tl.store(num_computed_prefill_tokens_ptr + slot, done + tl.minimum(n, remaining))
 
 
 def _post_update_sampled_kernel(

@@ -7,9 +7,9 @@ Layout (shared with the paged KV cache, see ``docs/gpu.md``): one layer's cache 
 ``seq_lens [R]`` int32 (keys of row r after this step), ``query_start_loc [R + 1]`` int32
 (row r's queries are tokens ``[qsl[r], qsl[r+1])`` of the flat batch).
 
-Causality: query i of row r sits at absolute position ``seq_lens[r] - qlen_r + i`` and attends
+Causality: query i of row r sits at absolute position ``seq_lens[r] - query_len_r + i`` and attends
 keys ``0 ..`` that position (its cached prefix plus the causal part of its own chunk). GQA: query
-head h reads KV head ``h // (H // KVH)``; K/V are never repeated. Decode rows (``qlen`` 1) with
+head h reads KV head ``h // (H // KVH)``; K/V are never repeated. Decode rows (``query_len`` 1) with
 long contexts use split-K (``num_splits`` > 1), merged by a second kernel.
 
 Backends: ``"triton"`` (compiled on CUDA; Triton's interpreter for CPU tensors),
@@ -82,7 +82,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q: ``[T, H, D]`` rotated queries (inner two dims contiguous), T = ``query_start_loc[-1]``.
         k_cache, v_cache: ``[num_blocks, block_size, KVH, D]``, written for every key a row reads.
         block_tables: ``[R, MB]`` int32; seq_lens: ``[R]`` int32; query_start_loc: ``[R + 1]`` int32.
-        max_query_len: largest ``qlen`` of the step (Python int; sets the grid, so a CUDA graph of
+        max_query_len: largest ``query_len`` of the step (Python int; sets the grid, so a CUDA graph of
             decode steps uses 1). Larger than the truth is allowed (idle programs exit).
         scale: softmax scale, usually ``D ** -0.5``.
         num_splits: split-K partitions of each row's keys (decode; see :func:`choose_num_splits`).

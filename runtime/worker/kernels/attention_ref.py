@@ -2,8 +2,8 @@
 :mod:`runtime.worker.kernels.attention`).
 
 Same contract as the Triton kernels: ``write_kv`` stores each token's key/value at the flat cache
-index ``slot_mapping[t]`` (``-1`` skipped); ``paged_attention`` lets query i of row r (``qlen``
-queries, ``seq_len`` keys) attend keys ``0 .. seq_len - qlen + i`` of that row, gathered through
+index ``slot_mapping[t]`` (``-1`` skipped); ``paged_attention`` lets query i of row r (``query_len``
+queries, ``seq_len`` keys) attend keys ``0 .. seq_len - query_len + i`` of that row, gathered through
 its block table, GQA by ``h // (H // KVH)``. Computed row by row in fp32 (an explicit-matmul
 softmax, HF "eager" form): slow and simple on purpose.
 """

@@ -86,7 +86,7 @@ def _check(name: str, t: torch.Tensor, ndim: int, device: torch.device, rows: in
         raise ValueError(f"{name} must be contiguous in its last dimension, strides {t.stride()}")
 
 
-def post_update_computed(idx_mapping: torch.Tensor, query_lens: torch.Tensor,
+def post_update_computed(idx_mapping: torch.Tensor, num_scheduled_tokens: torch.Tensor,
                          num_computed_tokens: torch.Tensor,
                          num_computed_prefill_tokens: torch.Tensor, prefill_len: torch.Tensor,
                          backend: str = "auto") -> None:
@@ -94,7 +94,7 @@ def post_update_computed(idx_mapping: torch.Tensor, query_lens: torch.Tensor,
 
     Args:
         idx_mapping: ``[R]`` int32/int64 slot per batch row; ``-1`` skips the row.
-        query_lens: ``[R]`` int scheduled tokens per row.
+        num_scheduled_tokens: ``[R]`` int scheduled tokens per row.
         num_computed_tokens: ``[max_num_reqs]`` int32/int64, updated in place.
         num_computed_prefill_tokens: ``[max_num_reqs]`` int, updated in place.
         prefill_len: ``[max_num_reqs]`` int prompt tokens to prefill (read only).
@@ -106,7 +106,7 @@ def post_update_computed(idx_mapping: torch.Tensor, query_lens: torch.Tensor,
     dev = idx_mapping.device
     _check("idx_mapping", idx_mapping, 1, dev)
     rows = idx_mapping.shape[0]
-    _check("query_lens", query_lens, 1, dev, rows)
+    _check("num_scheduled_tokens", num_scheduled_tokens, 1, dev, rows)
     _check("num_computed_tokens", num_computed_tokens, 1, dev)
     m = num_computed_tokens.shape[0]
     _check("num_computed_prefill_tokens", num_computed_prefill_tokens, 1, dev, m)
@@ -115,17 +115,17 @@ def post_update_computed(idx_mapping: torch.Tensor, query_lens: torch.Tensor,
         return
     if resolve_backend(backend, dev) == "torch":
         keep = idx_mapping >= 0
-        s, q = idx_mapping[keep].long(), query_lens[keep].long()
+        s, n = idx_mapping[keep].long(), num_scheduled_tokens[keep].long()
         done = num_computed_prefill_tokens[s].long()
         remaining = (prefill_len[s].long() - done).clamp_min(0)
-        num_computed_tokens[s] = (num_computed_tokens[s].long() + q).to(num_computed_tokens.dtype)
-        num_computed_prefill_tokens[s] = (done + torch.minimum(q, remaining)).to(
+        num_computed_tokens[s] = (num_computed_tokens[s].long() + n).to(num_computed_tokens.dtype)
+        num_computed_prefill_tokens[s] = (done + torch.minimum(n, remaining)).to(
             num_computed_prefill_tokens.dtype)
         return
     from runtime.worker.kernels._triton_post_update import get_kernels
     kernel = get_kernels(_launch_interpreted(dev)).computed
-    kernel[(rows,)](idx_mapping, query_lens, num_computed_tokens, num_computed_prefill_tokens,
-                    prefill_len)
+    kernel[(rows,)](idx_mapping, num_scheduled_tokens, num_computed_tokens,
+                    num_computed_prefill_tokens, prefill_len)
 
 
 def post_update_sampled(idx_mapping: torch.Tensor, sampled_token_ids: torch.Tensor,
