@@ -317,16 +317,11 @@ class StageRunner:
             return PendingResult.completed(
                 StepResult(out.step, np.zeros((0, w), dtype=np.int64), z, z.copy()))
         copy = self.host_copy.start(payload.buf)    # non_blocking into pinned memory + an event
-        on_done = self._sampled_event(out) if self.sink.enabled else None
-        return PendingResult(out.step, w, copy, self._logprobs, self.timing.busy_s, on_done)
-
-    def _sampled_event(self, out: SchedulerOutput):
-        """The ``sampled`` trace event of step ``out``, emitted once its ids reached the host."""
-        def on_done(host: np.ndarray) -> None:
-            h = SampledPayload(host)
+        if self.sink.enabled:   # tracing: the ``sampled`` event keeps its place in the step's
+            h = SampledPayload(copy.wait())     # event order (a host wait, only when tracing)
             self.sink.emit("sampled", step=out.step, rank=self.g.rank, req_ids=list(out.req_ids),
                            token_ids=h.token_ids.tolist(), num_sampled=h.num_sampled.tolist())
-        return on_done
+        return PendingResult(out.step, w, copy, self._logprobs, self.timing.busy_s)
 
     # ---- mirrors and trace -------------------------------------------------------------------
     def _validate(self, step: int) -> None:
