@@ -106,6 +106,15 @@ class EngineConfig(BaseModel):
             load_step_cost(v)
         return v
 
+    def replace(self, **changes: Any) -> "EngineConfig":
+        """A validated copy with ``changes``: engine fields, or scheduler fields given flat
+        (``config.replace(mode="sync", max_num_seqs=64)``).
+
+        Raises:
+            pydantic.ValidationError: a bad value, as the constructor.
+        """
+        return EngineConfig(**{**self.model_dump(), **changes})
+
     @model_validator(mode="before")
     @classmethod
     def _gather_scheduler(cls, data: Any) -> Any:

@@ -110,13 +110,13 @@ def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 
 def _variants(base: EngineConfig, **named: dict) -> dict[str, EngineConfig]:
-    return {name: base.model_copy(update=upd) for name, upd in named.items()}
+    return {name: base.replace(**upd) for name, upd in named.items()}
 
 
 def compare(base: EngineConfig, args) -> dict:
     """Sync vs overlapped on the decode-heavy and / or the long-prompt workload, on the same
     engines (plus one with dynamic chunks for the prefill workload with ``--chunks``)."""
-    named = {"sync": {"pp_schedule": "sync"}, "overlapped": {"pp_schedule": "overlapped"}}
+    named = {"sync": {"mode": "sync"}, "overlapped": {"mode": "overlapped"}}
     work = []
     if args.workload in ("decode", "both"):
         work.append(("decode", ["sync", "overlapped"], lambda i: _prompts(
@@ -125,7 +125,7 @@ def compare(base: EngineConfig, args) -> dict:
     if args.workload in ("prefill", "both"):
         modes = ["sync", "overlapped"]
         if args.chunks:
-            named["overlapped+dynamic_chunks"] = {"pp_schedule": "overlapped",
+            named["overlapped+dynamic_chunks"] = {"mode": "overlapped",
                                                   "dynamic_chunks": True}
             modes.append("overlapped+dynamic_chunks")
         work.append(("prefill", modes, lambda i: _prompts(
@@ -137,7 +137,7 @@ def compare(base: EngineConfig, args) -> dict:
         ratio = ratio_summary(tp["overlapped"], tp["sync"])
         out["decode"] = {"runs": runs["decode"], "throughput_ratio": ratio["median"],
                          "throughput_ratio_spread": ratio,
-                         "efficiency": ratio["median"] / base.pp_size,
+                         "efficiency": ratio["median"] / base.scheduler.pp_size,
                          "sync_output_tokens_per_s": statistics.median(tp["sync"]),
                          "overlapped_output_tokens_per_s": statistics.median(tp["overlapped"])}
     if "prefill" in runs:
@@ -157,9 +157,9 @@ def compare(base: EngineConfig, args) -> dict:
 
 def sweep(base: EngineConfig, args, points: list[int]) -> dict:
     """Decode throughput at each concurrency: sync, overlapped, overlapped + adaptive lanes."""
-    cfg = base.model_copy(update={"max_num_seqs": max(base.max_num_seqs, max(points))})
-    named = {"sync": {"pp_schedule": "sync"}, "overlapped": {"pp_schedule": "overlapped"},
-             "overlapped+adaptive_lanes": {"pp_schedule": "overlapped", "adaptive_lanes": True}}
+    cfg = base.replace(max_num_seqs=max(base.scheduler.max_num_seqs, max(points)))
+    named = {"sync": {"mode": "sync"}, "overlapped": {"mode": "overlapped"},
+             "overlapped+adaptive_lanes": {"mode": "overlapped", "adaptive_lanes": True}}
     if args.no_adaptive:
         named.pop("overlapped+adaptive_lanes")
     rows = []
@@ -276,9 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.calibrate and (not points or args.workload not in ("prefill", "both")):
         p.error("--calibrate needs --sweep (decode rows) and --workload prefill or both")
     base = engine_config(p, args)
-    if args.workload in ("prefill", "both") and args.prefill_len >= base.max_model_len:
+    if args.workload in ("prefill", "both") and args.prefill_len >= base.scheduler.max_model_len:
         p.error("--prefill-len must be < --max-model-len")
-    res: dict = {"pp_size": base.pp_size}
+    res: dict = {"pp_size": base.scheduler.pp_size}
     if args.workload != "none":
         res.update(compare(base, args))
     if "decode" in res:
@@ -302,8 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         res["trace_overhead"] = res["overheads"]["trace_overhead"]
         res["mirror_validation_overhead"] = res["overheads"]["mirror_validation_overhead"]
     if args.calibrate:
-        res["step_cost"] = calibrate(res.get("sweep"), res.get("prefill"), base.pp_size,
-                                     args.prefill_len, base.max_prefill_chunk)
+        res["step_cost"] = calibrate(res.get("sweep"), res.get("prefill"), base.scheduler.pp_size,
+                                     args.prefill_len, base.scheduler.max_prefill_chunk)
         print(f"step_cost {res['step_cost']}", flush=True)
     if args.json_out:
         write_result(args.json_out, "pp", res, vars(args),
