@@ -13,9 +13,16 @@ thrown away). docs/checker.md argues each rule; in short:
   offers no action on it (abort only targets live ids, ids are never reused), no row of it can
   reach a rank, the scheduler or the client again, and the end-of-run check only asks whether
   every arrived request is closed (dead implies closed, and the arrival count stays in the key).
-  Forgotten: the scheduler's finished history entry, the monitor's per-request records
+  Forgotten: the monitor's per-request records
   (delivered tokens, max_tokens, ignore_eos, prompt length, admission, sampling steps, sampled
   tokens, received, closed) and its row admissions.
+* **The scheduler's finished history is forgotten** (every entry): only
+  ``Scheduler.state_of`` reads it, a client query that neither the scheduler's decisions nor any
+  checker path calls.
+* **How a freed slot's request finished** (length, stop, abort) is forgotten in the issued steps
+  the world still keeps; preempted or not is kept. The one reader of the reason, the monitor's
+  ``on_issue`` (no admission check for a preemption), runs when the step is issued; ranks read a
+  freed entry's slot and request id only.
 * **Write-only statistics are forgotten**: scheduler counters (prefill tokens, preemptions, spec
   counters), the block pool's lookup counters; the monitor's post log is already cleared.
 * **A free slot's per-request rank fields are forgotten** (history, output cap, seed, EOS flags,
@@ -54,14 +61,21 @@ def _dead(w) -> set[str]:
 
 def _forget_requests(w, dead: set[str]) -> None:
     sched, mon, inner = w.sched, w.monitor, w.monitor.inner
+    sched._finished.clear()     # read only by Scheduler.state_of, which no checker path calls
     for rid in dead:
-        sched._finished.pop(rid, None)
         for d in (mon.delivered, mon.max_tokens, mon.ignore_eos, inner.prompt_len,
                   inner.admission, inner.sampling_steps, inner.sampled_by_last, inner.received,
                   inner.closed):
             d.pop(rid, None)
     for key in [k for k in inner.row_admission if k[1] in dead]:
         del inner.row_admission[key]
+
+
+def _forget_freed_reasons(w) -> None:
+    outs = list(w.outputs.values()) + list(w.sched._in_flight)
+    for f in {id(f): f for out in outs for f in out.freed}.values():
+        if f.reason != "preempted":
+            object.__setattr__(f, "reason", "finished")
 
 
 def _forget_stats(w) -> None:
@@ -98,6 +112,7 @@ def _renumber_epochs(w) -> None:
 def scrub(w) -> None:
     """Rewrite ``w`` (a copy the explorer no longer runs) into its canonical form."""
     _forget_requests(w, _dead(w))
+    _forget_freed_reasons(w)
     _forget_stats(w)
     _forget_free_slots(w)
     _renumber_epochs(w)
