@@ -1,7 +1,9 @@
 """Breadth-first explicit-state exploration of :class:`~ppstate.check.world.World`.
 
-Each state is stored as its pickle; two states are the same when their pickles are (a digest of
-the bytes is kept per state seen). Breadth first, so the first violation found has a shortest
+Each frontier state is stored as its pickle; two states are the same when their canonical keys
+are (:mod:`ppstate.check.canon`: a digest of a copy with history that cannot influence the future
+scrubbed; ``canon=False``: the digest of the whole pickle). With ``jobs`` > 1 each BFS level is
+expanded by worker processes and deduplicated here in frontier order. Breadth first, so the first violation found has a shortest
 path: its actions (with the choices taken inside each) are kept as parent links and replayed
 into a trace by :mod:`ppstate.check.counterexample`.
 
