@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--list-mutants", action="store_true", help="print the mutants and exit")
     a("--no-por", dest="por", action="store_false",
       help="explore the order in which ranks run too (no partial-order reduction)")
+    a("--no-canon", dest="canon", action="store_false",
+      help="key states by their whole pickle instead of the canonical key (docs/checker.md)")
+    a("--jobs", type=_positive, default=1, metavar="N",
+      help="worker processes expanding each BFS level (default 1)")
+    a("--progress", action="store_true",
+      help="print a line per BFS level to stderr (states, transitions, seconds so far)")
     a("--max-states", type=_positive, default=2_000_000,
       help="stop after this many distinct states (the run is then incomplete)")
     a("--trace-dir", default="check-traces",
@@ -106,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             num_kv_blocks=ns.kv_blocks, abort_anywhere=ns.abort_anywhere,
             async_engine=ns.async_engine, spec_tokens=ns.spec_tokens, mode=ns.mode,
             por=ns.por, mutant=ns.mutant)
-        res = explore(cfg, max_states=ns.max_states)
+        res = explore(cfg, max_states=ns.max_states, canon=ns.canon,
+                      jobs=ns.jobs, progress=sys.stderr if ns.progress else None)
         if res.violations and counterexample is None:
             res.counterexample = str(write_counterexample(cfg, res.path, ns.trace_dir))
             counterexample = res.counterexample

@@ -1,7 +1,9 @@
 """Breadth-first explicit-state exploration of :class:`~ppstate.check.world.World`.
 
-Each state is stored as its pickle; two states are the same when their pickles are (a digest of
-the bytes is kept per state seen). Breadth first, so the first violation found has a shortest
+Each frontier state is stored as its pickle; two states are the same when their canonical keys
+are (:mod:`ppstate.check.canon`: a digest of a copy with history that cannot influence the future
+scrubbed; ``canon=False``: the digest of the whole pickle). With ``jobs`` > 1 each BFS level is
+expanded by worker processes and deduplicated here in frontier order. Breadth first, so the first violation found has a shortest
 path: its actions (with the choices taken inside each) are kept as parent links and replayed
 into a trace by :mod:`ppstate.check.counterexample`.
 
@@ -12,11 +14,15 @@ end of a run (every request arrived and none live) no op may be left unmatched.
 
 from __future__ import annotations
 
+import multiprocessing
 import time
+from collections.abc import Iterator
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TextIO
 
 from ppstate import mutants
+from ppstate.check.canon import canonical_key
 from ppstate.check.choices import Chooser, choice_vectors
 from ppstate.check.snapshot import digest, dumps, loads
 from ppstate.check.world import CheckConfig, World
@@ -86,60 +92,101 @@ def end_violations(w: World) -> list[dict]:
     return []
 
 
-def explore(cfg: CheckConfig, max_states: int = 2_000_000, max_violations: int = 1) -> CheckResult:
+def explore(cfg: CheckConfig, max_states: int = 2_000_000, max_violations: int = 1,
+            canon: bool = True, jobs: int = 1, progress: TextIO | None = None) -> CheckResult:
     """Explore every state reachable within ``cfg``'s bounds (see the module docstring).
 
     Args:
         cfg: bounds, mode, mutant.
         max_states: stop (``complete`` False) after this many distinct states.
         max_violations: stop after this many violating states (each is not expanded).
+        canon: key states by :func:`~ppstate.check.canon.canonical_key` (False: by the digest
+            of the whole pickle, as before; for comparisons).
+        jobs: worker processes expanding each BFS level (1: in this process). The parent
+            deduplicates in BFS order, so states, transitions, depth and the first violation's
+            path are those of ``jobs=1``.
+        progress: where a line per BFS level goes (depth, states, transitions, seconds).
     """
     names = (cfg.mutant,) if cfg.mutant else ()
     with mutants.enabled(*names):
-        return _explore(cfg, max_states, max_violations)
+        return _explore(cfg, max_states, max_violations, canon, jobs, progress)
 
 
-def _explore(cfg: CheckConfig, max_states: int, max_violations: int) -> CheckResult:
+def _expand(item: tuple[bytes, bool]) -> list[tuple]:
+    """Every successor of one pickled state: ``(action, choices, pickle, key, violations)``."""
+    data, canon = item
+    w: World = loads(data)
+    succ = []
+    for action in w.actions():
+        for choices, child in choice_vectors(lambda ch: _step_world(data, action, ch)):
+            if child is None:
+                continue
+            cdata = dumps(child)
+            found = child.violations or end_violations(child)
+            key = canonical_key(child) if canon else digest(cdata)
+            succ.append((action, choices, cdata, key, found))
+    return succ
+
+
+def _levels(frontier: deque, canon: bool, jobs: int) -> Iterator[tuple[tuple, list]]:
+    """(frontier entry, its successors) in BFS order; ``jobs`` > 1: a level at a time, expanded
+    by a pool of worker processes (forked, so a switched-on mutant stays on in them)."""
+    if jobs <= 1:
+        while frontier:
+            entry = frontier.popleft()
+            yield entry, _expand((entry[2], canon))
+        return
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(jobs) as pool:
+        while frontier:
+            level = list(frontier)
+            frontier.clear()
+            size = max(1, min(64, len(level) // (4 * jobs)))
+            for entry, succ in zip(level, pool.imap(_expand, [(e[2], canon) for e in level],
+                                                    chunksize=size)):
+                yield entry, succ
+
+
+def _explore(cfg: CheckConfig, max_states: int, max_violations: int,
+             canon: bool, jobs: int, progress: TextIO | None) -> CheckResult:
     t0 = time.perf_counter()
     res = CheckResult(config=cfg.as_dict())
     root = World(cfg)
     root.settle()
     data = dumps(root)
-    seen = {digest(data)}
+    seen = {canonical_key(root.clone()) if canon else digest(data)}
     parents: dict[int, tuple[int, tuple, tuple]] = {}
     frontier: deque[tuple[int, int, bytes]] = deque([(0, 0, data)])
     res.states, next_id = 1, 1
-    while frontier:
-        nid, depth, data = frontier.popleft()
-        w: World = loads(data)
-        for action in w.actions():
-            for choices, child in choice_vectors(lambda ch: _step_world(data, action, ch)):
-                if child is None:
-                    continue
-                res.transitions += 1
-                cdata = dumps(child)
-                d = digest(cdata)
-                if d in seen:
-                    continue
-                seen.add(d)
-                cid, next_id = next_id, next_id + 1
-                parents[cid] = (nid, action, choices)
-                res.states += 1
-                res.depth = max(res.depth, depth + 1)
-                found = child.violations or end_violations(child)
-                if found:
-                    if not res.violations:
-                        res.path = _path(parents, cid)
-                    res.violations += found
-                    if len({v["message"] for v in res.violations}) >= max_violations:
-                        res.seconds = round(time.perf_counter() - t0, 3)
-                        return res
-                    continue
-                frontier.append((cid, depth + 1, cdata))
-                if res.states >= max_states:
-                    res.complete = False
+    level = 0
+    for (nid, depth, _), succ in _levels(frontier, canon, jobs):
+        if progress is not None and depth != level:
+            level = depth
+            print(f"pp={cfg.pp_size} level={depth} states={res.states} "
+                  f"transitions={res.transitions} "
+                  f"seconds={time.perf_counter() - t0:.1f}", file=progress, flush=True)
+        for action, choices, cdata, d, found in succ:
+            res.transitions += 1
+            if d in seen:
+                continue
+            seen.add(d)
+            cid, next_id = next_id, next_id + 1
+            parents[cid] = (nid, action, choices)
+            res.states += 1
+            res.depth = max(res.depth, depth + 1)
+            if found:
+                if not res.violations:
+                    res.path = _path(parents, cid)
+                res.violations += found
+                if len({v["message"] for v in res.violations}) >= max_violations:
                     res.seconds = round(time.perf_counter() - t0, 3)
                     return res
+                continue
+            frontier.append((cid, depth + 1, cdata))
+            if res.states >= max_states:
+                res.complete = False
+                res.seconds = round(time.perf_counter() - t0, 3)
+                return res
     res.seconds = round(time.perf_counter() - t0, 3)
     return res
 

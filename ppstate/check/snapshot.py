@@ -1,7 +1,8 @@
 """Copying and hashing a model-checker state: its pickle.
 
-Two states are the same state when their pickles are equal (a complete comparison: nothing the
-future depends on can be left out of a key by mistake). Two reducers keep the pickle small and
+The pickle is the state's complete copy (frontier states travel as pickles, also to the
+``--jobs`` workers); its digest is the ``--no-canon`` key, and :mod:`ppstate.check.canon` hashes
+a scrubbed copy's pickle. Two reducers keep the pickle small and
 fast: the request lifecycle machine (``transitions``) is rebuilt from its models and their states
 instead of being pickled with every bound trigger method, and small 1-d numpy arrays travel as
 lists.

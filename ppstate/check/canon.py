@@ -1,0 +1,124 @@
+"""Canonical state keys of the model checker: what two worlds must agree on to have one future.
+
+The explorer used the digest of a world's whole pickle as its key, so two worlds that differ only
+in history (which finished request got which tokens, how many admissions came before) never
+merged and the state graph was nearly a tree. :func:`canonical_key` hashes a *scrubbed copy*
+instead: the explorer calls it on a child world whose pickle it has already taken (the frontier
+keeps that pickle, so the objects the real code runs on are never altered; the scrubbed object is
+thrown away). docs/checker.md argues each rule; in short:
+
+* **Dead requests are forgotten.** A request is dead when the client saw it end (``closed`` in
+  the monitor), the scheduler no longer holds it (not live), and no rank slot, issued step still
+  kept, undelivered result or queued op names it. Its future influence is then nil: the checker
+  offers no action on it (abort only targets live ids, ids are never reused), no row of it can
+  reach a rank, the scheduler or the client again, and the end-of-run check only asks whether
+  every arrived request is closed (dead implies closed, and the arrival count stays in the key).
+  Forgotten: the monitor's per-request records
+  (delivered tokens, max_tokens, ignore_eos, prompt length, admission, sampling steps, sampled
+  tokens, received, closed) and its row admissions.
+* **The scheduler's finished history is forgotten** (every entry): only
+  ``Scheduler.state_of`` reads it, a client query that neither the scheduler's decisions nor any
+  checker path calls.
+* **How a freed slot's request finished** (length, stop, abort) is forgotten in the issued steps
+  the world still keeps; preempted or not is kept. The one reader of the reason, the monitor's
+  ``on_issue`` (no admission check for a preemption), runs when the step is issued; ranks read a
+  freed entry's slot and request id only.
+* **Write-only statistics are forgotten**: scheduler counters (prefill tokens, preemptions, spec
+  counters), the block pool's lookup counters; the monitor's post log is already cleared.
+* **A free slot's per-request rank fields are forgotten** (history, output cap, seed, EOS flags,
+  last prompt token): :meth:`CheckRank.apply_freed_new` rewrites all of them on admission, and
+  nothing reads them while the slot is free.
+* **Admission epochs are renumbered** by rank among the values still present (live requests' and
+  in-flight rows'): the scheduler only compares epochs for equality and every new epoch is larger
+  than all others, so an order-preserving renaming keeps every comparison's outcome.
+
+Step numbers, slot generations and KV block ids stay absolute (see docs/checker.md: the step bound
+of the no-progress check reads the absolute step number).
+"""
+
+from __future__ import annotations
+
+from ppstate.check.snapshot import digest, dumps
+
+
+def _named(w) -> set[str]:
+    """Request ids some part of the system can still act on or deliver."""
+    names = set(w.sched._live)
+    for out in w.outputs.values():
+        names.update(out.req_ids)
+    for out in w.sched._in_flight:
+        names.update(out.req_ids)
+    for rk in w.ranks:
+        names.update(o for o in rk.owner if o is not None)
+    return names
+
+
+def _dead(w) -> set[str]:
+    closed = w.monitor.inner.closed
+    named = _named(w)
+    return {rid for rid in closed if rid not in named}
+
+
+def _forget_requests(w, dead: set[str]) -> None:
+    sched, mon, inner = w.sched, w.monitor, w.monitor.inner
+    sched._finished.clear()     # read only by Scheduler.state_of, which no checker path calls
+    for rid in dead:
+        for d in (mon.delivered, mon.max_tokens, mon.ignore_eos, inner.prompt_len,
+                  inner.admission, inner.sampling_steps, inner.sampled_by_last, inner.received,
+                  inner.closed):
+            d.pop(rid, None)
+    for key in [k for k in inner.row_admission if k[1] in dead]:
+        del inner.row_admission[key]
+
+
+def _forget_freed_reasons(w) -> None:
+    outs = list(w.outputs.values()) + list(w.sched._in_flight)
+    for f in {id(f): f for out in outs for f in out.freed}.values():
+        if f.reason != "preempted":
+            object.__setattr__(f, "reason", "finished")
+
+
+def _forget_stats(w) -> None:
+    s = w.sched
+    s.num_preemptions = s.num_prefill_tokens = 0
+    s.num_spec_rejected = s.num_spec_proposed = s.num_spec_rows = 0
+    pool = s.kv.pool
+    pool.query_tokens = pool.hit_tokens = 0
+
+
+def _forget_free_slots(w) -> None:
+    for rk in w.ranks:
+        for s, owner in enumerate(rk.owner):
+            if owner is None:
+                rk.history[s] = []
+                rk.output_cap[s] = rk.sample_seed[s] = rk.last_prompt[s] = 0
+                rk.ignore_eos[s] = rk.stopped[s] = False
+
+
+def _renumber_epochs(w) -> None:
+    s = w.sched
+    values = {r.epoch for r in s._live.values() if getattr(r, "epoch", None) is not None}
+    for rows in s._in_flight_epochs:
+        values.update(rows)
+    rank = {v: i + 1 for i, v in enumerate(sorted(values))}
+    for r in s._live.values():
+        if getattr(r, "epoch", None) is not None:
+            r.epoch = rank[r.epoch]
+    for i, rows in enumerate(s._in_flight_epochs):
+        s._in_flight_epochs[i] = [rank[v] for v in rows]
+    s._admissions = len(values)
+
+
+def scrub(w) -> None:
+    """Rewrite ``w`` (a copy the explorer no longer runs) into its canonical form."""
+    _forget_requests(w, _dead(w))
+    _forget_freed_reasons(w)
+    _forget_stats(w)
+    _forget_free_slots(w)
+    _renumber_epochs(w)
+
+
+def canonical_key(w) -> bytes:
+    """16-byte key of ``w``'s future (module docstring); scrubs ``w`` in place."""
+    scrub(w)
+    return digest(dumps(w))
