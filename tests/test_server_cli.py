@@ -59,7 +59,7 @@ def test_bad_flag_names_the_flag(argv, flag, capsys):
 def test_restart_and_stall_flags():
     args, cfg = parse()
     assert (args.restart_workers, args.max_restarts, args.restart_backoff) == (False, 3, 1.0)
-    assert cfg.stall_timeout_s == 10.0
+    assert cfg.stall_timeout_s == 8.0
     args, cfg = parse("--restart-workers", "--max-restarts", "5", "--restart-backoff", "0.5",
                       "--stall-timeout", "0")
     assert (args.restart_workers, args.max_restarts, args.restart_backoff) == (True, 5, 0.5)

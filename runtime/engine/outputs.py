@@ -44,11 +44,12 @@ class RequestOutput:
 
 def logprobs_for(result, row_of: dict[str, int] | None, req_id: str,
                  token_ids: list[int]) -> list[TokenLogprob] | None:
-    """The logprob entry of ``req_id``'s first new token in a step result, if it asked for one.
+    """The logprob entries of ``req_id``'s new tokens in a step result, if it asked for them.
 
     Args:
         result: the last rank's ``StepResult``; ``result.logprobs`` holds one ``(logprob,
-            {token id: logprob})`` or None per batch row.
+            {token id: logprob})`` or None per batch row, or, for a row that carried speculative
+            drafts (``--spec-tokens``), a list of such pairs, one per emitted token.
         row_of: request id -> batch row of that step (None: the step carries no logprobs).
     """
     if row_of is None or req_id not in row_of or not token_ids:
@@ -56,5 +57,8 @@ def logprobs_for(result, row_of: dict[str, int] | None, req_id: str,
     entry = result.logprobs[row_of[req_id]]
     if entry is None:
         return None
+    if isinstance(entry[0], (list, tuple)):  # speculative decoding: (logprob, top) per token
+        return [TokenLogprob(t, float(lp), {int(k): float(v) for k, v in top.items()})
+                for t, (lp, top) in zip(token_ids, entry)]
     lp, top = entry
     return [TokenLogprob(token_ids[0], float(lp), {int(k): float(v) for k, v in top.items()})]
