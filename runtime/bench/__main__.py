@@ -25,19 +25,11 @@ from pathlib import Path
 
 from runtime.cli_common import add_engine_flags, engine_config
 from runtime.engine import AsyncEngine
+from runtime.bench.pp import stream_timed
 from runtime.sampling_params import SamplingParams
 
 
-async def _one(engine: AsyncEngine, rid: str, ids: list[int], params: SamplingParams) -> dict:
-    t0 = time.perf_counter()
-    first, n = None, 0
-    async for out in engine.add_request(rid, ids, params):
-        if out.new_token_ids and first is None:
-            first = time.perf_counter()
-        n += len(out.new_token_ids)
-    end = time.perf_counter()
-    tpot = (end - first) / (n - 1) if n > 1 and first else 0.0
-    return {"ttft_s": (first or end) - t0, "tpot_s": tpot, "tokens": n}
+_one = stream_timed   # one streamed request: TTFT, TPOT, tokens
 
 
 async def run_mode(config, prompts: list[list[int]], max_tokens: int) -> dict:

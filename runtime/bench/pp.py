@@ -42,6 +42,12 @@ from runtime.sampling_params import SamplingParams
 async def timed_request(engine: AsyncEngine, rid: str, ids: list[int], max_tokens: int) -> dict:
     """Stream one greedy request (EOS ignored): TTFT, TPOT (seconds) and its token count."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return await stream_timed(engine, rid, ids, params)
+
+
+async def stream_timed(engine: AsyncEngine, rid: str, ids: list[int],
+                       params: SamplingParams) -> dict:
+    """Stream one request: ``ttft_s`` and ``tpot_s`` (seconds) and its token count ``tokens``."""
     t0 = time.perf_counter()
     first, n = None, 0
     async for out in engine.add_request(rid, ids, params):
