@@ -36,15 +36,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _dumps(obj) -> str:
+    """JSON text of ``obj``; a replayed event may hold the ``ANY`` marker of
+    :mod:`ppstate.trace.compare` (a field replay cannot know), written as ``"ANY"``."""
+    return json.dumps(obj, default=str)
+
+
 def _summary(res: ReplayResult) -> str:
     lines = [f"run {res.run_id} ({res.source}) at {res.run_dir}",
              f"ok={res.ok} steps={res.steps} events={res.events} rank_steps={res.rank_steps}"]
     if res.first_divergence:
         d = res.first_divergence
         lines.append(f"first divergence: step {d['step']} rank {d['rank']} kind {d['kind']}")
-        lines.append(f"  recorded: {json.dumps(d['recorded'])}")
-        lines.append(f"  replayed: {json.dumps(d['replayed'])}")
-        lines += [f"  before:   {json.dumps(c)}" for c in d["context"]]
+        lines.append(f"  recorded: {_dumps(d['recorded'])}")
+        lines.append(f"  replayed: {_dumps(d['replayed'])}")
+        lines += [f"  before:   {_dumps(c)}" for c in d["context"]]
     for v in res.invariant_violations:
         lines.append(f"invariant {v['invariant']} violated at step {v['step']} rank {v['rank']}: "
                      f"{v['message']}")
@@ -85,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --plot: {exc}", file=sys.stderr)
             return 2
         out["plot"] = ns.plot
-    print(json.dumps(out) if ns.json else _summary(res))
+    print(_dumps(out) if ns.json else _summary(res))
     return 0 if res.ok else 1
 
 

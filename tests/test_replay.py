@@ -197,3 +197,18 @@ def test_prefix_cache_hits_replay_without_prompt_ids(tmp_path):
     assert max(cached) >= 48  # some request did hit the shared prefix
     res = replay(run_dir)
     assert res.ok and res.first_divergence is None, res.first_divergence
+
+
+def test_dropped_mirror_check_is_reported_by_the_cli_not_a_crash(recorded, tmp_path, capsys):
+    """The replayed ``mirror.check`` holds fields replay cannot know (the ``ANY`` marker): the CLI
+    still prints the divergence, as text and as JSON, and exits 1."""
+    run_dir = _copy(recorded[0], tmp_path)
+    run = load_run(run_dir)
+    i = _first(run.ranks[0], lambda e: e["kind"] == "mirror.check" and e["step"] >= 3)
+    step = run.ranks[0][i]["step"]
+    _rewrite(run_dir / "rank0.jsonl", lambda lines: lines[:i] + lines[i + 1:])
+    assert replay_main([str(run_dir)]) == 1
+    assert f"step {step}" in capsys.readouterr().out
+    assert replay_main([str(run_dir), "--json"]) == 1
+    d = json.loads(capsys.readouterr().out)["first_divergence"]
+    assert (d["step"], d["rank"], d["replayed"]["kind"]) == (step, 0, "mirror.check")

@@ -91,7 +91,9 @@ def find_run_dir(path: str | Path) -> Path:
         return p
     runs = sorted(c for c in p.glob("run-*") if (c / HEADER).is_file()) if p.is_dir() else []
     if not runs:
-        raise TraceError(f"{p}: no {HEADER} here and no run-* directory holding one")
+        hint = (" (a --dp run records each replica under replica<i>/: replay DIR/replica0, ...)"
+                if any(p.glob("replica*/run-*")) else "")
+        raise TraceError(f"{p}: no {HEADER} here and no run-* directory holding one{hint}")
     return runs[-1]
 
 
