@@ -217,8 +217,10 @@ def test_liveness_500_seeds():
 
 
 @pytest.mark.slow
-def test_sweep_1000_more_seeds_with_aborts():
-    bad = [s for s in range(500, 1500) if run_sim(sweep_config(s)).num_violations]
+def test_sweep_300_more_seeds_with_aborts():
+    """300 seeds past the liveness sweep's (CI's slice; the 10,000-seed soak,
+    ``python -m ppstate.sim.soak --seeds 10000 --jobs N``, runs outside CI)."""
+    bad = [s for s in range(500, 800) if run_sim(sweep_config(s)).num_violations]
     assert bad == []
 
 
