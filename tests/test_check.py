@@ -157,7 +157,8 @@ def test_generation_check_hook_is_in_the_real_pp_handler():
 def test_unknown_mutant_is_refused():
     with pytest.raises(KeyError, match="unknown mutant 'nope'"):
         with mutants.enabled("nope"):
-            pass
+            raise AssertionError("the block ran with an unknown mutant")
+    assert not mutants.active("no_generation_check")   # nothing left switched on
 
 
 def test_cli_json_exit_status_and_flag_errors(tmp_path, capsys):

@@ -81,8 +81,9 @@ async def test_restart_sequence_health_requests_and_counters(fast_watch):
     first = sup.engine
     params = SamplingParams(max_tokens=3)
     async with client_for(sup) as c:
-        async for _ in sup.add_request("a", [104, 105], params):
-            pass
+        outs = [o async for o in sup.add_request("a", [104, 105], params)]
+        assert (outs[-1].finished, outs[-1].finish_reason, outs[-1].num_output_tokens) == \
+            (True, "length", 3)        # served by the first engine before it dies
         first.die("worker process of rank(s) [1] died")
         await until(lambda: sup.restarting)
         h = await c.get("/health")
