@@ -238,10 +238,9 @@ class StageRunner:
             return payload
         t0, ns0 = time.perf_counter(), time.monotonic_ns()
         if mask is not None and self.spec is not None:  # speculative decoding (#14)
-            params = [self.state.sampling_state.params[int(out.slots[i])]
-                      for i in np.nonzero(mask)[0]]
-            v, rows = self.spec.sample(out, mask, logits, params, self.state, payload.buf)
-            self._logprobs = ReadyLogprobs(spec_logprob_rows(v, rows, r, params))
+            v, rows = self.spec.sample(out, mask, logits, self.state, payload.buf)
+            ks = self.state.sampling_state.num_logprobs_np[out.slots[rows]]
+            self._logprobs = ReadyLogprobs(spec_logprob_rows(v, rows, r, ks))
         elif mask is not None:
             rows = np.flatnonzero(mask)
             s_rows = out.slots[rows]

@@ -94,9 +94,6 @@ class SamplingState:
         self.has_seed_np = np.zeros(n, dtype=bool)              # [max_num_reqs]
         self.penalized_np = np.zeros(n, dtype=bool)             # [max_num_reqs]
         self.num_logprobs_np = np.full(n, -1, dtype=np.int64)   # [max_num_reqs] -1 = none
-        # [max_num_reqs] the SamplingParams objects, read only by speculative decoding's verify
-        # (runtime/worker/spec_verify.py, CPU reference path), which samples per virtual row
-        self.params: list = [None] * n
 
     def admit(self, slots: Sequence[int], params: Sequence, prompt_lens: Sequence[int]) -> None:
         """Write the parameters of newly admitted requests (host copies, then one upload per table).
@@ -110,8 +107,6 @@ class SamplingState:
         """
         if not slots:
             return
-        for slot, p in zip(slots, params):
-            self.params[int(slot)] = p
         s = np.asarray(slots, dtype=np.int64)
         temp = np.array([p.temperature for p in params], dtype=np.float64)
         top_k = np.array([max(p.top_k, 0) for p in params], dtype=np.int64)

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ppstate.spec_decode import propose_ngram, verify_rows
-from runtime.worker.sampler import SamplingBatch, TokenHistory, sample
+from runtime.worker.sampler import TokenHistory, sample
 
 
 @dataclass
@@ -123,7 +123,7 @@ class Verified:
 
 
 def verify(logits: torch.Tensor, first: np.ndarray, rows_idx: np.ndarray, out, rows: SpecRows,
-           params: list, out_idx: list[int], state, num_spec_tokens: int) -> Verified:
+           positions_after: np.ndarray, state, num_spec_tokens: int) -> Verified:
     """Sample each position of the sampled rows and accept the longest matching draft prefix.
 
     Args:
@@ -131,8 +131,10 @@ def verify(logits: torch.Tensor, first: np.ndarray, rows_idx: np.ndarray, out, r
         first: ``[R]`` from :func:`logit_index`.
         rows_idx: ``[S]`` the step rows that sample (the need-sampled mask's rows).
         out: the SchedulerOutput; rows: the step's :class:`SpecRows`.
-        params: ``[S]`` SamplingParams; out_idx: ``[S]`` output index of each row's first token.
-        state: the last rank's DeviceState (token history for penalties, drafts written).
+        positions_after: ``[S]`` position of each row's first sampled token (its tokens once the
+            row's non-draft tokens are computed); virtual row ``j`` samples at ``+ j``.
+        state: the last rank's DeviceState (slot-indexed sampling parameters, token history for
+            penalties, drafts written).
         num_spec_tokens: ``K``.
     """
     dev = logits.device
@@ -140,12 +142,11 @@ def verify(logits: torch.Tensor, first: np.ndarray, rows_idx: np.ndarray, out, r
     n_virtual = k + 1
     vfirst = np.cumsum(n_virtual) - n_virtual                       # [S]
     src = np.concatenate([first[r] + np.arange(n) for r, n in zip(rows_idx, n_virtual)])
-    v_params = [p for p, n in zip(params, n_virtual) for _ in range(n)]
-    v_out_idx = [b + j for b, n in zip(out_idx, n_virtual) for j in range(n)]
-    batch = SamplingBatch.build(v_params, v_out_idx, dev)
+    v_slots = np.repeat(out.slots[rows_idx].astype(np.int64), n_virtual)          # [sum n]
+    v_pos = np.concatenate([b + np.arange(n) for b, n in zip(positions_after, n_virtual)])
+    batch, _ = state.sampling_state.batch(v_slots, v_pos)
     history = None
     if batch.penalty_rows is not None:  # history through draft j for virtual row j
-        v_slots = np.repeat(out.slots[rows_idx].astype(np.int64), n_virtual)
         v_total = np.concatenate([rows.starts[r] + 1 + np.arange(n) for r, n in zip(rows_idx, n_virtual)])
         pr = batch.penalty_rows
         s_t = torch.as_tensor(v_slots, device=dev)[pr]
@@ -192,16 +193,14 @@ class SpecDecoder:
         index, self.first = logit_index(out.num_scheduled_tokens, self.rows)
         return dataclasses.replace(meta, last_token=torch.as_tensor(index, device=meta.slots.device))
 
-    def sample(self, out, mask: np.ndarray, logits: torch.Tensor, params: list, state,
+    def sample(self, out, mask: np.ndarray, logits: torch.Tensor, state,
                payload: torch.Tensor) -> tuple[Verified, np.ndarray]:
         """Verify the sampled rows into ``payload`` (``[R, K + 3]`` int64: ids, num_sampled,
         num_rejected). Returns the verify and the ``[S]`` sampled step rows."""
         rows_idx = np.nonzero(mask)[0]
-        s = out.slots[rows_idx]
-        prompt = state.mirror.prefill_len_np[s] - state.output_offset_np[s]
-        base = self.rows.starts[rows_idx] + out.num_scheduled_tokens[rows_idx] \
-            - self.rows.num_drafts[rows_idx] - prompt
-        v = verify(logits, self.first, rows_idx, out, self.rows, params, base.tolist(), state, self.k)
+        pos = self.rows.starts[rows_idx] + out.num_scheduled_tokens[rows_idx] \
+            - self.rows.num_drafts[rows_idx]
+        v = verify(logits, self.first, rows_idx, out, self.rows, pos, state, self.k)
         w = self.k + 1
         r = torch.as_tensor(rows_idx, dtype=torch.int64, device=payload.device)
         payload[r, :w] = torch.as_tensor(v.token_ids, device=payload.device)
@@ -210,11 +209,12 @@ class SpecDecoder:
         return v, rows_idx
 
 
-def logprob_rows(v: Verified, rows_idx: np.ndarray, num_rows: int, params: list):
+def logprob_rows(v: Verified, rows_idx: np.ndarray, num_rows: int, ks: np.ndarray):
     """Per step row, the logprob payload of its emitted tokens: a list of ``(logprob, {id:
-    logprob})`` (one per emitted token), or None for rows that asked for none."""
+    logprob})`` (one per emitted token), or None for rows that asked for none. ``ks``: ``[S]``
+    alternatives each sampled row asked for, -1 = no logprobs."""
     so = v.sample_out
-    if so.logprobs is None or not any(p.logprobs is not None for p in params):
+    if so.logprobs is None or not (ks >= 0).any():
         return None
     lp = so.logprobs.float().cpu().tolist()
     top = None
@@ -222,8 +222,8 @@ def logprob_rows(v: Verified, rows_idx: np.ndarray, num_rows: int, params: list)
         top = (so.top_logprobs[0].cpu().tolist(), so.top_logprobs[1].float().cpu().tolist())
     outs: list = [None] * num_rows
     for j, i in enumerate(rows_idx):
-        k = params[j].logprobs
-        if k is None:
+        k = int(ks[j])
+        if k < 0:
             continue
         f = int(v.virtual_first[j])
         outs[int(i)] = [(lp[f + t], {} if top is None else dict(zip(top[0][f + t][:k], top[1][f + t][:k])))
