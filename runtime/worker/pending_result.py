@@ -9,7 +9,6 @@ between when it has one (docs/gpu.md, "A step with no host stall").
 
 from __future__ import annotations
 
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -29,15 +28,12 @@ class PendingResult:
         copy: the payload ``[num_rows, width + 2]`` int64 on its way to the host.
         logprobs: :class:`LogprobRows` of the step, or None.
         busy_s: seconds the rank computed to launch the step (host side).
-        on_done: called with the host payload ``[num_rows, width + 2]`` once it landed (the
-            ``sampled`` trace event), or None.
     """
 
     def __init__(self, step: int, width: int, copy: PendingCopy,
-                 logprobs: "LogprobRows | None", busy_s: float,
-                 on_done: Callable[[np.ndarray], None] | None = None) -> None:
+                 logprobs: "LogprobRows | None", busy_s: float) -> None:
         self.step, self.width, self.copy, self.logprobs = step, width, copy, logprobs
-        self.busy_s, self.on_done = busy_s, on_done
+        self.busy_s = busy_s
         self._result: StepResult | None = None
 
     @classmethod
@@ -55,8 +51,6 @@ class PendingResult:
         """Wait for the sampled ids and return the step's result (cached after the first call)."""
         if self._result is None:
             host, w = self.copy.wait(), self.width
-            if self.on_done is not None:
-                self.on_done(host)
             lps = None if self.logprobs is None else self.logprobs.entries()
             self._result = StepResult(self.step, host[:, :w].copy(), host[:, w].astype(np.int32),
                                       host[:, w + 1].astype(np.int32), lps)
