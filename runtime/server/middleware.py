@@ -3,7 +3,8 @@
 * API key: with a key configured, every ``/v1/...`` request needs ``Authorization: Bearer KEY``
   (compared in constant time), else HTTP 401. ``/health`` and ``/metrics`` stay open.
 * Body limit: a request body over ``max_body_bytes`` (bytes; checked from Content-Length and while
-  reading) is answered HTTP 400 without being buffered further. The accepted body is replayed to the
+  reading) is answered HTTP 413 (RFC 9110 section 15.5.14, "Content Too Large") without being
+  buffered further. The accepted body is replayed to the
   app, and later ``receive`` calls pass through, so disconnects are still seen.
 * Body headers: a ``Content-Length`` that is not a byte count is HTTP 400 naming
   ``content-length``; a ``Content-Encoding`` other than ``identity`` is HTTP 415 naming
@@ -80,7 +81,7 @@ class GuardMiddleware:
                                                           code="invalid_api_key"))
                 return
         too_large = APIError(f"The request body exceeds the limit of {self.max_body_bytes} bytes.",
-                             code="request_too_large")
+                             status=413, code="request_too_large")
         bad_header = _check_body_headers(headers)
         if bad_header is not None:
             await _send_error(counting_send, bad_header)
