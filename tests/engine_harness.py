@@ -42,16 +42,18 @@ class EngineThread:
                       abort_after: int | None = None, on_token=None) -> dict:
         """Stream one request to the end; abort it after ``abort_after`` tokens if given;
         ``on_token()`` is called (on the loop) after every increment that carries tokens."""
-        tokens, text, reason, error = [], "", None, None
+        tokens, text, reason, error, kind = [], "", None, None, None
         async for out in self.engine.add_request(req_id, ids, params):
             tokens += out.new_token_ids
             if on_token is not None and out.new_token_ids:
                 on_token()
             text += out.new_text
             reason, error = out.finish_reason or reason, out.error or error
+            kind = out.error_kind or kind
             if abort_after is not None and len(tokens) >= abort_after and not out.finished:
                 await self.engine.abort(req_id)
-        return {"token_ids": tokens, "text": text, "finish_reason": reason, "error": error}
+        return {"token_ids": tokens, "text": text, "finish_reason": reason, "error": error,
+                "error_kind": kind}
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, prefix: str = "r") -> list[dict]:
         """Run all prompts concurrently; results in prompt order."""

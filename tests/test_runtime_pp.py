@@ -149,6 +149,7 @@ def test_abort_all_ends_every_stream_and_keeps_serving(pp2):
 
     for r in pp2.run(go()):
         assert r["finish_reason"] == "abort" and r["error"] == "the server is shutting down"
+        assert r["error_kind"] == "shutdown"
         assert len(r["token_ids"]) < 200
     assert pp2.engine.is_alive
     assert pp2.generate([prompts[0]], GREEDY, prefix="alive-")[0]["finish_reason"] == "length"

@@ -107,7 +107,7 @@ def test_loading_health_then_sigterm_with_open_stream():
             proc.wait()
     assert events[0] == "200" and events[-1] == "[DONE]"
     err = json.loads(events[-2])["error"]
-    assert "shutting down" in err["message"]
+    assert err["code"] == "server_shutting_down" and "shutting down" in err["message"], err
     assert 2 <= len(events) - 3 < 40                   # tokens came, the request did not finish
     # no orphan: multiprocessing's resource tracker (a child of the server) exits on its own once
     # the server's end of its pipe closes, a moment after the server; give it up to 10 s

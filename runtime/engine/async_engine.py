@@ -25,7 +25,7 @@ from ppstate.trace.run import ENGINE_FILE
 from runtime.config import EngineConfig
 from runtime.engine.admission import admission_checks, check_kv_fit, check_prompt
 from runtime.engine.errors import EngineDeadError, RequestRejected
-from runtime.engine.faults import ENGINE, REQUEST, RequestFailure, request_scope
+from runtime.engine.faults import ENGINE, REQUEST, SHUTDOWN, RequestFailure, request_scope
 from runtime.engine.launcher import WorkerPool
 from runtime.engine.outputs import RequestOutput, logprobs_for
 from runtime.engine.plan import plan_pipeline
@@ -165,12 +165,13 @@ class AsyncEngine:
             stream.finish("abort")
 
     async def abort_all(self, message: str) -> None:
-        """Abort every live request; each stream ends with finish_reason ``abort`` and ``error``
-        set to ``message`` (used when the server is asked to stop while streams are open)."""
+        """Abort every live request; each stream ends with finish_reason ``abort``, ``error``
+        set to ``message`` and ``error_kind`` ``"shutdown"`` (used when the server is asked to stop
+        while streams are open)."""
         for req_id, stream in list(self._streams.items()):
             self._streams.pop(req_id, None)
             self.sched.abort(req_id)
-            stream.finish("abort", error=message)
+            stream.finish("abort", error=message, error_kind=SHUTDOWN)
         self._wake.set()
 
     # ---- loops -------------------------------------------------------------------------------

@@ -38,6 +38,8 @@ REQUEST_STAGES = ("tokenize", "sampling_params", "encode", "stop_strings", "deto
 #: stages whose failure is decided by the request's input alone (the server answers 400)
 INPUT_STAGES = frozenset({"tokenize"})
 REQUEST, ENGINE = "request", "engine"
+#: the request was ended because the server is stopping (SIGINT/SIGTERM): neither it nor the engine failed
+SHUTDOWN = "shutdown"
 
 
 class RequestFailure(Exception):

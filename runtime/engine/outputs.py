@@ -27,8 +27,9 @@ class RequestOutput:
         num_output_tokens: output tokens so far.
         logprobs: one entry per new token when requested.
         error: message when the request failed (itself, or because the engine failed).
-        error_kind: ``"request"`` (only this request failed; the engine goes on) or ``"engine"``
-            (the engine stopped), see :mod:`runtime.engine.faults`; None without an error.
+        error_kind: ``"request"`` (only this request failed; the engine goes on), ``"engine"``
+            (the engine stopped) or ``"shutdown"`` (the server is stopping and ended the request),
+            see :mod:`runtime.engine.faults`; None without an error.
     """
     req_id: str
     new_token_ids: list[int]

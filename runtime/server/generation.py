@@ -19,7 +19,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from runtime.engine import EngineDeadError, RequestRejected
-from runtime.engine.faults import REQUEST, RequestFailure
+from runtime.engine.faults import REQUEST, SHUTDOWN, RequestFailure
 from runtime.engine.outputs import RequestOutput, TokenLogprob
 from runtime.sampling_params import SamplingParams
 from runtime.server.errors import APIError
@@ -79,7 +79,8 @@ class Generation:
 
         Raises:
             APIError: 503 ``engine_error`` when the engine failed (a rank died, hung or erred:
-                the engine is down, the client may retry once it is back); 500
+                the engine is down, the client may retry once it is back); 503
+                ``server_shutting_down`` when the server is stopping and ended the request; 500
                 ``request_failed`` when only this request's own work failed.
         """
         assert self._stream is not None, "start() first"
@@ -92,6 +93,10 @@ class Generation:
                 self.metrics.finished.labels("abort").inc()
                 if out.error_kind == REQUEST:
                     raise request_failed(out.error)
+                if out.error_kind == SHUTDOWN:
+                    raise APIError(f"The request was ended because {out.error}; retry on another "
+                                   "server or once this one is back.", status=503,
+                                   type="service_unavailable", code="server_shutting_down")
                 raise APIError(f"The engine failed while generating: {out.error}", status=503,
                                type="service_unavailable", code="engine_error")
             self.timer.on_tokens(len(out.new_token_ids))
