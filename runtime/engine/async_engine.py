@@ -40,6 +40,10 @@ from runtime.worker.kv_capacity import capacity_summary
 
 HEALTH_CHECK_S = 1.0  # seconds between two checks of the ranks' liveness and progress
 DEATH_GRACE_S = 1.0   # seconds the ranks get to exit by themselves after an engine failure
+#: seconds to look for an exited worker process after a rank reported a failed step: when a rank is
+#: killed, its peers' collectives fail at once and their report can arrive before the process is
+#: reaped; the error then names the dead rank, not only the survivor's "connection closed"
+DEAD_PEER_WAIT_S = 0.5
 
 
 class AsyncEngine:
@@ -58,6 +62,7 @@ class AsyncEngine:
         self._step_rows: dict[int, tuple[str, ...]] = {}
         self._wake = asyncio.Event()
         self._error: str | None = None
+        self._rank_error: asyncio.Task | None = None   # _die_naming_dead after a rank's error
         self._closed = False
         self._tasks: list[asyncio.Task] = []
         self._steps_total = 0
@@ -214,7 +219,8 @@ class AsyncEngine:
     def _handle(self, msg) -> None:
         kind = msg.kind
         if kind == "error":
-            self._die(f"rank {msg.rank} failed at step {msg.step}: {msg.error_type}: {msg.message}")
+            self._on_rank_error(f"rank {msg.rank} failed at step {msg.step}: {msg.error_type}: "
+                                f"{msg.message}")
         elif kind == "result":
             self._busy[msg.rank] += msg.busy_s
             if msg.rank == self.config.scheduler.pp_size - 1:
@@ -255,6 +261,18 @@ class AsyncEngine:
         if stream is not None:
             stream.finish("abort", error=str(failure), error_kind=REQUEST)
 
+    def _on_rank_error(self, error: str) -> None:
+        """A rank reported a failed step: die, naming first any worker process that exited
+        within :data:`DEAD_PEER_WAIT_S` (the likely cause of a survivor's failed collective)."""
+        if self._rank_error is None:
+            self._rank_error = asyncio.get_running_loop().create_task(self._die_naming_dead(error))
+
+    async def _die_naming_dead(self, error: str) -> None:
+        deadline = time.monotonic() + DEAD_PEER_WAIT_S
+        while not (dead := self.pool.dead_ranks()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        self._die(f"{self.pool.describe_dead(dead)}; then {error}" if dead else error)
+
     def _check_health(self) -> None:
         """Fail the engine when a rank process exited, a rank was silent (no heartbeat) for
         ``heartbeat_timeout_s``, a rank stalled inside a step or every rank waited on
@@ -265,7 +283,7 @@ class AsyncEngine:
         dead = self.pool.dead_ranks()
         silent = self.pool.silent_ranks(self.config.heartbeat_timeout_s)
         if dead:
-            self._die(f"worker process of rank(s) {dead} died")
+            self._die(self.pool.describe_dead(dead))
         elif silent:
             self._die(f"rank(s) {silent} sent no heartbeat for heartbeat_timeout_s="
                       f"{self.config.heartbeat_timeout_s} s (killed or frozen)")

@@ -169,6 +169,24 @@ class WorkerPool:
         """Ranks whose local process exited (torchrun ranks > 0 report errors themselves)."""
         return [r for r, p in zip(self.local_ranks, self.procs) if not p.is_alive()]
 
+    def describe_dead(self, ranks: list[int]) -> str:
+        """``"worker process of rank(s) [1] died (rank 1: killed by SIGKILL)"``: how each of
+        ``ranks`` (local ranks, from :meth:`dead_ranks`) ended, from its exit code."""
+        procs = dict(zip(self.local_ranks, self.procs))
+        how = []
+        for r in ranks:
+            code = procs[r].exitcode
+            if code is None:
+                how.append(f"rank {r}: exit status unknown")
+            elif code < 0:
+                try:
+                    how.append(f"rank {r}: killed by {signal.Signals(-code).name}")
+                except ValueError:
+                    how.append(f"rank {r}: killed by signal {-code}")
+            else:
+                how.append(f"rank {r}: exit status {code}")
+        return f"worker process of rank(s) {ranks} died ({'; '.join(how)})"
+
     async def shutdown(self, grace_s: float = 5.0) -> None:
         """Ask every rank to stop, then terminate / kill stragglers, close every socket.
         Idempotent: a second caller waits for the first shutdown to finish."""
