@@ -222,27 +222,34 @@ class AsyncEngine:
             self.stalls.observe(msg)
 
     def _on_result(self, result) -> None:
+        """Deliver one step's tokens to their streams. A request's own failure (its logprobs,
+        detokenizing, stop strings) ends that request only (:mod:`runtime.engine.faults`); the
+        stage is named without a context manager per row (two per row per step were ~7% of the
+        engine's time at 256 rows)."""
         self._last_progress = time.monotonic()
         self._steps_total += 1
         rows = self._step_rows.pop(result.step, ())
         row_of = {r: i for i, r in enumerate(rows)} if result.logprobs is not None else None
+        streams, tokens = self._streams, 0
         for upd in self.sched.on_step_result(result):
-            stream = self._streams.get(upd.req_id)
+            stream = streams.get(upd.req_id)
             if stream is None:
                 continue
-            self._tokens_total += len(upd.token_ids)
+            tokens += len(upd.token_ids)
+            stage = "logprobs"
             try:
-                with request_scope(upd.req_id, "logprobs"):
-                    lps = logprobs_for(result, row_of, upd.req_id, upd.token_ids)
-                with request_scope(upd.req_id, "detokenize"):
-                    reason = stream.push_tokens(upd.token_ids, upd.finish_reason, lps)
-            except RequestFailure as failure:
-                self._fail_request(failure)
+                lps = None if row_of is None else logprobs_for(result, row_of, upd.req_id,
+                                                               upd.token_ids)
+                stage = "detokenize"
+                reason = stream.push_tokens(upd.token_ids, upd.finish_reason, lps)
+            except Exception as exc:  # noqa: BLE001 - this request's own data only
+                self._fail_request(RequestFailure(upd.req_id, stage, exc))
                 continue
             if reason is not None:
                 if upd.finish_reason is None:  # stop string found by the detokenizer
                     self.sched.stop(upd.req_id)
-                self._streams.pop(upd.req_id, None)
+                del streams[upd.req_id]
+        self._tokens_total += tokens
         self._wake.set()
 
     def _fail_request(self, failure: RequestFailure) -> None:

@@ -48,6 +48,7 @@ class IncrementalDetokenizer:
         # _ids holds only what later decodes need: the decoded window starts at _ids[_prefix].
         self._ids: list[int] = list(prompt_token_ids or [])[-PROMPT_CONTEXT_TOKENS:]
         self._prefix, self._read = 0, len(self._ids)
+        self._prefix_text: str | None = None  # decode of the window [_prefix, _read), when known
         self._held = ""  # decoded text not yet emitted because it may start a stop string
         self.stopped = False
         self.stop_reason: str | None = None
@@ -59,13 +60,16 @@ class IncrementalDetokenizer:
             return ""
         for t in token_ids:
             self._ids.append(int(t))
-        prefix_text = self._decode(self._prefix, self._read)
+        prefix_text = self._prefix_text
+        if prefix_text is None:  # the window moved since it was last decoded
+            prefix_text = self._prefix_text = self._decode(self._prefix, self._read)
         new_text = self._decode(self._prefix, len(self._ids))
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
             return ""  # nothing new, or an incomplete UTF-8 sequence at the end: wait for more
         delta = new_text[len(prefix_text):]
         self._ids = self._ids[self._read:]  # the emitted window becomes the next prefix
         self._prefix, self._read = 0, len(self._ids)
+        self._prefix_text = None
         return self._release(delta, final=False)
 
     def flush(self) -> str:
@@ -78,11 +82,14 @@ class IncrementalDetokenizer:
         tail = new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
         self._ids = self._ids[self._read:]
         self._prefix, self._read = 0, len(self._ids)
+        self._prefix_text = None
         return self._release(tail, final=True)
 
     def _decode(self, start: int, end: int) -> str:
         if start >= end:
             return ""
+        if end - start == 1:  # a decode step's prefix window: one token, decoded from a cache
+            return self._tok.decode_token(self._ids[start], self._skip)
         return self._tok.decode(self._ids[start:end], skip_special_tokens=self._skip)
 
     def _release(self, delta: str, final: bool) -> str:
