@@ -27,7 +27,7 @@ from runtime.engine.admission import admission_checks, check_kv_fit, check_promp
 from runtime.engine.errors import EngineDeadError, RequestRejected
 from runtime.engine.faults import ENGINE, REQUEST, RequestFailure, request_scope
 from runtime.engine.launcher import WorkerPool
-from runtime.engine.outputs import RequestOutput, logprobs_for
+from runtime.engine.outputs import RequestOutput, logprob_index, logprobs_for
 from runtime.engine.plan import plan_pipeline
 from runtime.engine.request_stream import RequestStream
 from runtime.engine.trace import scheduler_config, start_trace_run, write_trace_header
@@ -177,16 +177,21 @@ class AsyncEngine:
     async def _step_loop(self) -> None:
         try:
             while self.is_alive:
-                while self.is_alive and (out := self.sched.schedule()) is not None:
-                    self._step_rows[out.step] = out.req_ids
-                    if self._active_since is None:
-                        self._active_since = time.monotonic()
-                    self.pool.send_step(out)
+                self._issue_steps()
                 self._mark_idle()
                 self._wake.clear()
                 await self._wake.wait()
         except Exception as exc:  # noqa: BLE001 - any failure must fail the requests, not hang
             self._die(f"engine step loop failed: {exc!r}")
+
+    def _issue_steps(self) -> None:
+        """Schedule and send steps while the scheduler allows (pp_size + 1 in flight when
+        overlapped, 1 in sync mode)."""
+        while self.is_alive and (out := self.sched.schedule()) is not None:
+            self._step_rows[out.step] = out.req_ids
+            if self._active_since is None:
+                self._active_since = time.monotonic()
+            self.pool.send_step(out)
 
     async def _result_loop(self) -> None:
         try:
@@ -229,9 +234,14 @@ class AsyncEngine:
         self._last_progress = time.monotonic()
         self._steps_total += 1
         rows = self._step_rows.pop(result.step, ())
-        row_of = {r: i for i, r in enumerate(rows)} if result.logprobs is not None else None
+        row_of = logprob_index(result, rows)
         streams, tokens = self._streams, 0
-        for upd in self.sched.on_step_result(result):
+        updates = self.sched.on_step_result(result)
+        # The next step goes out before the streams are served: the ranks compute it while this
+        # process detokenizes and wakes the clients (a stop string found below stops its
+        # request one step later, as an in-flight step does in overlapped mode).
+        self._issue_steps()
+        for upd in updates:
             stream = streams.get(upd.req_id)
             if stream is None:
                 continue
