@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="concurrent requests (= max_num_seqs), one run each")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--model", default="default", help="model whose tokenizer the engine uses")
     p.add_argument("--mode", default="overlapped", choices=["overlapped", "sync"])
     p.add_argument("--repeat", type=int, default=1, help="runs per row count (best reported)")
     p.add_argument("--profile", default=None, metavar="FILE",
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for rows in args.rows:
         prompts = [[rng.randrange(100, 40000) for _ in range(args.prompt_len)] for _ in range(rows)]
-        cfg = EngineConfig(pp_size=1, max_num_seqs=rows, max_model_len=args.prompt_len
+        cfg = EngineConfig(model=args.model, pp_size=1, max_num_seqs=rows, max_model_len=args.prompt_len
                            + args.max_tokens + 16, mode=args.mode,
                            max_num_batched_tokens=max(4096, rows * args.prompt_len),
                            max_prefill_chunk=max(4096, rows * args.prompt_len))

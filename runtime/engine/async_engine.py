@@ -39,6 +39,7 @@ from runtime.worker.kv_capacity import capacity_summary
 
 
 HEALTH_CHECK_S = 1.0  # seconds between two checks of the ranks' liveness and progress
+DRAIN_MAX = 4096      # messages handled at most by one _drain before the health check runs
 DEATH_GRACE_S = 1.0   # seconds the ranks get to exit by themselves after an engine failure
 
 
@@ -200,6 +201,10 @@ class AsyncEngine:
                 msg = await self.pool.recv(timeout_s=HEALTH_CHECK_S)
                 if msg is not None:
                     self._handle(msg)
+                    # A queued message is awaited without yielding, and a result issues the next
+                    # step itself: yield once per message so that the streams woken by this result
+                    # (clients, the HTTP server) run before the next result is handled.
+                    await asyncio.sleep(0)
                 if time.monotonic() - checked >= HEALTH_CHECK_S:  # even while messages flow
                     await self._drain()
                     checked = time.monotonic()
@@ -212,8 +217,11 @@ class AsyncEngine:
         on when this loop got round to reading it: after the engine's own loop was held up (a
         long synchronous stretch, CPU starvation), the ranks' heartbeats wait in the queue and
         must not read as silence."""
-        while self.is_alive and (msg := await self.pool.recv(timeout_s=0)) is not None:
+        for _ in range(DRAIN_MAX):  # bounded: results keep arriving while steps are issued
+            if not self.is_alive or (msg := await self.pool.recv(timeout_s=0)) is None:
+                return
             self._handle(msg)
+            await asyncio.sleep(0)
 
     def _handle(self, msg) -> None:
         kind = msg.kind
