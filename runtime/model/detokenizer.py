@@ -52,14 +52,13 @@ class IncrementalDetokenizer:
         self._held = ""  # decoded text not yet emitted because it may start a stop string
         self.stopped = False
         self.stop_reason: str | None = None
-        self.output_text = ""
+        self._parts: list[str] = []  # emitted text, joined by output_text when read
 
     def push(self, token_ids: Iterable[int]) -> str:
         """Feed newly sampled token ids; returns the text that became final (may be "")."""
         if self.stopped:
             return ""
-        for t in token_ids:
-            self._ids.append(int(t))
+        self._ids.extend(map(int, token_ids))
         prefix_text = self._prefix_text
         if prefix_text is None:  # the window moved since it was last decoded
             prefix_text = self._prefix_text = self._decode(self._prefix, self._read)
@@ -92,8 +91,18 @@ class IncrementalDetokenizer:
             return self._tok.decode_token(self._ids[start], self._skip)
         return self._tok.decode(self._ids[start:end], skip_special_tokens=self._skip)
 
+    @property
+    def output_text(self) -> str:
+        """All text emitted so far."""
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
+
     def _release(self, delta: str, final: bool) -> str:
         """Append `delta` to the held text; return the part that is safe to emit."""
+        if not self._stops:  # nothing is ever held back without stop strings
+            self._parts.append(delta)
+            return delta
         text = self._held + delta
         if self._stops:
             hit = min(((i, k) for k, s in enumerate(self._stops) if (i := text.find(s)) >= 0), default=None)
@@ -116,5 +125,5 @@ class IncrementalDetokenizer:
         return longest
 
     def _emit(self, text: str) -> str:
-        self.output_text += text
+        self._parts.append(text)
         return text
