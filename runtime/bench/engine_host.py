@@ -44,6 +44,7 @@ class InstantPool:
         self.bytes_sent = 0
 
     def send_step(self, out) -> None:
+        """Encode ``out`` as the real pool does and queue the rank's encoded answer."""
         data = tp.encode(tp.from_scheduler_output(out))
         self.bytes_sent += len(data)
         n = out.num_rows
@@ -55,6 +56,7 @@ class InstantPool:
         self._queue.put_nowait(tp.encode(res))
 
     async def recv(self, timeout_s: float):
+        """The next queued answer, decoded; None after ``timeout_s`` seconds (0: no wait)."""
         try:
             data = await asyncio.wait_for(self._queue.get(), timeout_s) if timeout_s > 0 \
                 else self._queue.get_nowait()
@@ -67,12 +69,15 @@ class InstantPool:
         return tp.to_step_result(msg)
 
     def dead_ranks(self) -> list[int]:
+        """No processes: never any."""
         return []
 
     def silent_ranks(self, timeout_s: float) -> list[int]:
+        """No processes: never any."""
         return []
 
     async def shutdown(self, grace_s: float = 0.0) -> None:
+        """Nothing to stop."""
         return None
 
 
