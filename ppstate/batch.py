@@ -110,10 +110,11 @@ class StepResult:
             speculative tokens; 1 without). Rows that are non-final chunks hold garbage.
         num_sampled: ``[num_rows]`` int32 valid ids per row (0 for non-final chunks).
         num_rejected: ``[num_rows]`` int32 rejected speculative tokens per row (0 without).
-        logprobs: optional per-row payload (runtime-defined).
+        logprobs: optional payload (runtime-defined: per-row entries or arrays of the rows
+            that asked).
     """
     step: int
     sampled_token_ids: np.ndarray
     num_sampled: np.ndarray
     num_rejected: np.ndarray
-    logprobs: list[Any] | None = None
+    logprobs: Any = None

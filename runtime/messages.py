@@ -19,6 +19,7 @@ import numpy as np
 
 from ppstate.batch import FreedSlot, NewRequest, SchedulerOutput, StepResult
 from ppstate.errors import PPStateError
+from runtime.step_logprobs import StepLogprobs
 
 
 class TransportError(PPStateError):
@@ -51,6 +52,26 @@ class NdArray(msgspec.Struct, array_like=True, frozen=True):
             raise TransportError(f"array {self.dtype} {self.shape} needs {want} bytes, "
                                  f"got {len(self.data)}")
         return np.frombuffer(self.data, dtype=dt).reshape(self.shape).copy()
+
+
+class LogprobArrays(msgspec.Struct, array_like=True):
+    """:class:`~runtime.step_logprobs.StepLogprobs` on the wire (each field an NdArray)."""
+    rows: NdArray
+    logprobs: NdArray
+    ks: NdArray
+    top_ids: NdArray
+    top_logprobs: NdArray
+
+    @classmethod
+    def of(cls, lp: StepLogprobs) -> "LogprobArrays":
+        return cls(*(NdArray.of(getattr(lp, f)) for f in cls.__struct_fields__))
+
+    def to_step_logprobs(self) -> StepLogprobs:
+        """Raises TransportError for arrays of inconsistent shapes."""
+        try:
+            return StepLogprobs(*(getattr(self, f).to_numpy() for f in self.__struct_fields__))
+        except ValueError as e:
+            raise TransportError(str(e)) from e
 
 
 class _Msg(msgspec.Struct, tag_field="type", kw_only=True):
@@ -96,7 +117,10 @@ class ResultMsg(_Msg, tag="result"):
 
     Attributes:
         busy_s: seconds this rank spent computing the step (forward, sampling), not waiting.
-        logprobs: optional msgpack-able payload (numpy scalars/arrays become Python numbers/lists).
+        logprobs: optional msgpack-able payload (numpy scalars/arrays become Python numbers/lists):
+            per-row lists (speculative decoding's verify).
+        logprob_arrays: the step's logprobs as arrays (:class:`~runtime.step_logprobs.StepLogprobs`,
+            the sampler's payload); at most one of ``logprobs`` / ``logprob_arrays`` is set.
     """
     step: int
     rank: int
@@ -105,6 +129,7 @@ class ResultMsg(_Msg, tag="result"):
     num_sampled: NdArray | None = None
     num_rejected: NdArray | None = None
     logprobs: Any = None
+    logprob_arrays: LogprobArrays | None = None
 
     @classmethod
     def timing_only(cls, step: int, rank: int, busy_s: float) -> "ResultMsg":
@@ -262,15 +287,19 @@ def to_scheduler_output(msg: StepMsg) -> SchedulerOutput:
 
 def from_step_result(res: StepResult, rank: int, busy_s: float = 0.0) -> ResultMsg:
     """ResultMsg of the last rank's ``res`` (its ``logprobs`` travel as the payload)."""
+    arrays = isinstance(res.logprobs, StepLogprobs)
     return ResultMsg(step=int(res.step), rank=rank, busy_s=float(busy_s),
                      sampled_token_ids=NdArray.of(res.sampled_token_ids),
                      num_sampled=NdArray.of(res.num_sampled),
-                     num_rejected=NdArray.of(res.num_rejected), logprobs=res.logprobs)
+                     num_rejected=NdArray.of(res.num_rejected),
+                     logprobs=None if arrays else res.logprobs,
+                     logprob_arrays=LogprobArrays.of(res.logprobs) if arrays else None)
 
 
 def to_step_result(msg: ResultMsg) -> StepResult:
     """The StepResult in ``msg``. Raises TransportError for a timing-only reply."""
     if not msg.has_result or msg.num_sampled is None or msg.num_rejected is None:
         raise TransportError(f"step {msg.step}: rank {msg.rank} sent no sampled tokens")
+    lps = msg.logprobs if msg.logprob_arrays is None else msg.logprob_arrays.to_step_logprobs()
     return StepResult(msg.step, msg.sampled_token_ids.to_numpy(), msg.num_sampled.to_numpy(),
-                      msg.num_rejected.to_numpy(), msg.logprobs)
+                      msg.num_rejected.to_numpy(), lps)

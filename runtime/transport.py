@@ -20,7 +20,7 @@ import uuid
 import zmq
 
 from runtime.messages import (  # noqa: F401  (re-exported)
-    ControlMsg, ErrorMsg, FreedSlotMsg, HeartbeatMsg, Message, NdArray, NewRequestMsg, ReadyMsg, ResultMsg,
+    ControlMsg, ErrorMsg, FreedSlotMsg, HeartbeatMsg, LogprobArrays, Message, NdArray, NewRequestMsg, ReadyMsg, ResultMsg,
     StepMsg, TransportError, decode, encode, from_scheduler_output, from_step_result,
     to_scheduler_output, to_step_result,
 )

@@ -306,6 +306,6 @@ def test_engine_failure_is_marked_engine_in_the_stream():
     async def go():
         s = RequestStream("r", GOOD, 3, None)
         s.finish("abort", error="rank 1 died", error_kind=ENGINE)
-        return await s.queue.get()
+        return await s.get()
     out = asyncio.run(go())
     assert (out.error, out.error_kind, out.finish_reason) == ("rank 1 died", ENGINE, "abort")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from runtime.step_logprobs import StepLogprobs
+
 
 @dataclass
 class TokenLogprob:
@@ -43,19 +45,43 @@ class RequestOutput:
     error_kind: str | None = None
 
 
-def logprobs_for(result, row_of: dict[str, int] | None, req_id: str,
+def logprob_index(result, rows: tuple[str, ...]) -> dict[str, int] | None:
+    """Request id -> index of its entry in ``result.logprobs``; None when the step carries none.
+
+    For :class:`~runtime.step_logprobs.StepLogprobs` only the requests that asked for logprobs
+    are indexed (O(entries), not O(rows)); for per-row lists (speculative decoding) the index is
+    the step row.
+
+    Args:
+        result: the last rank's ``StepResult``.
+        rows: ``[num_rows]`` request id of each row of that step.
+    """
+    lps = result.logprobs
+    if lps is None:
+        return None
+    if isinstance(lps, StepLogprobs):
+        return {rows[r]: j for j, r in enumerate(lps.rows.tolist())}
+    return {r: i for i, r in enumerate(rows)}
+
+
+def logprobs_for(result, index: dict[str, int] | None, req_id: str,
                  token_ids: list[int]) -> list[TokenLogprob] | None:
     """The logprob entries of ``req_id``'s new tokens in a step result, if it asked for them.
 
     Args:
-        result: the last rank's ``StepResult``; ``result.logprobs`` holds one ``(logprob,
-            {token id: logprob})`` or None per batch row, or, for a row that carried speculative
-            drafts (``--spec-tokens``), a list of such pairs, one per emitted token.
-        row_of: request id -> batch row of that step (None: the step carries no logprobs).
+        result: the last rank's ``StepResult``; ``result.logprobs`` is a
+            :class:`~runtime.step_logprobs.StepLogprobs`, or (speculative decoding,
+            ``--spec-tokens``) one entry per batch row: None, or a list of ``(logprob, {token id:
+            logprob})``, one per emitted token.
+        index: :func:`logprob_index` of the step (None: the step carries no logprobs).
     """
-    if row_of is None or req_id not in row_of or not token_ids:
+    if index is None or not token_ids or (j := index.get(req_id)) is None:
         return None
-    entry = result.logprobs[row_of[req_id]]
+    lps = result.logprobs
+    if isinstance(lps, StepLogprobs):
+        lp, top = lps.entry(j)
+        return [TokenLogprob(token_ids[0], lp, top)]
+    entry = lps[j]
     if entry is None:
         return None
     if isinstance(entry[0], (list, tuple)):  # speculative decoding: (logprob, top) per token

@@ -1,4 +1,4 @@
-"""Per-request stream state inside the engine: the client's queue, detokenizer and timings."""
+"""Per-request stream state inside the engine: pending increment, detokenizer and timings."""
 
 from __future__ import annotations
 
@@ -16,23 +16,31 @@ from runtime.sampling_params import SamplingParams
 class RequestStream:
     """One live request as the engine sees it.
 
+    The client's side holds at most one pending increment: an increment queued while the previous
+    one is still unread is merged into it (tokens, text and logprobs appended, the later finish
+    state kept), as vLLM's output collector does, so a slow reader costs the engine one list
+    append per step instead of one queued object, and a reader that keeps up sees one increment
+    per step. Waking a waiting reader is one future, created by the reader.
+
     Attributes:
         req_id: request id.
         params: sampling parameters.
         num_prompt_tokens: prompt length (tokens).
         detok: incremental detokenizer (stop strings, UTF-8 safety).
-        queue: increments for the client; a finished increment is always the last one.
+        num_output_tokens: output tokens queued so far.
         arrival_s / first_token_s: ``time.monotonic()`` of arrival and of the first token.
+        finished: True once the last increment was queued (nothing is queued after it).
     """
     req_id: str
     params: SamplingParams
     num_prompt_tokens: int
     detok: IncrementalDetokenizer
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     num_output_tokens: int = 0
     arrival_s: float = field(default_factory=time.monotonic)
     first_token_s: float | None = None
     finished: bool = False
+    _pending: RequestOutput | None = None
+    _waiter: asyncio.Future | None = None
 
     def push_tokens(self, token_ids: list[int], finish_reason: str | None,
                     logprobs: list[TokenLogprob] | None = None) -> str | None:
@@ -46,11 +54,12 @@ class RequestStream:
             return finish_reason
         if self.first_token_s is None and token_ids:
             self.first_token_s = time.monotonic()
-        text = self.detok.push(token_ids)
-        if self.detok.stopped:
+        detok = self.detok
+        text = detok.push(token_ids)
+        if detok.stopped:
             finish_reason = "stop"
         elif finish_reason is not None:
-            text += self.detok.flush()
+            text += detok.flush()
         self.num_output_tokens += len(token_ids)
         self._put(RequestOutput(self.req_id, list(token_ids), text, finish_reason is not None,
                                 finish_reason, self.num_prompt_tokens, self.num_output_tokens,
@@ -67,19 +76,48 @@ class RequestStream:
 
     def _put(self, out: RequestOutput) -> None:
         self.finished = out.finished
-        self.queue.put_nowait(out)
+        prev = self._pending
+        if prev is None:
+            self._pending = out
+        else:
+            merge_into(prev, out)
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def get(self) -> RequestOutput:
+        """The next increment (all increments queued since the last call, merged); waits for
+        one when none is pending."""
+        while (out := self._pending) is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        self._pending = None
+        return out
 
     async def iterate(self, on_close) -> AsyncIterator[RequestOutput]:
         """Yield increments until the finished one. ``on_close`` runs if the consumer leaves
         early (client disconnect): it aborts the request."""
         done = False
         try:
-            while True:
-                out = await self.queue.get()
+            while not done:
+                out = await self.get()
                 done = out.finished  # closing the stream after the last increment is no abort
                 yield out
-                if done:
-                    return
         finally:
             if not done:
                 await on_close(self.req_id)
+
+
+def merge_into(prev: RequestOutput, out: RequestOutput) -> None:
+    """Append increment ``out`` to the unread increment ``prev`` (in place): token ids, text and
+    logprobs concatenated; counts, finish state and error taken from ``out``."""
+    prev.new_token_ids += out.new_token_ids
+    prev.new_text += out.new_text
+    if out.logprobs is not None or prev.logprobs is not None:
+        prev.logprobs = (prev.logprobs or []) + (out.logprobs or [])
+    prev.finished, prev.finish_reason = out.finished, out.finish_reason
+    prev.num_output_tokens = out.num_output_tokens
+    prev.error, prev.error_kind = out.error, out.error_kind

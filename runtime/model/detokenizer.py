@@ -48,24 +48,27 @@ class IncrementalDetokenizer:
         # _ids holds only what later decodes need: the decoded window starts at _ids[_prefix].
         self._ids: list[int] = list(prompt_token_ids or [])[-PROMPT_CONTEXT_TOKENS:]
         self._prefix, self._read = 0, len(self._ids)
+        self._prefix_text: str | None = None  # decode of the window [_prefix, _read), when known
         self._held = ""  # decoded text not yet emitted because it may start a stop string
         self.stopped = False
         self.stop_reason: str | None = None
-        self.output_text = ""
+        self._parts: list[str] = []  # emitted text, joined by output_text when read
 
     def push(self, token_ids: Iterable[int]) -> str:
         """Feed newly sampled token ids; returns the text that became final (may be "")."""
         if self.stopped:
             return ""
-        for t in token_ids:
-            self._ids.append(int(t))
-        prefix_text = self._decode(self._prefix, self._read)
+        self._ids.extend(map(int, token_ids))
+        prefix_text = self._prefix_text
+        if prefix_text is None:  # the window moved since it was last decoded
+            prefix_text = self._prefix_text = self._decode(self._prefix, self._read)
         new_text = self._decode(self._prefix, len(self._ids))
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
             return ""  # nothing new, or an incomplete UTF-8 sequence at the end: wait for more
         delta = new_text[len(prefix_text):]
         self._ids = self._ids[self._read:]  # the emitted window becomes the next prefix
         self._prefix, self._read = 0, len(self._ids)
+        self._prefix_text = None
         return self._release(delta, final=False)
 
     def flush(self) -> str:
@@ -78,15 +81,28 @@ class IncrementalDetokenizer:
         tail = new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
         self._ids = self._ids[self._read:]
         self._prefix, self._read = 0, len(self._ids)
+        self._prefix_text = None
         return self._release(tail, final=True)
 
     def _decode(self, start: int, end: int) -> str:
         if start >= end:
             return ""
+        if end - start == 1:  # a decode step's prefix window: one token, decoded from a cache
+            return self._tok.decode_token(self._ids[start], self._skip)
         return self._tok.decode(self._ids[start:end], skip_special_tokens=self._skip)
+
+    @property
+    def output_text(self) -> str:
+        """All text emitted so far."""
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
 
     def _release(self, delta: str, final: bool) -> str:
         """Append `delta` to the held text; return the part that is safe to emit."""
+        if not self._stops:  # nothing is ever held back without stop strings
+            self._parts.append(delta)
+            return delta
         text = self._held + delta
         if self._stops:
             hit = min(((i, k) for k, s in enumerate(self._stops) if (i := text.find(s)) >= 0), default=None)
@@ -109,5 +125,5 @@ class IncrementalDetokenizer:
         return longest
 
     def _emit(self, text: str) -> str:
-        self.output_text += text
+        self._parts.append(text)
         return text

@@ -62,6 +62,7 @@ class Tokenizer:
         self._added = {int(i): t.content for i, t in added.items()}
         self._special = frozenset(int(i) for i, t in added.items() if t.special)
         self._byte_level = "ByteLevel" in repr(backend.decoder)
+        self._one: tuple[dict[int, str], dict[int, str]] = ({}, {})  # decode_token's cache
 
     @property
     def bos_token_id(self) -> int | None:
@@ -112,6 +113,20 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids`; an incomplete UTF-8 sequence decodes to U+FFFD."""
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_token(self, token_id: int, skip_special_tokens: bool = False) -> str:
+        """``decode([token_id], skip_special_tokens)``, cached per id (decoding is a pure function
+        of the ids; the incremental detokenizer decodes each emitted token alone once more as the
+        next step's prefix window, which this makes a dict lookup).
+
+        Raises: as :meth:`decode` (nothing is cached then).
+        """
+        cache = self._one[skip_special_tokens]
+        text = cache.get(token_id)
+        if text is None:
+            text = cache[token_id] = self.backend.decode([token_id],
+                                                         skip_special_tokens=skip_special_tokens)
+        return text
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             continue_final_message: bool = False, **kwargs: Any) -> str:

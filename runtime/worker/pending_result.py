@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ppstate.batch import StepResult
+from runtime.step_logprobs import StepLogprobs
 from runtime.worker.sampler import SamplerOutput
 from runtime.worker.host_copy import PendingCopy
 
@@ -26,7 +27,7 @@ class PendingResult:
         width: sampled ids per row (payload columns ``[0, width)``; ``width`` = count of sampled,
             ``width + 1`` = count of rejected).
         copy: the payload ``[num_rows, width + 2]`` int64 on its way to the host.
-        logprobs: :class:`LogprobRows` of the step, or None.
+        logprobs: :class:`LogprobRows` (or :class:`ReadyLogprobs`) of the step, or None.
         busy_s: seconds the rank computed to launch the step (host side).
     """
 
@@ -79,20 +80,22 @@ class LogprobRows:
             return None
         return cls(so, rows, num_rows, ks)
 
-    def entries(self) -> list:
-        """``[num_rows]`` entries: ``(logprob, {token_id: logprob} of the top k)`` or None."""
-        so = self.so
-        lp = so.logprobs.float().cpu().tolist()
-        top = None
-        if so.top_logprobs is not None:
-            top = (so.top_logprobs[0].cpu().tolist(), so.top_logprobs[1].float().cpu().tolist())
-        outs: list = [None] * self.num_rows
-        for j in np.flatnonzero(self.ks >= 0):
-            k = int(self.ks[j])
-            alts = {} if top is None else dict(zip(top[0][j][:k], top[1][j][:k]))
-            outs[int(self.row_ids[j])] = (lp[j], alts)
-        return outs
-
+    def entries(self) -> StepLogprobs:
+        """The entries of the rows that asked for logprobs, as arrays (one device-to-host copy
+        per array, no per-row Python)."""
+        so, sel = self.so, np.flatnonzero(self.ks >= 0)
+        ks = self.ks[sel].astype(np.int32)
+        k = int(ks.max())
+        sel_t = torch.from_numpy(sel).to(so.logprobs.device, non_blocking=True)
+        lp = so.logprobs.index_select(0, sel_t).float().cpu().numpy()
+        if so.top_logprobs is not None and k > 0:
+            ids = so.top_logprobs[0][:, :k].index_select(0, sel_t).cpu().numpy()
+            vals = so.top_logprobs[1][:, :k].index_select(0, sel_t).float().cpu().numpy()
+        else:
+            ids, vals = np.zeros((sel.size, 0), np.int64), np.zeros((sel.size, 0), np.float32)
+            ks = np.minimum(ks, 0)
+        return StepLogprobs(self.row_ids[sel].astype(np.int32), lp, ks, ids.astype(np.int64),
+                            vals.astype(np.float32))
 
 
 class ReadyLogprobs:

@@ -269,7 +269,8 @@ class StageRunner:
     def apply_sampled(self, step: int, idx_mapping: np.ndarray, payload: SampledPayload) -> None:
         p = SampledPayload(payload.buf.to(self.device, non_blocking=True))
         idx = to_device(idx_mapping, self.device, torch.int64)
-        if payload is self._sampled and self.spec is None:  # no drafts: nothing rejected, no sync
+        if self.spec is None:  # no drafts: nothing is ever rejected, so no host read of the
+            # payload's num_rejected column (zeros) on any rank, the last or a receiving one
             rejected_np = np.zeros(len(idx_mapping), dtype=np.int64)
         else:
             rejected_np = p.num_rejected.cpu().numpy()

@@ -1,0 +1,111 @@
+"""The engine's per-step host path outside the scheduler (issue #13): logprobs as arrays from the
+worker's sampler output to the engine's TokenLogprob entries, the streams' merged increments and
+the tokenizer's single-token decode cache. No processes: each piece is driven directly."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from ppstate.batch import StepResult
+from runtime import transport as tp
+from runtime.engine.outputs import TokenLogprob, logprob_index, logprobs_for
+from runtime.engine.request_stream import RequestStream
+from runtime.model.registry import resolve_model_path
+from runtime.model.tokenizer import load_tokenizer
+from runtime.sampling_params import SamplingParams
+from runtime.step_logprobs import StepLogprobs
+from runtime.worker.pending_result import LogprobRows
+from runtime.worker.sampler import SamplerOutput
+
+
+def _expected(lp, top_ids, top_vals, ks, rows_idx, num_rows):
+    """The per-row entries the way the worker built them before (lists and dicts, row by row)."""
+    outs = [None] * num_rows
+    for j, k in enumerate(ks):
+        if k >= 0:
+            alts = {int(top_ids[j][t]): float(top_vals[j][t]) for t in range(k)}
+            outs[int(rows_idx[j])] = (float(lp[j]), alts)
+    return outs
+
+
+@pytest.mark.parametrize("width", [0, 3])
+def test_logprob_arrays_travel_and_equal_the_per_row_entries(width):
+    g = torch.Generator().manual_seed(width)
+    num_rows, rows_idx = 7, np.array([0, 2, 3, 5, 6])            # rows 1 and 4 do not sample
+    ks = np.array([2, -1, 0, width, -1])[: len(rows_idx)]
+    ks = np.minimum(ks, width)
+    lp = -torch.rand(len(rows_idx), generator=g)
+    top = None
+    if width:
+        vals, ids = torch.rand(len(rows_idx), width, generator=g).sort(dim=1, descending=True)
+        top = (torch.randint(0, 1000, (len(rows_idx), width), generator=g), -vals)
+    so = SamplerOutput(torch.zeros(len(rows_idx), dtype=torch.int64), lp, top)
+    step_lps = LogprobRows.of(so, rows_idx, num_rows, ks).entries()
+    assert isinstance(step_lps, StepLogprobs)
+    assert step_lps.rows.tolist() == rows_idx[ks >= 0].tolist()
+    res = StepResult(9, np.arange(num_rows, dtype=np.int64)[:, None] + 100,
+                     np.ones(num_rows, np.int32), np.zeros(num_rows, np.int32), step_lps)
+    back = tp.to_step_result(tp.decode(tp.encode(tp.from_step_result(res, rank=0))))
+    req_ids = tuple(f"r{i}" for i in range(num_rows))
+    index = logprob_index(back, req_ids)
+    assert sorted(index) == [req_ids[r] for r in rows_idx[ks >= 0]]       # only those who asked
+    want = _expected(lp.tolist(), top[0].tolist() if top else [[]] * 5,
+                     top[1].tolist() if top else [[]] * 5, ks.tolist(), rows_idx, num_rows)
+    for i, rid in enumerate(req_ids):
+        got = logprobs_for(back, index, rid, [100 + i])
+        if want[i] is None:
+            assert got is None
+        else:
+            lp_i, alts = want[i]
+            assert got == [TokenLogprob(100 + i, pytest.approx(lp_i), pytest.approx(alts))]
+            assert list(got[0].top) == list(alts)                       # most likely first
+
+
+def test_logprob_arrays_of_inconsistent_shapes_are_refused():
+    z = np.zeros(2, np.int32)
+    with pytest.raises(ValueError):
+        StepLogprobs(z, np.zeros(2, np.float32), np.array([0, 3], np.int32),
+                     np.zeros((2, 2), np.int64), np.zeros((2, 2), np.float32))
+    msg = tp.LogprobArrays(*(tp.NdArray.of(a) for a in (z, np.zeros(3, np.float32), z,
+                                                       np.zeros((2, 0), np.int64),
+                                                       np.zeros((2, 0), np.float32))))
+    with pytest.raises(tp.TransportError):
+        msg.to_step_logprobs()
+
+
+def test_unread_increments_merge_into_one_and_the_last_is_final():
+    async def go():
+        s = RequestStream("r", SamplingParams(max_tokens=8), 3, detok=None)
+        lp = lambda t: [TokenLogprob(t, -0.5, {t: -0.5})]  # noqa: E731
+        s._put(tp_out("r", [5], "a", False, None, 1, lp(5)))
+        first = await s.get()                                # read: nothing to merge with
+        s._put(tp_out("r", [6], "b", False, None, 2, lp(6)))
+        s._put(tp_out("r", [7], "c", False, None, 3, lp(7)))   # unread: merged
+        s.num_output_tokens = 3                              # as push_tokens counts
+        s.finish("abort", error="gone", error_kind="engine")
+        merged = await s.get()
+        return first, merged, s.finished
+    first, merged, finished = asyncio.run(go())
+    assert (first.new_token_ids, first.new_text, first.finished) == ([5], "a", False)
+    assert merged.new_token_ids == [6, 7] and merged.new_text == "bc"
+    assert [e.token_id for e in merged.logprobs] == [6, 7]
+    assert (merged.finished, merged.finish_reason, merged.num_output_tokens) == (True, "abort", 3)
+    assert (merged.error, merged.error_kind, finished) == ("gone", "engine", True)
+
+
+def tp_out(req_id, ids, text, finished, reason, n, lps):
+    from runtime.engine.outputs import RequestOutput
+    return RequestOutput(req_id, ids, text, finished, reason, 3, n, lps)
+
+
+def test_single_token_decode_cache_equals_decode():
+    tok = load_tokenizer(resolve_model_path("default"))
+    ids = tok.encode("Sure! 😀 你好 <|im_end|>") + [0, 1, 2]
+    for skip in (False, True):
+        for _ in range(2):                                   # second round: from the cache
+            assert [tok.decode_token(i, skip) for i in ids] == \
+                [tok.decode([i], skip_special_tokens=skip) for i in ids]
