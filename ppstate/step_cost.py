@@ -12,11 +12,15 @@ devices). The linear-plus-prefix-attention form is the one SGLang fits for its d
 sizing in chunked pipeline parallelism (SGLang blog, "Chunked Pipeline Parallelism", 2025).
 
 Calibration: :func:`fit` solves the least-squares problem over timed steps.
-``python -m runtime.bench pp --sweep ... --workload prefill --calibrate`` fits it to the ranks'
-busy seconds per step of sync decode runs (1..N rows) and sync prefill runs (chunk steps with
-their prefix), and ``concurrency`` to the overlapped runs, and writes the coefficients under
-``results.step_cost``; the engine loads that file (``--step-cost FILE``). The engine does not time
-steps at startup.
+``python -m runtime.bench contention`` times each stage's forward of the real model alone and
+with all stages at once (decode steps of 1..64 rows, prefill chunks after several prefix lengths,
+which separates the prefix-attention term) and fits the model to them, ``concurrency`` = the
+measured slow-down; ``python -m runtime.bench pp --sweep ... --workload prefill --calibrate``
+fits it to the ranks' busy seconds per step of engine runs instead. Both write the coefficients
+under ``results.step_cost``; the engine loads that file (``--step-cost FILE``). The engine does
+not time steps at startup, and ``concurrency`` is a constant: on a CPU shared with other work the
+slow-down follows the machine's load (see docs/benchmarks.md), so calibrate under the load the
+engine will see.
 """
 
 from __future__ import annotations
