@@ -94,7 +94,7 @@ class Simulator:
         for rank in self.ranks:
             if rank.running is not None and rank.busy_until <= self.now:
                 rank.finished[rank.running] = rank.busy_until
-                rank.busy_ticks += rank.busy_until - rank.started
+                rank.busy_ticks += rank.busy_until - rank.started - rank.planned  # contention
                 rank.running = None
 
     def _issue(self) -> None:
@@ -124,7 +124,8 @@ class Simulator:
             dur = self.cfg.empty_step_ticks if out.num_rows == 0 and \
                 self.cfg.empty_step_ticks >= 0 else self.cfg.stage_time(out.total_tokens)
             rank.running, rank.busy_until = out.step, self.now + dur
-            rank.work_left, rank.started = float(dur), self.now
+            rank.busy_ticks += dur
+            rank.work_left, rank.started, rank.planned = float(dur), self.now, dur
             rank.next_step += 1
             if result is not None:
                 self._pending_results.append((rank, out.step, result))
