@@ -216,3 +216,21 @@ def test_lane_sweep_adaptive_tracks_the_better_schedule_without_noise():
     free = [point(n, 2, 60, 4, 1.0, 1) for n in (4, 32)]
     assert [r["lanes"] for r in free] == [2, 2]
     assert all(r["adaptive"] == r["overlapped"] > r["sync"] for r in free)
+
+
+def test_sim_cli_gives_the_lane_policy_the_simulators_own_cost_and_repro_keeps_it():
+    from ppstate.sim.cli import build_parser, config_from_args
+    cfg = config_from_args(build_parser().parse_args(
+        ["--pp", "2", "--requests", "6", "--stage-cost", "60:1", "--contention", "1.8",
+         "--empty-step-ticks", "1", "--adaptive-lanes"]))
+    sc = cfg.scheduler
+    assert (cfg.contention, cfg.empty_step_ticks, sc.adaptive_lanes) == (1.8, 1, True)
+    assert (sc.cost_base_s, sc.cost_per_token_s, sc.cost_per_row_s, sc.cost_concurrency) == \
+        (60.0, 1.0, 0.0, 1.8)
+    res = sim.Simulator(cfg).run()
+    assert res.invariant_violations == [] and res.completed == 6
+    assert "--contention 1.8 --empty-step-ticks 1 --adaptive-lanes" in res.repro
+    again = config_from_args(build_parser().parse_args(res.repro.split()[3:]))
+    assert sim.Simulator(again).run() == res
+    with pytest.raises(SchedulerError, match="contention"):
+        SimConfig(contention=0.5)
