@@ -1,5 +1,6 @@
-"""Generate the README's benchmark tables from ``benchmarks/results/*.json`` (kinds ``pp`` and
-``sched``, written by ``python -m runtime.bench pp|sched --json-out``).
+"""Generate the README's benchmark tables from ``benchmarks/results/*.json`` (kinds ``pp``,
+``sched`` and ``contention``, written by ``python -m runtime.bench pp|sched|contention
+--json-out``).
 
 ``python benchmarks/readme_table.py`` rewrites the block between the two marker comments in
 README.md; ``--check`` exits 1 when the block differs from what the results say
@@ -39,7 +40,7 @@ def load_results(folder: Path = RESULTS) -> list[tuple[str, dict]]:
     docs = []
     for f in sorted(folder.glob("*.json")):
         doc = json.loads(f.read_text())
-        if isinstance(doc, dict) and doc.get("kind") in ("pp", "sched"):
+        if isinstance(doc, dict) and doc.get("kind") in ("pp", "sched", "contention"):
             docs.append((f.name, doc))
     return sorted(docs, key=lambda d: (d[1]["date"], d[0]))
 
@@ -76,7 +77,7 @@ def _spread(key: str, res: dict) -> str:
 def render(docs: list[tuple[str, dict]]) -> str:
     """The markdown between the markers (tables + the commands that produced them)."""
     found: dict[str, tuple[str, dict]] = {}
-    sweep, sched = None, None
+    sweep, sched, contention = None, None, None
     for name, doc in docs:                 # newer files override older ones
         res = doc["results"]
         for key, *_ in METRICS:
@@ -86,6 +87,8 @@ def render(docs: list[tuple[str, dict]]) -> str:
             sweep = (name, doc)
         if doc["kind"] == "sched":
             sched = (name, doc)
+        if doc["kind"] == "contention":
+            contention = (name, doc)
     lines = ["| metric | median | spread (min .. max over rounds) | target | result file |",
              "|---|---|---|---|---|"]
     for key, label, target, fmt in METRICS:
@@ -113,11 +116,40 @@ def render(docs: list[tuple[str, dict]]) -> str:
             cells = [f"{p[m + '_output_tokens_per_s']:.1f}" for m in modes]
             cells += [f"{p[m + '_over_sync']['median']:.2f}" for m in modes if m != "sync"]
             lines.append(f"| {p['concurrency']} | " + " | ".join(cells) + " |")
-    cmds = sorted({doc["command"] for _, doc in [*found.values(), *(x for x in (sweep, sched) if x)]})
-    machines = sorted({doc["machine"] for _, doc in [*found.values(), *(x for x in (sweep, sched) if x)]})
+    if contention:
+        lines += ["", *contention_table(*contention)]
+    extra = [x for x in (sweep, sched, contention) if x]
+    cmds = sorted({doc["command"] for _, doc in [*found.values(), *extra]})
+    machines = sorted({doc["machine"] for _, doc in [*found.values(), *extra]})
     lines += ["", "Machine: " + "; ".join(machines) + ".", "", "Commands:", ""]
     lines += [f"* `{c}`" for c in cmds]
     return "\n".join(lines)
+
+
+def contention_table(name: str, doc: dict) -> list[str]:
+    """Lines of the stage-contention table (``bench contention``): per torch thread count and
+    decode rows, each stage's forward alone and with all stages at once, and the overlapped /
+    sync ceiling this implies at twice the rows (two lanes of ``rows``)."""
+    res = doc["results"]
+    pp = res.get("pp_size", 2)
+    ceil = {(c["threads"], c["concurrency"]): c for c in res.get("ceilings", [])}
+    out = [f"One stage alone vs all {pp} stages at once, decode-step forward per stage "
+           f"(`{name}`); ceiling = overlapped / sync decode throughput this allows at "
+           f"concurrency {pp} x rows (sync: the stages take turns on all rows; overlapped: "
+           f"{pp} lanes of `rows`, all stages at once):", "",
+           "| torch threads | rows | alone (ms per stage) | all at once (ms per stage) "
+           "| slow-down | ceiling at concurrency | without contention |",
+           "|---|---|---|---|---|---|---|"]
+    for p in res["points"]:
+        if p["kind"] != "decode":
+            continue
+        c = ceil.get((p["threads"], pp * p["rows"]))
+        ms = lambda xs: " / ".join(f"{1e3 * x:.0f}" for x in xs)  # noqa: E731
+        out.append(f"| {p['threads']} | {p['rows']} | {ms(p['alone_s'])} | {ms(p['both_s'])} "
+                   f"| {max(p['slowdown']):.2f} | "
+                   + (f"{c['ceiling']:.2f} at {c['concurrency']} | "
+                      f"{c['ceiling_without_contention']:.2f} |" if c else "- | - |"))
+    return out
 
 
 def replace_block(text: str, block: str) -> str:

@@ -114,7 +114,8 @@ class SchedulerConfig:
 
     @property
     def max_rows_per_step(self) -> int:
-        """Balanced-admission row cap: ceil(max_num_seqs / pp_size) overlapped, max_num_seqs sync."""
+        """Balanced-admission row cap with all lanes open: ceil(max_num_seqs / pp_size)
+        overlapped, max_num_seqs sync (with fewer lanes: :func:`ppstate.lanes.lane_row_cap`)."""
         if self.mode == "sync":
             return self.max_num_seqs
         return -(-self.max_num_seqs // self.pp_size)

@@ -3,14 +3,20 @@
 Overlapped mode keeps ``pp_size`` batches in the pipeline; step ``s`` belongs to lane
 ``s mod pp_size`` and a decoding request runs once per ``pp_size`` steps, always in the same lane.
 Spreading R decoding requests over all lanes gives steps of R / pp_size rows that run on all
-stages at once; when a step's cost hardly depends on its rows (few rows: the fixed per-step cost
-dominates) this doubles the steps without making any cheaper, and stages that share cores slow
-each other down, so overlapped mode ends up slower than sync. With ``adaptive_lanes`` the
-scheduler fills only the first L lanes (decode rows wait for a step of an open lane), choosing L
-from the calibrated :class:`~ppstate.step_cost.StepCostModel`: the L with the shortest decode
-round (:meth:`~ppstate.step_cost.StepCostModel.decode_round_s`), all lanes on ties. Only L whose
-row share ``ceil(live / L)`` stays within the balanced-admission cap ``max_rows_per_step`` are
-considered (invariant 7 is unchanged); the decode cadence (invariant 5) only gets longer.
+stages at once. When a step's cost hardly depends on its rows (few rows: the fixed per-step cost
+dominates; the CPU path pads GEMMs to 16 rows) or when stages that compute at once slow each other
+down (shared cores, caches, memory bandwidth), that doubles the steps without making any cheaper
+and overlapped mode ends up slower than sync. With ``adaptive_lanes`` the scheduler fills only the
+first L lanes (decode rows wait for a step of an open lane, so the cadence, invariant 5, only gets
+longer), choosing L = argmin over 1..pp_size of the model's time per decoded token
+(:meth:`~ppstate.step_cost.StepCostModel.decode_round_s` / live requests: a lane's batch passes all
+``pp_size`` stages per token, with ``pp_size - L`` lanes of the pipeline left empty), all lanes on
+near-ties (:data:`MARGIN`).
+
+Balanced admission (invariant 7) follows the lanes: a step may hold ``ceil(max_num_seqs / L)``
+rows (:func:`lane_row_cap`; ``max_rows_per_step`` with all lanes, ``max_num_seqs`` like sync with
+one), so one lane can carry every live request when that is the faster schedule. A lane count is
+considered only if its share of decode tokens fits the step token budget.
 """
 
 from __future__ import annotations
@@ -27,6 +33,24 @@ if TYPE_CHECKING:
 MARGIN = 0.97
 
 
+def lane_row_cap(config: "SchedulerConfig", lanes: int) -> int:
+    """Rows one step may hold while ``lanes`` (1..pp_size) lanes take decode rows:
+    ``ceil(max_num_seqs / lanes)`` overlapped (= ``max_rows_per_step`` with all lanes),
+    ``max_num_seqs`` sync."""
+    if config.mode == "sync":
+        return config.max_num_seqs
+    return -(-config.max_num_seqs // max(1, min(lanes, config.pp_size)))
+
+
+def feasible(config: "SchedulerConfig", live: int, lanes: int) -> bool:
+    """True when ``live`` decoding requests fit ``lanes`` lanes: each lane's share of rows within
+    :func:`lane_row_cap` and its decode tokens (``1 + num_spec_tokens`` per row) within the step
+    token budget."""
+    share = -(-live // lanes)
+    return share <= lane_row_cap(config, lanes) and \
+        share * (1 + config.num_spec_tokens) <= config.step_token_budget
+
+
 def choose_lanes(config: "SchedulerConfig", live: int) -> int:
     """Lanes (1..pp_size) to fill for ``live`` live requests (running + waiting, capped at
     max_num_seqs). ``pp_size`` unless overlapped mode with ``config.adaptive_lanes``."""
@@ -36,7 +60,7 @@ def choose_lanes(config: "SchedulerConfig", live: int) -> int:
     model = model_of(config)
     best, best_s = pp, MARGIN * model.decode_round_s(live, pp, pp)
     for lanes in range(pp - 1, 0, -1):
-        if -(-live // lanes) > config.max_rows_per_step:
+        if not feasible(config, live, lanes):
             break
         est = model.decode_round_s(live, lanes, pp)
         if est < best_s:

@@ -12,11 +12,15 @@ devices). The linear-plus-prefix-attention form is the one SGLang fits for its d
 sizing in chunked pipeline parallelism (SGLang blog, "Chunked Pipeline Parallelism", 2025).
 
 Calibration: :func:`fit` solves the least-squares problem over timed steps.
-``python -m runtime.bench pp --sweep ... --workload prefill --calibrate`` fits it to the ranks'
-busy seconds per step of sync decode runs (1..N rows) and sync prefill runs (chunk steps with
-their prefix), and ``concurrency`` to the overlapped runs, and writes the coefficients under
-``results.step_cost``; the engine loads that file (``--step-cost FILE``). The engine does not time
-steps at startup.
+``python -m runtime.bench contention`` times each stage's forward of the real model alone and
+with all stages at once (decode steps of 1..64 rows, prefill chunks after several prefix lengths,
+which separates the prefix-attention term) and fits the model to them, ``concurrency`` = the
+measured slow-down; ``python -m runtime.bench pp --sweep ... --workload prefill --calibrate``
+fits it to the ranks' busy seconds per step of engine runs instead. Both write the coefficients
+under ``results.step_cost``; the engine loads that file (``--step-cost FILE``). The engine does
+not time steps at startup, and ``concurrency`` is a constant: on a CPU shared with other work the
+slow-down follows the machine's load (see docs/benchmarks.md), so calibrate under the load the
+engine will see.
 """
 
 from __future__ import annotations
@@ -74,14 +78,25 @@ class StepCostModel:
         pairs = num_tokens * (prefix + (num_tokens - 1) / 2.0)
         return self.per_token_s * num_tokens + self.per_prefix_token_s * pairs
 
+    def slowdown(self, lanes: int, pp_size: int) -> float:
+        """Slow-down of a stage while ``lanes`` of the ``pp_size`` lanes carry work: 1 with one
+        lane (the stages take turns), ``concurrency`` with all lanes (every stage computes), linear
+        in between (``min(lanes, pp_size)`` stages compute at once; an interpolation, measured
+        only at the two ends by ``python -m runtime.bench contention``)."""
+        busy = max(1, min(lanes, pp_size))
+        if pp_size <= 1 or busy == 1:
+            return 1.0
+        return 1.0 + (self.concurrency - 1.0) * (busy - 1) / (pp_size - 1)
+
     def decode_round_s(self, rows: int, lanes: int, pp_size: int) -> float:
         """Seconds until each of ``rows`` decoding requests got one more token when they are
         spread over ``lanes`` (1..pp_size) in-flight batches: a token needs its batch to pass all
-        ``pp_size`` stages, each taking one step of ``ceil(rows / lanes)`` rows; with more than
-        one lane the stages compute at the same time (``concurrency`` slow-down)."""
+        ``pp_size`` stages, each taking one step of ``ceil(rows / lanes)`` rows, slowed down by
+        :meth:`slowdown` while several lanes compute at once. With fewer lanes than stages the
+        pipeline runs partly empty, so the round is ``pp_size`` steps whatever ``lanes`` is;
+        divided by ``rows`` it is the time per decoded token the lane policy minimises."""
         per_lane = -(-rows // lanes)
-        slow = self.concurrency if lanes > 1 else 1.0
-        return pp_size * self.step_s(per_lane, per_lane) * slow
+        return pp_size * self.step_s(per_lane, per_lane) * self.slowdown(lanes, pp_size)
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)

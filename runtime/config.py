@@ -95,9 +95,9 @@ class EngineConfig(BaseModel):
     spec_ngram: int = Field(default=3, ge=1, le=16, description="n-gram length the speculative "
                             "proposer matches against the request's earlier tokens (tokens)")
     step_cost: str | None = Field(default=None, description="JSON file of step-cost coefficients "
-                                  "(python -m runtime.bench pp --calibrate --json-out FILE writes "
-                                  "one) for --adaptive-lanes and --dynamic-chunks; default: the "
-                                  "CPU values of ppstate.step_cost")
+                                  "(python -m runtime.bench contention --json-out FILE, or bench "
+                                  "pp --calibrate, writes one) for --adaptive-lanes and "
+                                  "--dynamic-chunks; default: the CPU values of ppstate.step_cost")
 
     @field_validator("step_cost")
     @classmethod
@@ -201,8 +201,9 @@ def parse_kv_memory(text: str) -> tuple[int | None, float | None]:
 
 
 def load_step_cost(path: str) -> dict[str, float]:
-    """The step-cost coefficients in JSON file ``path``: ``results.step_cost`` of a ``bench pp
-    --calibrate`` result, or a flat object of :class:`ppstate.step_cost.StepCostModel` fields.
+    """The step-cost coefficients in JSON file ``path``: ``results.step_cost`` of a ``bench
+    contention`` or ``bench pp --calibrate`` result, or a flat object of
+    :class:`ppstate.step_cost.StepCostModel` fields.
 
     Raises:
         ValueError: unreadable file, not JSON, or coefficients out of range.

@@ -80,3 +80,21 @@ def test_pp_calibrate_needs_a_sweep():
 def test_ratio_summary_is_pairwise():
     r = pp.ratio_summary([2.0, 3.0, 9.0], [1.0, 2.0, 3.0])
     assert r["all"] == [2.0, 1.5, 3.0] and (r["median"], r["min"], r["max"]) == (2.0, 1.5, 3.0)
+
+
+def test_contention_measures_both_stages_and_fits_the_step_cost(tmp_path):
+    from runtime.bench import contention
+    out = tmp_path / "contention.json"
+    assert contention.main(["--rows", "1,2", "--threads", "1", "--prefixes", "0,16", "--chunk",
+                            "8", "--context", "8", "--iters", "1", "--repeats", "1",
+                            "--json-out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    res = doc["results"]
+    assert doc["kind"] == "contention" and doc["command"].startswith("python -m runtime.bench contention")
+    assert [(p["kind"], p["rows"], p["prefix"]) for p in res["points"]] == \
+        [("decode", 1, 8), ("decode", 2, 8), ("prefill", 1, 0), ("prefill", 1, 16)]
+    assert all(len(p["alone_s"]) == 2 and min(p["alone_s"]) > 0 for p in res["points"])
+    assert all(min(p["both_s"]) > 0 for p in res["points"] if p["kind"] == "decode")
+    assert [c["concurrency"] for c in res["ceilings"]] == [2]
+    assert res["step_cost"]["concurrency"] >= 1 and res["step_cost"]["num_samples"] == 4
+    assert res["layer_ranges"] == [[0, 19], [19, 30]]

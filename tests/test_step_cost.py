@@ -10,7 +10,7 @@ from ppstate.batch import StepResult
 from ppstate.budget import SchedulerConfig
 from ppstate.chunk_sizing import chunk_limit, equal_time_chunk
 from ppstate.errors import SchedulerError
-from ppstate.lanes import choose_lanes, lane_open
+from ppstate.lanes import choose_lanes, feasible, lane_open, lane_row_cap
 from ppstate.scheduler import RequestSpec, Scheduler
 from ppstate.sim.workload import SimConfig
 from ppstate.step_cost import StepCostModel, fit, model_of
@@ -58,7 +58,8 @@ def test_decode_round_and_lane_choice():
     # 32 live: one lane 2 x (0.01 + 32e-4) = 0.0264 < 0.97 x 2 x (0.01 + 16e-4) x 1.25 = 0.0281
     assert choose_lanes(cfg, 32) == 1
     assert choose_lanes(dataclasses.replace(cfg, cost_per_token_s=0.0004), 32) == 2  # 0.0356 > 0.0341
-    assert choose_lanes(cfg, 64) == 2  # ceil(64 / 1) > max_rows_per_step = 32: never one lane
+    # 64 live: one lane 2 x (0.01 + 64e-4) = 0.0328 > 0.97 x 2 x (0.01 + 32e-4) x 1.25 = 0.0320
+    assert choose_lanes(cfg, 64) == 2
     heavy = dataclasses.replace(cfg, cost_per_token_s=0.01)
     assert choose_lanes(heavy, 3) == 2   # per-row cost dominates: both lanes
     assert choose_lanes(dataclasses.replace(cfg, adaptive_lanes=False), 3) == 2
@@ -137,10 +138,101 @@ def test_simulator_invariants_hold_with_adaptive_lanes_and_dynamic_chunks(seed):
                             block_size=4, adaptive_lanes=True, dynamic_chunks=True,
                             cost_base_s=0.01, cost_per_row_s=0.0, cost_per_token_s=1e-4,
                             cost_per_prefix_token_s=2e-5)
+    # stages sharing the machine (processor sharing) on two thirds of the seeds
     cfg = SimConfig(scheduler=sched, num_requests=10, seed=seed, prompt_len=(1, 90),
                     output_len=(1, 20), abort_rate=0.2,
-                    arrival="poisson" if seed % 2 else "burst")
+                    arrival="poisson" if seed % 2 else "burst", contention=1.0 + 0.5 * (seed % 3),
+                    empty_step_ticks=seed % 2 - 1)
     s = sim.Simulator(cfg)
     assert s.sched.config is sched and s.sched.config.adaptive_lanes
     res = s.run()
     assert res.invariant_violations == [] and res.completed + res.aborted == 10
+
+
+def test_one_lane_may_carry_every_live_request_within_the_token_budget():
+    cfg = SchedulerConfig(pp_size=2, max_num_seqs=64, max_num_batched_tokens=256,
+                          adaptive_lanes=True, cost_base_s=0.1, cost_per_row_s=0.0,
+                          cost_per_token_s=0.001, cost_concurrency=1.8)
+    assert [lane_row_cap(cfg, n) for n in (1, 2)] == [64, 32] and cfg.max_rows_per_step == 32
+    assert lane_row_cap(dataclasses.replace(cfg, mode="sync"), 2) == 64
+    assert lane_row_cap(dataclasses.replace(cfg, pp_size=4), 3) == 22
+    # 64 live: one lane 2 x 0.164 = 0.328 < 0.97 x 2 x 0.132 x 1.8 = 0.461 (the old cap of 32
+    # rows per step forced both lanes here)
+    assert choose_lanes(cfg, 64) == 1 and feasible(cfg, 64, 1)
+    # token budget 64 -> 32 per overlapped step: 64 rows do not fit one lane
+    tight = dataclasses.replace(cfg, max_num_batched_tokens=64)
+    assert tight.step_token_budget == 32 and not feasible(tight, 64, 1) and feasible(tight, 32, 1)
+    assert choose_lanes(tight, 64) == 2 and choose_lanes(tight, 32) == 1
+    spec = dataclasses.replace(tight, num_spec_tokens=1)   # 2 tokens per decode row
+    assert not feasible(spec, 32, 1) and feasible(spec, 16, 1) and choose_lanes(spec, 32) == 2
+
+
+def test_slowdown_grows_with_the_stages_computing_at_once_and_picks_the_argmin():
+    m = StepCostModel(base_s=0.01, per_row_s=0.0, per_token_s=0.001, per_prefix_token_s=0.0,
+                      concurrency=1.6)
+    assert [m.slowdown(n, 4) for n in (1, 2, 3, 4, 9)] == pytest.approx([1.0, 1.2, 1.4, 1.6, 1.6])
+    assert m.slowdown(2, 2) == 1.6 and m.slowdown(1, 2) == 1.0 and m.slowdown(3, 1) == 1.0
+    assert m.decode_round_s(32, 2, 4) == pytest.approx(4 * 0.026 * 1.2)
+    cfg = SchedulerConfig(pp_size=4, max_num_seqs=64, adaptive_lanes=True, cost_base_s=0.01,
+                          cost_per_row_s=0.0, cost_per_token_s=0.001, cost_concurrency=1.6)
+    # 32 live, estimates for 4, 3, 2, 1 lanes: 0.97 x 0.1152, 0.1176, 0.1248, 0.168 -> 4
+    assert choose_lanes(cfg, 32) == 4
+    # concurrency 2.2: 0.97 x 0.1584 = 0.1536, 0.1512, 0.1456, 0.168 -> 2 (neither end)
+    assert choose_lanes(dataclasses.replace(cfg, cost_concurrency=2.2), 32) == 2
+
+
+def test_simulator_runs_one_lane_of_64_rows_and_checks_the_cap_per_lane_count(monkeypatch):
+    from ppstate.sim import checks
+    from ppstate.sim.lane_sweep import burst
+
+    def sim_cfg():
+        return SimConfig(pp_size=2, max_num_seqs=64, max_num_batched_tokens=4096,
+                         max_prefill_chunk=512, max_model_len=48, adaptive_lanes=True,
+                         cost_base_s=60.0, cost_per_row_s=0.0, cost_per_token_s=1.0,
+                         cost_per_prefix_token_s=0.0, cost_concurrency=1.8, stage_base=60,
+                         stage_per_token=1, contention=1.8, empty_step_ticks=1,
+                         workload=burst(64, 16, 4))
+    s = sim.Simulator(sim_cfg())
+    issued = []
+    s.checker.on_issue = lambda out, f=s.checker.on_issue: (issued.append(out), f(out))[1]
+    res = s.run()
+    assert res.invariant_violations == [] and res.completed == 64
+    decode_rows = [o.num_rows for o in issued if o.num_rows and not o.new_requests]
+    assert decode_rows and max(decode_rows) == 64 and all(o.step % 2 == 0 for o in issued
+                                                          if o.num_rows and not o.new_requests)
+    # the same run judged by the all-lanes cap (32 rows) is a violation of invariant 7
+    monkeypatch.setattr(checks, "lane_row_cap", lambda cfg, lanes: cfg.max_rows_per_step)
+    bad = sim.Simulator(sim_cfg()).run()
+    assert bad.num_violations and {v["invariant"] for v in bad.invariant_violations} == {7}
+
+
+def test_lane_sweep_adaptive_tracks_the_better_schedule_without_noise():
+    from ppstate.sim.lane_sweep import point
+    # stages slow each other down 1.8x (2 cores): one lane at every concurrency, within the
+    # closed lane's empty steps (1 tick per 120+ tick round) of sync; all lanes lose 18-43%
+    rows = [point(n, 2, 60, 1, 1.8, 1) for n in (1, 4, 16, 64)]
+    assert [r["lanes"] for r in rows] == [1, 1, 1, 1]
+    assert all(0.98 <= r["adaptive_over_sync"] <= 1.0 for r in rows)
+    assert all(r["overlapped_over_sync"] < 0.85 for r in rows[1:])
+    # no contention, cost grows with rows: all lanes, as fast as plain overlapped (> sync)
+    free = [point(n, 2, 60, 4, 1.0, 1) for n in (4, 32)]
+    assert [r["lanes"] for r in free] == [2, 2]
+    assert all(r["adaptive"] == r["overlapped"] > r["sync"] for r in free)
+
+
+def test_sim_cli_gives_the_lane_policy_the_simulators_own_cost_and_repro_keeps_it():
+    from ppstate.sim.cli import build_parser, config_from_args
+    cfg = config_from_args(build_parser().parse_args(
+        ["--pp", "2", "--requests", "6", "--stage-cost", "60:1", "--contention", "1.8",
+         "--empty-step-ticks", "1", "--adaptive-lanes"]))
+    sc = cfg.scheduler
+    assert (cfg.contention, cfg.empty_step_ticks, sc.adaptive_lanes) == (1.8, 1, True)
+    assert (sc.cost_base_s, sc.cost_per_token_s, sc.cost_per_row_s, sc.cost_concurrency) == \
+        (60.0, 1.0, 0.0, 1.8)
+    res = sim.Simulator(cfg).run()
+    assert res.invariant_violations == [] and res.completed == 6
+    assert "--contention 1.8 --empty-step-ticks 1 --adaptive-lanes" in res.repro
+    again = config_from_args(build_parser().parse_args(res.repro.split()[3:]))
+    assert sim.Simulator(again).run() == res
+    with pytest.raises(SchedulerError, match="contention"):
+        SimConfig(contention=0.5)

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ppstate.batch import SchedulerOutput
+from ppstate.lanes import lane_row_cap
 from ppstate.request import TokenUpdate
 from ppstate.scheduler import Scheduler
 from ppstate.sim.workload import ExpectedOutput, SimRequest, expected_output
@@ -100,8 +101,10 @@ class InvariantChecker:
         new = {n.req_id for n in out.new_requests}
         capped = sum(1 for i, rid in enumerate(out.req_ids)   # continuing chunks are exempt
                      if rid in new or out.start_positions[i] >= self._row_info(s, rid)[1])
-        if capped > cfg.max_rows_per_step:
-            self.violation(7, s, None, f"{capped} rows > balanced cap {cfg.max_rows_per_step}")
+        cap = lane_row_cap(cfg, self.sched.lanes)  # max_rows_per_step with all lanes open
+        if capped > cap:
+            self.violation(7, s, None, f"{capped} rows > balanced cap {cap} "
+                           f"({self.sched.lanes} lanes)")
         preempted = any(f.reason == "preempted" for f in out.freed)  # no admission then
         if out.num_rows == 0 and self.sched.num_waiting and self.sched.slots.num_free and \
                 not preempted and self._head_fits():

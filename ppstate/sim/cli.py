@@ -58,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stage-cost", type=_pair, default=(1, 2), metavar="BASE:PER_TOKEN",
                    help="stage time of a batch = BASE + PER_TOKEN * tokens (ticks)")
     p.add_argument("--p2p-ticks", type=int, default=0, help="rank-to-rank hand-off latency")
+    p.add_argument("--contention", type=float, default=1.0,
+                   help="slow-down of a stage while all stages compute at once (>= 1)")
+    p.add_argument("--empty-step-ticks", type=int, default=-1,
+                   help="ticks of a step without rows (-1: the stage's base cost)")
+    p.add_argument("--adaptive-lanes", action="store_true",
+                   help="overlapped: fill only the lanes the step-cost model says are faster")
     p.add_argument("--broadcast-ticks", type=int, default=0, help="sampled-id broadcast latency")
     p.add_argument("--trace-dir", default=None, help="record the run as a replayable trace in a "
                    "new run-* directory here (a run with violations is always recorded, by "
@@ -81,6 +87,12 @@ def config_from_args(ns: argparse.Namespace) -> SimConfig:
                      eos_prob=ns.eos_prob, stage_base=ns.stage_cost[0],
                      stage_per_token=ns.stage_cost[1], p2p_ticks=ns.p2p_ticks,
                      broadcast_ticks=ns.broadcast_ticks, block_size=ns.block_size,
+                     contention=ns.contention, empty_step_ticks=ns.empty_step_ticks,
+                     adaptive_lanes=ns.adaptive_lanes,
+                     # the lane policy's step-cost model = the simulator's stage time (ticks)
+                     cost_base_s=float(ns.stage_cost[0]), cost_per_row_s=0.0,
+                     cost_per_token_s=float(ns.stage_cost[1]), cost_per_prefix_token_s=0.0,
+                     cost_concurrency=ns.contention,
                      num_kv_blocks=ns.kv_blocks, shared_prefix=max(0, ns.shared_prefix),
                      enable_prefix_caching=not ns.no_prefix_caching)
 

@@ -75,6 +75,9 @@ class SimRank:
         self.running: int | None = None
         self.finished: dict[int, int] = {}  # step -> tick it finished here
         self.busy_ticks = 0
+        self.work_left = 0.0        # ticks of work of the running step still to do (contention)
+        self.started = 0            # tick the running step started
+        self.planned = 0            # its ticks without contention (busy_ticks counts them at start)
 
     def run_step(self, out: SchedulerOutput, wire: "Wire") -> StepResult | None:
         """Apply step ``out`` on this rank in the one order; the last rank returns the result."""

@@ -5,7 +5,11 @@ is a :class:`~ppstate.sim.rank.SimRank` (device state, CPU mirrors, PPHandler on
 Timing rules: rank r starts step s only after it finished s-1, after rank r-1 finished s (the p2p
 hand-off of hidden states; rank 0: after the step was issued) and, on non-last ranks, after the last
 rank finished step s-depth when that deferred receive is pending. A stage takes
-``stage_base + stage_per_token * tokens`` ticks. After every tick the
+``stage_base + stage_per_token * tokens`` ticks of work; with ``contention`` > 1 the stages share
+the machine (processor sharing): while k of the pp_size ranks compute, each progresses at rate
+``1 / (1 + (contention - 1) (k - 1) / (pp_size - 1))`` (the slow-down of
+:meth:`ppstate.step_cost.StepCostModel.slowdown`), so overlapped mode pays for running its stages
+at once as it does on a CPU whose cores the stages share. After every tick the
 :class:`~ppstate.sim.checks.InvariantChecker` has seen all new facts.
 
 Usage: ``python -m ppstate.sim --pp 4 --requests 64 --seed 1 --mode overlapped --json``
@@ -15,6 +19,7 @@ Usage: ``python -m ppstate.sim --pp 4 --requests 64 --seed 1 --mode overlapped -
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ppstate.events import NULL_SINK, EventSink
@@ -89,6 +94,7 @@ class Simulator:
         for rank in self.ranks:
             if rank.running is not None and rank.busy_until <= self.now:
                 rank.finished[rank.running] = rank.busy_until
+                rank.busy_ticks += rank.busy_until - rank.started - rank.planned  # contention
                 rank.running = None
 
     def _issue(self) -> None:
@@ -115,16 +121,43 @@ class Simulator:
                 continue
             out = self.outputs[rank.next_step]
             result = rank.run_step(out, self.wire)
-            dur = self.cfg.stage_time(out.total_tokens)
+            dur = self.cfg.empty_step_ticks if out.num_rows == 0 and \
+                self.cfg.empty_step_ticks >= 0 else self.cfg.stage_time(out.total_tokens)
             rank.running, rank.busy_until = out.step, self.now + dur
             rank.busy_ticks += dur
+            rank.work_left, rank.started, rank.planned = float(dur), self.now, dur
             rank.next_step += 1
             if result is not None:
-                self._pending_results.append((rank.busy_until, result))
+                self._pending_results.append((rank, out.step, result))
+
+    def _charge_work(self) -> None:
+        """Contention: charge the ticks since the last event to the running ranks' work."""
+        if self.cfg.contention == 1.0:
+            return
+        dt = self.now - self._work_at
+        if dt > 0:
+            for r in self.ranks:
+                if r.running is not None:
+                    r.work_left -= dt / self._slow
+        self._work_at = self.now
+
+    def _retime(self) -> None:
+        """Contention: end ticks of the running ranks at the slow-down of the ranks now running."""
+        if self.cfg.contention == 1.0:
+            return
+        running = [r for r in self.ranks if r.running is not None]
+        pp = len(self.ranks)
+        k = len(running)
+        self._slow = 1.0 if pp == 1 or k <= 1 else \
+            1.0 + (self.cfg.contention - 1.0) * (k - 1) / (pp - 1)
+        for r in running:
+            r.busy_until = self.now + max(0, math.ceil(r.work_left * self._slow - 1e-9))
 
     def _deliver_results(self) -> None:
-        while self._pending_results and self._pending_results[0][0] <= self.now:
-            _, result = self._pending_results.pop(0)
+        while self._pending_results and \
+                self._pending_results[0][0].finished.get(self._pending_results[0][1], self.now + 1) \
+                <= self.now:
+            _, _, result = self._pending_results.pop(0)
             updates = self.sched.on_step_result(result)
             self.output_tokens += sum(len(u.token_ids) for u in updates)
             self.checker.on_updates(result.step, updates)
@@ -154,13 +187,17 @@ class Simulator:
     # ---------------------------------------------------------------- main loop
     def run(self) -> SimResult:
         self._pending_results: list = []
+        self._work_at = 0       # tick up to which the running ranks' work was charged
+        self._slow = 1.0        # slow-down while the current set of ranks computes
         stuck = None
         while True:
+            self._charge_work()
             self._complete()
             self._deliver_results()
             self._arrive()
             self._issue()
             self._start_ranks()
+            self._retime()
             if self.sched.next_step > self.max_steps:
                 stuck = f"no progress bound: {self.sched.next_step} steps > {self.max_steps}"
                 break
@@ -210,4 +247,7 @@ def repro_command(cfg: SimConfig) -> str:
             + (f" --kv-blocks {sc.num_kv_blocks}" if sc.num_kv_blocks != default_blocks else "")
             + (f" --max-model-len {sc.max_model_len}" if sc.max_model_len != 2048 else "")
             + f" --shared-prefix {cfg.shared_prefix}"
-            + ("" if sc.enable_prefix_caching else " --no-prefix-caching") + " --json")
+            + ("" if sc.enable_prefix_caching else " --no-prefix-caching")
+            + (f" --contention {cfg.contention}" if cfg.contention != 1.0 else "")
+            + (f" --empty-step-ticks {cfg.empty_step_ticks}" if cfg.empty_step_ticks >= 0 else "")
+            + (" --adaptive-lanes" if sc.adaptive_lanes else "") + " --json")

@@ -72,6 +72,11 @@ class SimConfig:
         eos_prob: probability a request's model emits EOS before max_tokens [--eos-prob].
         stage_base, stage_per_token: stage time of a batch = base + per_token * tokens (ticks)
             [--stage-cost BASE:PER_TOKEN].
+        contention: slow-down of a stage while all stages compute at once (>= 1; stages share
+            the machine's cores: processor sharing, see :mod:`ppstate.sim.simulator`)
+            [--contention].
+        empty_step_ticks: ticks a stage spends on a step without rows (-1: ``stage_time(0)``,
+            the base cost; the runtime skips the forward of such a step) [--empty-step-ticks].
         p2p_ticks: hidden-state hand-off from rank r to r + 1 [--p2p-ticks].
         broadcast_ticks: last rank's sampled-id broadcast until earlier ranks hold it
             [--broadcast-ticks].
@@ -97,6 +102,8 @@ class SimConfig:
     stage_per_token: int = 2
     p2p_ticks: int = 0
     broadcast_ticks: int = 0
+    contention: float = 1.0
+    empty_step_ticks: int = -1
     shared_prefix: int = 0
     workload: tuple[SimRequest, ...] | None = None
     max_steps: int = 0
@@ -125,6 +132,10 @@ class SimConfig:
         if self.stage_base < 0 or self.stage_per_token < 0 or \
                 self.stage_base + self.stage_per_token == 0:
             raise SchedulerError("SimConfig.stage_base/stage_per_token must be >= 0, not both 0")
+        if self.empty_step_ticks < -1:
+            raise SchedulerError(f"SimConfig.empty_step_ticks must be >= -1, got {self.empty_step_ticks}")
+        if not self.contention >= 1.0:
+            raise SchedulerError(f"SimConfig.contention must be >= 1, got {self.contention!r}")
         if self.p2p_ticks < 0 or self.broadcast_ticks < 0:
             raise SchedulerError("SimConfig.p2p_ticks and broadcast_ticks must be >= 0")
         if not 0.0 <= self.abort_rate <= 1.0 or not 0.0 <= self.eos_prob <= 1.0:

@@ -25,6 +25,7 @@ class _NoState:
         num_free = 0
 
     num_waiting = 0
+    lanes = 1  # balanced cap = max_num_seqs: the row rule stays silent too
 
     class kv:  # noqa: N801 - mimics Scheduler.kv (the block pool is not known after a divergence)
         class pool:  # noqa: N801

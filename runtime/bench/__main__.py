@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
 
 #: ``python -m runtime.bench SUBCOMMAND ...`` -> module whose ``main(argv)`` runs it
 SUBCOMMANDS = {"gpu": "runtime.bench.gpu", "serve": "runtime.bench.serve",
-               "pp": "runtime.bench.pp", "sched": "runtime.bench.sched"}
+               "pp": "runtime.bench.pp", "sched": "runtime.bench.sched",
+               "contention": "runtime.bench.contention"}
 
 
 if __name__ == "__main__":
