@@ -16,7 +16,6 @@ per row, rejected tokens) answered by a :class:`~ppstate.check.choices.Chooser`.
 
 from __future__ import annotations
 
-import copy
 from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -25,7 +24,7 @@ from ppstate.batch import SchedulerOutput, StepResult
 from ppstate.budget import SchedulerConfig
 from ppstate.check import snapshot
 from ppstate.check.choices import Chooser
-from ppstate.check.comm import Blocked, Comm
+from ppstate.check.comm import Blocked, Comm, Op
 from ppstate.check.monitor import Monitor, MonitorSink
 from ppstate.check.rank import CheckRank
 from ppstate.events import NULL_SINK, RecordingSink
@@ -86,6 +85,7 @@ class World:
         self.spec_tokens, self.block_size = cfg.spec_tokens, cfg.block_size
         self.sched_sink = RecordingSink() if record else NULL_SINK
         self.sched = Scheduler(cfg.scheduler_config(), sink=self.sched_sink)
+        snapshot.share(self.sched.config)   # constant: pickles name it (snapshot.py)
         self.monitor = Monitor(self.sched, self)
         self.comm = Comm(cfg.pp_size)
         overlapped = cfg.mode == "overlapped"
@@ -100,6 +100,7 @@ class World:
         self.draining = False
         work = cfg.num_requests * (cfg.prompt_len[1] + cfg.max_tokens[1] + 1)
         self.max_steps = (work + 4) * (cfg.pp_size + 1) * 2
+        self.step_bound = True   # --no-canon: absolute steps, bounded; canonical: cycle check
 
     # ---------------------------------------------------------------- cloning
     def clone(self) -> "World":
@@ -168,7 +169,7 @@ class World:
             return False
         self.outputs[out.step] = out
         self.monitor.on_issue(out)
-        if out.step > self.max_steps:
+        if self.step_bound and out.step > self.max_steps:
             self.monitor.violation(6, out.step, None, f"no progress: {out.step} steps issued, "
                                    f"bound {self.max_steps}")
         return True
@@ -193,7 +194,7 @@ class World:
         out = self.outputs.get(rk.next_step)
         if out is None or self._waiting(rk):
             return False
-        before = copy.deepcopy(rk)            # shares the world, its sink and the comm ops
+        before = snapshot.copy_sharing(rk, (World, MonitorSink, Op))   # shares those three
         n_events, n_ops = len(rk.sink.events), len(rk.oplog)
         rk.begin_attempt()
         try:
