@@ -138,8 +138,12 @@ class World:
             if kind == "arrive":
                 self._arrive(action[1], action[2])
             elif kind == "abort":
-                if self.sched.abort(action[1]):
-                    self.monitor.on_abort(action[1])
+                # the request's own id object, not the action's equal copy: pickles memoize by
+                # identity, so one state must not pickle two ways (canonical keys)
+                req = self.sched._live.get(action[1])
+                rid = req.req_id if req is not None else action[1]
+                if self.sched.abort(rid):
+                    self.monitor.on_abort(rid)
             elif kind == "deliver":
                 self._deliver()
             elif kind == "issue":
