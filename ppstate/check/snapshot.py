@@ -158,37 +158,6 @@ def dumps(obj: Any) -> bytes:
 loads = pickle.loads
 
 
-class _SharingPickler(pickle.Pickler):
-    """Pickles a rank but not the objects it shares with its world (the world itself, the event
-    sink, communication ops) nor strings and tuples of ints and strings (immutable; keeping
-    them the same objects keeps the world's pickle, which memoizes by identity, the same as
-    after ``copy.deepcopy``): those are named by position in ``self.refs``."""
-
-    def __init__(self, buf: io.BytesIO, shared_types: tuple[type, ...]) -> None:
-        super().__init__(buf, _PROTO)
-        self.dispatch_table = _TABLE
-        self.shared_types, self.refs = shared_types, []
-
-    def persistent_id(self, obj: Any) -> int | None:
-        t = type(obj)
-        if t is str or (t is tuple and all(type(x) in (int, str) for x in obj)) or \
-                isinstance(obj, self.shared_types):   # immutable: deepcopy keeps them too
-            self.refs.append(obj)
-            return len(self.refs) - 1
-        return None
-
-
-def copy_sharing(obj: Any, shared_types: tuple[type, ...]) -> Any:
-    """A copy of ``obj`` in which instances of ``shared_types`` are the same objects (what
-    ``copy.deepcopy`` with ``__deepcopy__`` returning ``self`` does, several times faster)."""
-    buf = io.BytesIO()
-    p = _SharingPickler(buf, shared_types)
-    p.dump(obj)
-    u = pickle.Unpickler(io.BytesIO(buf.getvalue()))
-    u.persistent_load = p.refs.__getitem__
-    return u.load()
-
-
 def digest(data: bytes) -> bytes:
     """16-byte digest of a pickled state (the ``--no-canon`` key)."""
     return hashlib.blake2b(data, digest_size=16).digest()

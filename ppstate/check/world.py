@@ -16,15 +16,17 @@ per row, rejected tokens) answered by a :class:`~ppstate.check.choices.Chooser`.
 
 from __future__ import annotations
 
+import copy
 from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Literal
 
+from ppstate import mutants
 from ppstate.batch import SchedulerOutput, StepResult
 from ppstate.budget import SchedulerConfig
 from ppstate.check import snapshot
 from ppstate.check.choices import Chooser
-from ppstate.check.comm import Blocked, Comm, Op
+from ppstate.check.comm import Blocked, Comm
 from ppstate.check.monitor import Monitor, MonitorSink
 from ppstate.check.rank import CheckRank
 from ppstate.events import NULL_SINK, RecordingSink
@@ -198,12 +200,15 @@ class World:
         out = self.outputs.get(rk.next_step)
         if out is None or self._waiting(rk):
             return False
-        before = snapshot.copy_sharing(rk, (World, MonitorSink, Op))   # shares those three
-        n_events, n_ops = len(rk.sink.events), len(rk.oplog)
+        before = copy.deepcopy(rk) if self._may_block(rk, out) else None   # shares the world,
+        n_events, n_ops = len(rk.sink.events), len(rk.oplog)             # its sink and the ops
         rk.begin_attempt()
         try:
             result = rk.stepper.step(out)
         except Blocked as b:
+            if before is None:
+                raise AssertionError(f"rank {r} blocked in step {out.step} although "
+                                     f"_may_block said it cannot") from None
             before.oplog, before.choice_log, before.blocked_on = rk.oplog, rk.choice_log, b.op
             self.ranks[r] = before
             del rk.sink.events[n_events:]
@@ -215,6 +220,32 @@ class World:
         self._drain_mismatches()
         self._prune()
         return True
+
+    def _may_block(self, rk: CheckRank, out: SchedulerOutput) -> bool:
+        """Can rank ``rk``'s step ``out`` block? False only when it surely completes, so the
+        rollback copy is skipped (most steps do not block). A step's waits, in order: the
+        deferred receive its PPHandler consumes first (issued in an earlier step: blocks iff that
+        op is not done), and on ranks > 0 with rows the hidden-state receive, the first op the
+        step issues on the ``pp`` group (it completes at issue iff this rank's ``pp`` queue is
+        empty and the previous rank's head is the matching send). With a mutant on: True."""
+        if mutants.any_active():
+            return True
+        h = rk.handler
+        if h is not None and h._fifo and h._fifo[0] is not None:
+            op = getattr(h._fifo[0].handle, "op", None)
+            if op is None or not op.done:
+                return True
+        if rk.rank == 0 or out.num_rows == 0:
+            return False
+        if rk.oplog:                               # re-run: the receive was issued already
+            return not rk.oplog[0].done
+        comm = self.comm
+        if comm.queues.get(("pp", rk.rank)):
+            return True
+        head = comm.head("pp", rk.rank - 1)
+        index = comm.p2p_count.get(("pp", rk.rank - 1, rk.rank, "recv"), 0)
+        return not (head is not None and head.kind == "send" and head.peer == rk.rank
+                    and head.index == index)
 
     def _drain_mismatches(self) -> None:
         for msg, step in self.comm.take_mismatches():
