@@ -66,12 +66,13 @@ def test_canonical_counts_do_not_depend_on_the_hash_seed():
 
 def test_canonical_form_is_a_bisimulation():
     # every reachable whole state: one verdict and one set of successor keys per canonical key,
-    # also when the code runs on the scrubbed world (ppstate/check/verify.py); with preemption
-    # (3 KV blocks) so that cached blocks, re-admission and epochs are renamed too
+    # also when the code runs on the scrubbed world (ppstate/check/verify.py); the second bound
+    # has 3 KV blocks for two 4-token requests: preemption, prefix hits on the preempted
+    # request's cached blocks, re-admission epochs and renamed blocks
     for kw in (dict(pp_size=2, num_requests=2, prompt_len=(1, 1), max_tokens=(1, 1),
                     abort_anywhere=True),
-               dict(pp_size=2, num_requests=2, prompt_len=(3, 3), max_tokens=(1, 2),
-                    num_kv_blocks=2)):
+               dict(pp_size=2, num_requests=2, prompt_len=(3, 3), max_tokens=(2, 2),
+                    num_kv_blocks=3)):
         got = check_bisimulation(CheckConfig(**kw))
         assert got["complete"] and got["mismatches"] == [], got
         assert got["classes"] < got["states"]

@@ -209,7 +209,11 @@ def _explore(cfg: CheckConfig, max_states: int, max_violations: int,
                                "message": f"no progress: a cycle of {len(cycle[1])} engine moves "
                                           f"(results, issues, rank steps) returns to the same "
                                           f"state without any request progressing"}]
-    return _finish(res, cfg, t0)
+    res = _finish(res, cfg, t0)
+    if progress is not None:
+        print(f"pp={cfg.pp_size} done states={res.states} transitions={res.transitions} "
+              f"depth={res.depth} seconds={res.seconds}", file=progress, flush=True)
+    return res
 
 
 def _finish(res: CheckResult, cfg: CheckConfig, t0: float) -> CheckResult:
