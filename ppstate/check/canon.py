@@ -1,11 +1,12 @@
 """Canonical state keys of the model checker: what two worlds must agree on to have one future.
 
-The explorer used the digest of a world's whole pickle as its key, so two worlds that differ only
-in history (which finished request got which tokens, how many admissions came before) never
-merged and the state graph was nearly a tree. :func:`canonical_key` hashes a *scrubbed copy*
-instead: the explorer calls it on a child world whose pickle it has already taken (the frontier
-keeps that pickle, so the objects the real code runs on are never altered; the scrubbed object is
-thrown away). docs/checker.md argues each rule; in short:
+Keyed by the digest of a world's whole pickle (``--no-canon``), two worlds that differ only in
+history (which finished request got which tokens, how many steps and admissions came before) never
+merge and the state graph is nearly a tree. :func:`scrub` rewrites a world in place into its
+canonical form, a valid world with the same future: the explorer runs the real code on that form
+from then on, and :func:`canonical` returns its pickle (the frontier entry) and that pickle's 64-bit
+fingerprint (the key). ``ppstate.check.verify`` tests that the rules below keep verdicts and
+futures. docs/checker.md argues each rule; in short:
 
 * **Dead requests are forgotten.** A request is dead when the client saw it end (``closed`` in
   the monitor), the scheduler no longer holds it (not live), and no rank slot, issued step still

@@ -42,7 +42,8 @@ class CheckResult:
     transitions: int = 0
     depth: int = 0
     complete: bool = True
-    seconds: float = 0.0
+    seconds: float = 0.0       # wall
+    cpu_seconds: float = 0.0   # CPU of this process (with jobs > 1 the workers' CPU is not in it)
     violations: list[dict] = field(default_factory=list)
     path: list[tuple] = field(default_factory=list)   # (action, choices) of the first violation
     counterexample: str | None = None
@@ -161,7 +162,7 @@ def _levels(frontier: deque, canon: bool, jobs: int) -> Iterator[tuple[tuple, li
 
 def _explore(cfg: CheckConfig, max_states: int, max_violations: int,
              canon: bool, jobs: int, progress: TextIO | None) -> CheckResult:
-    t0 = time.perf_counter()
+    t0 = (time.perf_counter(), time.process_time())
     res = CheckResult(config=cfg.as_dict())
     root = World(cfg)
     root.step_bound = not canon
@@ -178,7 +179,7 @@ def _explore(cfg: CheckConfig, max_states: int, max_violations: int,
             level = depth
             print(f"pp={cfg.pp_size} level={depth} states={res.states} "
                   f"transitions={res.transitions} "
-                  f"seconds={time.perf_counter() - t0:.1f}", file=progress, flush=True)
+                  f"seconds={time.perf_counter() - t0[0]:.1f}", file=progress, flush=True)
         for action, choices, cdata, d, found in succ:
             res.transitions += 1
             cid = seen.get(d)
@@ -212,11 +213,12 @@ def _explore(cfg: CheckConfig, max_states: int, max_violations: int,
     res = _finish(res, cfg, t0)
     if progress is not None:
         print(f"pp={cfg.pp_size} done states={res.states} transitions={res.transitions} "
-              f"depth={res.depth} seconds={res.seconds}", file=progress, flush=True)
+              f"depth={res.depth} seconds={res.seconds} cpu_seconds={res.cpu_seconds}",
+              file=progress, flush=True)
     return res
 
 
-def _finish(res: CheckResult, cfg: CheckConfig, t0: float) -> CheckResult:
+def _finish(res: CheckResult, cfg: CheckConfig, t0: tuple[float, float]) -> CheckResult:
     """Report the first violation with the absolute step numbers of a replay of its path (the
     explored state's steps are relative)."""
     if res.violations and res.violations[0]["step"] is not None:
@@ -224,7 +226,8 @@ def _finish(res: CheckResult, cfg: CheckConfig, t0: float) -> CheckResult:
         real = w.violations or end_violations(w)
         if real:
             res.violations = real
-    res.seconds = round(time.perf_counter() - t0, 3)
+    res.seconds = round(time.perf_counter() - t0[0], 3)
+    res.cpu_seconds = round(time.process_time() - t0[1], 3)
     return res
 
 
