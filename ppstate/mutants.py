@@ -49,6 +49,11 @@ def active(name: str) -> bool:
     return name in _active
 
 
+def any_active() -> bool:
+    """True while any mutant is switched on."""
+    return bool(_active)
+
+
 @contextmanager
 def enabled(*names: str) -> Iterator[None]:
     """Switch the named mutants on for the ``with`` block.

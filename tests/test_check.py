@@ -4,13 +4,18 @@ bound, every mutant caught with a counterexample that ``python -m ppstate.replay
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from ppstate import mutants
 from ppstate.check import CheckConfig, explore
 from ppstate.check.__main__ import main as check_main
-from ppstate.check.canon import _dead, canonical_key
+from ppstate.check.canon import _dead, canonical_key, scrub
+from ppstate.check.cycles import EdgeLog
+from ppstate.check.verify import check_bisimulation
 from ppstate.check.choices import Chooser
 from ppstate.check.comm import Comm
 from ppstate.check.snapshot import digest, dumps
@@ -39,13 +44,48 @@ MUTANT_CASES = {
 
 
 def test_baseline_clean_at_a_small_bound():
-    full = explore(CheckConfig(**BASE), canon=False)     # keyed by the whole pickle
-    assert full.complete and full.violations == []
-    assert full.states == 2795 and full.transitions == 3332 and full.depth == 12
-    res = explore(CheckConfig(**BASE))    # canonical keys: the same verdict, fewer states
+    # the whole-state graph at BASE has 2,795 states / 3,332 transitions / depth 12
+    # (--no-canon; compared with canonical keys at a smaller bound below)
+    res = explore(CheckConfig(**BASE))
     assert res.complete and res.violations == []
-    # 1,519 / 2,072 / 12 or 1,297 / 1,843 / 11 depending on PYTHONHASHSEED (docs/checker.md)
-    assert res.states < 0.6 * full.states and res.transitions < 0.7 * full.transitions
+    assert (res.states, res.transitions, res.depth) == CANON_B0
+
+
+# canonical states / transitions / depth at BASE: the same under every PYTHONHASHSEED
+CANON_B0 = (729, 1246, 11)
+
+
+def test_canonical_counts_do_not_depend_on_the_hash_seed():
+    code = ("from ppstate.check import CheckConfig, explore; r = explore(CheckConfig(pp_size=2, "
+            "num_requests=2, prompt_len=(1, 1), max_tokens=(1, 1), abort_anywhere=True)); "
+            "print(r.states, r.transitions, r.depth)")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in "12"}
+    assert len(outs) == 1, outs
+
+
+def test_canonical_form_is_a_bisimulation():
+    # every reachable whole state: one verdict and one set of successor keys per canonical key,
+    # also when the code runs on the scrubbed world (ppstate/check/verify.py); the second bound
+    # has 3 KV blocks for two 4-token requests: preemption, prefix hits on the preempted
+    # request's cached blocks, re-admission epochs and renamed blocks
+    for kw in (dict(pp_size=2, num_requests=2, prompt_len=(1, 1), max_tokens=(1, 1),
+                    abort_anywhere=True),
+               dict(pp_size=2, num_requests=2, prompt_len=(3, 3), max_tokens=(2, 2),
+                    num_kv_blocks=3)):
+        got = check_bisimulation(CheckConfig(**kw))
+        assert got["complete"] and got["mismatches"] == [], got
+        assert got["classes"] < got["states"]
+
+
+def test_cycle_check_finds_a_loop_of_engine_moves():
+    log = EdgeLog()
+    for a, b in ((0, 1), (1, 2), (2, 3), (0, 3)):
+        log.add(a, b, ("deliver",), ())
+    assert log.find_cycle() is None                       # a DAG: no livelock
+    log.add(3, 1, ("issue",), ())
+    start, moves = log.find_cycle()
+    assert start in (1, 2, 3) and len(moves) == 3 and ("issue",) in [m[0] for m in moves]
 
 
 def test_canonical_keys_keep_the_verdict_and_merge_histories():
@@ -54,7 +94,7 @@ def test_canonical_keys_keep_the_verdict_and_merge_histories():
     assert canon.complete and full.complete and canon.violations == full.violations == []
     assert canon.states < full.states and canon.depth <= full.depth
     # r0 ends by EOS or by length at its one token, then r1 arrives and ends: different
-    # histories (tokens, finish reason), one future
+    # histories (tokens, finish reason, step numbers), one future
     cfg = CheckConfig(pp_size=2, num_requests=2, prompt_len=(1, 1), max_tokens=(1, 1))
     worlds = []
     for eos in (0, 1):
@@ -73,6 +113,9 @@ def test_canonical_keys_keep_the_verdict_and_merge_histories():
     before = dumps(worlds[0])
     assert canonical_key(worlds[0].clone()) == canonical_key(worlds[1].clone())
     assert dumps(worlds[0]) == before   # keys come from a copy; the world is not touched
+    scrubbed = worlds[0].clone()
+    scrub(scrubbed)
+    assert scrubbed.sched.next_step == 0 and worlds[0].sched.next_step > 0   # relative steps
 
 
 def test_parallel_bfs_matches_one_process():

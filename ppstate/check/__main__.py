@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         violations += [{**v, "pp_size": pp} for v in res.violations]
         if not ns.json:
             print(f"pp={pp}: states={res.states} transitions={res.transitions} depth={res.depth} "
-                  f"complete={res.complete} seconds={res.seconds} "
+                  f"complete={res.complete} seconds={res.seconds} cpu_seconds={res.cpu_seconds} "
                   f"violations={len(res.violations)}", flush=True)
         if res.violations:
             break
@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
            "transitions": sum(r["transitions"] for r in runs),
            "depth": max(r["depth"] for r in runs), "complete": all(r["complete"] for r in runs),
            "seconds": round(sum(r["seconds"] for r in runs), 3),
+           "cpu_seconds": round(sum(r["cpu_seconds"] for r in runs), 3),
            "violations": violations, "num_violations": len(violations),
            "counterexample": counterexample, "runs": runs}
     if ns.json:

@@ -1,11 +1,12 @@
 """Canonical state keys of the model checker: what two worlds must agree on to have one future.
 
-The explorer used the digest of a world's whole pickle as its key, so two worlds that differ only
-in history (which finished request got which tokens, how many admissions came before) never
-merged and the state graph was nearly a tree. :func:`canonical_key` hashes a *scrubbed copy*
-instead: the explorer calls it on a child world whose pickle it has already taken (the frontier
-keeps that pickle, so the objects the real code runs on are never altered; the scrubbed object is
-thrown away). docs/checker.md argues each rule; in short:
+Keyed by the digest of a world's whole pickle (``--no-canon``), two worlds that differ only in
+history (which finished request got which tokens, how many steps and admissions came before) never
+merge and the state graph is nearly a tree. :func:`scrub` rewrites a world in place into its
+canonical form, a valid world with the same future: the explorer runs the real code on that form
+from then on, and :func:`canonical` returns its pickle (the frontier entry) and that pickle's 64-bit
+fingerprint (the key). ``ppstate.check.verify`` tests that the rules below keep verdicts and
+futures. docs/checker.md argues each rule; in short:
 
 * **Dead requests are forgotten.** A request is dead when the client saw it end (``closed`` in
   the monitor), the scheduler no longer holds it (not live), and no rank slot, issued step still
@@ -32,13 +33,25 @@ thrown away). docs/checker.md argues each rule; in short:
   in-flight rows'): the scheduler only compares epochs for equality and every new epoch is larger
   than all others, so an order-preserving renaming keeps every comparison's outcome.
 
-Step numbers, slot generations and KV block ids stay absolute (see docs/checker.md: the step bound
-of the no-progress check reads the absolute step number).
+* **A free slot's scheduler and rank arrays are forgotten** (``RequestArrays`` fields, the CPU
+  mirror's and the device counters' per-slot values): admission rewrites each of them
+  (``RequestArrays.reset``, ``CpuMirror.add_request``, ``CheckRank.apply_freed_new``) and only live
+  slots are read or validated. ``Request.order`` and its counter are read by nothing.
+* **Steps, op indices, slot generations and KV block ids are renamed**
+  (:mod:`ppstate.check.renumber`).
+
+The explorer continues from the scrubbed world itself (it is a valid world with the same future),
+so one pickle per transition is both the frontier entry and, hashed, the key. Since step numbers
+are relative, the explorer replaces the absolute step bound by a cycle check (docs/checker.md).
 """
 
 from __future__ import annotations
 
-from ppstate.check.snapshot import digest, dumps
+import numpy as np
+
+from ppstate.check import renumber
+from ppstate.check.snapshot import dumps, fingerprint
+from ppstate.mirror import MIRROR_FIELDS
 
 
 def _named(w) -> set[str]:
@@ -78,12 +91,31 @@ def _forget_freed_reasons(w) -> None:
             object.__setattr__(f, "reason", "finished")
 
 
+def _forget_old_steps(w) -> None:
+    """Issued steps no rank will read again: a rank reads ``outputs[s]`` for its own steps
+    (``s >= next_step``) and for the step of each deferred entry it still holds (the payload's
+    owners, the wait's progress rule); the monitor's row admissions are read for those steps too.
+    The scheduler's own in-flight steps are its state and stay."""
+    low = min(rk.next_step for rk in w.ranks)
+    keep = {s for s in w.outputs if s >= low}
+    for rk in w.ranks:
+        if rk.handler is not None:
+            keep.update(e.step for e in rk.handler._fifo if e is not None)
+    for s in [s for s in w.outputs if s not in keep]:
+        del w.outputs[s]
+    rows = w.monitor.inner.row_admission
+    for key in [k for k in rows if k[0] not in keep]:
+        del rows[key]
+
+
 def _forget_stats(w) -> None:
     s = w.sched
     s.num_preemptions = s.num_prefill_tokens = 0
     s.num_spec_rejected = s.num_spec_proposed = s.num_spec_rows = 0
     pool = s.kv.pool
     pool.query_tokens = pool.hit_tokens = 0
+    w.monitor.inner.post_log.clear()   # the simulator's write-only log of broadcast decisions
+    s.lanes = s.config.pp_size         # written by schedule() before any read
 
 
 def _forget_free_slots(w) -> None:
@@ -93,6 +125,17 @@ def _forget_free_slots(w) -> None:
                 rk.history[s] = []
                 rk.output_cap[s] = rk.sample_seed[s] = rk.last_prompt[s] = 0
                 rk.ignore_eos[s] = rk.stopped[s] = False
+                for f in MIRROR_FIELDS:
+                    rk.mirror.array(f)[s] = 0
+                    rk.device[f][s] = 0
+    sched = w.sched
+    free = np.array([s for s, o in enumerate(sched.slots.owner) if o is None], dtype=np.int64)
+    if free.size:
+        for f in sched.arrays.FIELDS:
+            getattr(sched.arrays, f)[free] = 0
+    sched._order = 0
+    for r in sched._live.values():
+        r.order = 0
 
 
 def _renumber_epochs(w) -> None:
@@ -110,15 +153,28 @@ def _renumber_epochs(w) -> None:
 
 
 def scrub(w) -> None:
-    """Rewrite ``w`` (a copy the explorer no longer runs) into its canonical form."""
+    """Rewrite ``w`` into its canonical form (a world with the same future)."""
+    _forget_old_steps(w)
     _forget_requests(w, _dead(w))
     _forget_freed_reasons(w)
     _forget_stats(w)
     _forget_free_slots(w)
     _renumber_epochs(w)
+    ops = renumber.ops_of(w)
+    renumber.shift_steps(w, ops)
+    renumber.trim_sampling_history(w)
+    renumber.shift_comm(w, ops)
+    renumber.renumber_generations(w)
+    renumber.rename_blocks(w)
 
 
-def canonical_key(w) -> bytes:
-    """16-byte key of ``w``'s future (module docstring); scrubs ``w`` in place."""
+def canonical(w) -> tuple[bytes, int]:
+    """Scrub ``w`` in place; returns its pickle and the 64-bit fingerprint of that pickle."""
     scrub(w)
-    return digest(dumps(w))
+    data = dumps(w)
+    return data, fingerprint(data)
+
+
+def canonical_key(w) -> int:
+    """64-bit key of ``w``'s future (module docstring); scrubs ``w`` in place."""
+    return canonical(w)[1]

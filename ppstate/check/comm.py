@@ -86,18 +86,19 @@ class Comm:
         self._progress()
         return op
 
-    def _head(self, group: str, rank: int) -> Op | None:
+    def head(self, group: str, rank: int) -> Op | None:
+        """The oldest op of ``rank`` on ``group`` not yet complete, or None."""
         q = self.queues.get((group, rank))
         return q[0] if q else None
 
     def _partners(self, op: Op) -> list[Op] | None:
         """The heads of the partner ranks' queues if they are op's partners, else None."""
         if op.kind == "bcast":
-            heads = [self._head(op.group, r) for r in range(self.pp_size) if r != op.rank]
+            heads = [self.head(op.group, r) for r in range(self.pp_size) if r != op.rank]
             if any(h is None or h.kind != "bcast" for h in heads):
                 return None
             return heads
-        head = self._head(op.group, op.peer)
+        head = self.head(op.group, op.peer)
         want = "recv" if op.kind == "send" else "send"
         if head is None or head.kind != want or head.peer != op.rank or head.index != op.index:
             return None

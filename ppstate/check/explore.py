@@ -1,28 +1,34 @@
 """Breadth-first explicit-state exploration of :class:`~ppstate.check.world.World`.
 
-Each frontier state is stored as its pickle; two states are the same when their canonical keys
-are (:mod:`ppstate.check.canon`: a digest of a copy with history that cannot influence the future
-scrubbed; ``canon=False``: the digest of the whole pickle). With ``jobs`` > 1 each BFS level is
+Each frontier state is stored as its pickle; two states are the same when their keys are equal
+(:mod:`ppstate.check.canon`: each child is rewritten into its canonical form, with history that
+cannot influence the future forgotten and names renumbered, and exploration continues from that
+form; the key is a 64-bit fingerprint of its pickle. ``canon=False``: the world is kept as it
+ran and keyed by a digest of its whole pickle). With ``jobs`` > 1 each BFS level is
 expanded by worker processes and deduplicated here in frontier order. Breadth first, so the first violation found has a shortest
 path: its actions (with the choices taken inside each) are kept as parent links and replayed
 into a trace by :mod:`ppstate.check.counterexample`.
 
 Judged in every state: the monitor's invariants (:mod:`ppstate.check.monitor`); deadlock (work
 left and nothing can move: no rank step, result or issue, which settling already tried); at the
-end of a run (every request arrived and none live) no op may be left unmatched.
+end of a run (every request arrived and none live) no op may be left unmatched. After the last
+level, with canonical keys: no cycle of engine moves (a livelock; :mod:`ppstate.check.cycles`).
+Without them the absolute step bound of :class:`~ppstate.check.world.World` stands in.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import time
+import zlib
 from collections.abc import Iterator
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TextIO
 
 from ppstate import mutants
-from ppstate.check.canon import canonical_key
+from ppstate.check.canon import canonical
+from ppstate.check.cycles import EdgeLog
 from ppstate.check.choices import Chooser, choice_vectors
 from ppstate.check.snapshot import digest, dumps, loads
 from ppstate.check.world import CheckConfig, World
@@ -36,7 +42,8 @@ class CheckResult:
     transitions: int = 0
     depth: int = 0
     complete: bool = True
-    seconds: float = 0.0
+    seconds: float = 0.0       # wall
+    cpu_seconds: float = 0.0   # CPU of this process (with jobs > 1 the workers' CPU is not in it)
     violations: list[dict] = field(default_factory=list)
     path: list[tuple] = field(default_factory=list)   # (action, choices) of the first violation
     counterexample: str | None = None
@@ -85,7 +92,8 @@ def end_violations(w: World) -> list[dict]:
             return [{"invariant": 1, "step": left[0].step, "rank": left[0].rank,
                      "message": "run ended with unmatched ops: " +
                      "; ".join(f"rank {o.rank} {o.describe()}" for o in left)}]
-        open_reqs = [f"r{i}" for i in range(w.arrived) if f"r{i}" not in w.monitor.inner.closed]
+        # every arrived request has a record until it is closed and forgotten (canon.py)
+        open_reqs = [rid for rid in w.monitor.delivered if rid not in w.monitor.inner.closed]
         if open_reqs:
             return [{"invariant": 3, "step": w.sched.next_step, "rank": None,
                      "message": f"run ended, the client never saw {open_reqs} finish"}]
@@ -113,18 +121,23 @@ def explore(cfg: CheckConfig, max_states: int = 2_000_000, max_violations: int =
 
 
 def _expand(item: tuple[bytes, bool]) -> list[tuple]:
-    """Every successor of one pickled state: ``(action, choices, pickle, key, violations)``."""
-    data, canon = item
+    """Every successor of one pickled state: ``(action, choices, pickle, key, violations)``
+    (pickles zlib-compressed: a frontier level can hold hundreds of thousands)."""
+    packed, canon = item
+    data = zlib.decompress(packed)
     w: World = loads(data)
     succ = []
     for action in w.actions():
         for choices, child in choice_vectors(lambda ch: _step_world(data, action, ch)):
             if child is None:
                 continue
-            cdata = dumps(child)
             found = child.violations or end_violations(child)
-            key = canonical_key(child) if canon else digest(cdata)
-            succ.append((action, choices, cdata, key, found))
+            if canon:
+                cdata, key = canonical(child)
+            else:
+                cdata = dumps(child)
+                key = digest(cdata)
+            succ.append((action, choices, zlib.compress(cdata, 1), key, found))
     return succ
 
 
@@ -149,14 +162,16 @@ def _levels(frontier: deque, canon: bool, jobs: int) -> Iterator[tuple[tuple, li
 
 def _explore(cfg: CheckConfig, max_states: int, max_violations: int,
              canon: bool, jobs: int, progress: TextIO | None) -> CheckResult:
-    t0 = time.perf_counter()
+    t0 = (time.perf_counter(), time.process_time())
     res = CheckResult(config=cfg.as_dict())
     root = World(cfg)
+    root.step_bound = not canon
     root.settle()
-    data = dumps(root)
-    seen = {canonical_key(root.clone()) if canon else digest(data)}
+    data, key = canonical(root) if canon else (dumps(root), digest(dumps(root)))
+    seen: dict = {key: 0}
+    edges = EdgeLog() if canon else None
     parents: dict[int, tuple[int, tuple, tuple]] = {}
-    frontier: deque[tuple[int, int, bytes]] = deque([(0, 0, data)])
+    frontier: deque[tuple[int, int, bytes]] = deque([(0, 0, zlib.compress(data, 1))])
     res.states, next_id = 1, 1
     level = 0
     for (nid, depth, _), succ in _levels(frontier, canon, jobs):
@@ -164,30 +179,55 @@ def _explore(cfg: CheckConfig, max_states: int, max_violations: int,
             level = depth
             print(f"pp={cfg.pp_size} level={depth} states={res.states} "
                   f"transitions={res.transitions} "
-                  f"seconds={time.perf_counter() - t0:.1f}", file=progress, flush=True)
+                  f"seconds={time.perf_counter() - t0[0]:.1f}", file=progress, flush=True)
         for action, choices, cdata, d, found in succ:
             res.transitions += 1
-            if d in seen:
-                continue
-            seen.add(d)
-            cid, next_id = next_id, next_id + 1
-            parents[cid] = (nid, action, choices)
-            res.states += 1
-            res.depth = max(res.depth, depth + 1)
-            if found:
-                if not res.violations:
-                    res.path = _path(parents, cid)
-                res.violations += found
-                if len({v["message"] for v in res.violations}) >= max_violations:
-                    res.seconds = round(time.perf_counter() - t0, 3)
-                    return res
-                continue
-            frontier.append((cid, depth + 1, cdata))
+            cid = seen.get(d)
+            if cid is None:
+                cid, next_id = next_id, next_id + 1
+                seen[d] = cid
+                parents[cid] = (nid, action, choices)
+                res.states += 1
+                res.depth = max(res.depth, depth + 1)
+                if found:
+                    if not res.violations:
+                        res.path = _path(parents, cid)
+                    res.violations += found
+                    if len({v["message"] for v in res.violations}) >= max_violations:
+                        return _finish(res, cfg, t0)
+                    continue
+                frontier.append((cid, depth + 1, cdata))
+            if edges is not None and action[0] in EdgeLog.ENGINE_MOVES:
+                edges.add(nid, cid, action, choices)
             if res.states >= max_states:
                 res.complete = False
-                res.seconds = round(time.perf_counter() - t0, 3)
-                return res
-    res.seconds = round(time.perf_counter() - t0, 3)
+                return _finish(res, cfg, t0)
+    if edges is not None and not res.violations:
+        cycle = edges.find_cycle()
+        if cycle is not None:
+            res.path = _path(parents, cycle[0]) + cycle[1]
+            res.violations = [{"invariant": 6, "step": None, "rank": None,
+                               "message": f"no progress: a cycle of {len(cycle[1])} engine moves "
+                                          f"(results, issues, rank steps) returns to the same "
+                                          f"state without any request progressing"}]
+    res = _finish(res, cfg, t0)
+    if progress is not None:
+        print(f"pp={cfg.pp_size} done states={res.states} transitions={res.transitions} "
+              f"depth={res.depth} seconds={res.seconds} cpu_seconds={res.cpu_seconds}",
+              file=progress, flush=True)
+    return res
+
+
+def _finish(res: CheckResult, cfg: CheckConfig, t0: tuple[float, float]) -> CheckResult:
+    """Report the first violation with the absolute step numbers of a replay of its path (the
+    explored state's steps are relative)."""
+    if res.violations and res.violations[0]["step"] is not None:
+        w = replay_path(cfg, res.path)
+        real = w.violations or end_violations(w)
+        if real:
+            res.violations = real
+    res.seconds = round(time.perf_counter() - t0[0], 3)
+    res.cpu_seconds = round(time.process_time() - t0[1], 3)
     return res
 
 

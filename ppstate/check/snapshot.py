@@ -1,11 +1,18 @@
-"""Copying and hashing a model-checker state: its pickle.
+"""Copying and fingerprinting a model-checker state: its pickle.
 
 The pickle is the state's complete copy (frontier states travel as pickles, also to the
-``--jobs`` workers); its digest is the ``--no-canon`` key, and :mod:`ppstate.check.canon` hashes
-a scrubbed copy's pickle. Two reducers keep the pickle small and
-fast: the request lifecycle machine (``transitions``) is rebuilt from its models and their states
-instead of being pickled with every bound trigger method, and small 1-d numpy arrays travel as
-lists.
+``--jobs`` workers); the fingerprint of a (canonical, :mod:`ppstate.check.canon`) state is a
+64-bit hash of its pickle. Reducers keep the pickle small and fast:
+
+* objects that never change during a run are not copied: the scheduler's
+  :class:`~ppstate.budget.SchedulerConfig` (frozen) and the read-only parts of
+  :class:`~ppstate.block_states.BlockStates` (its machine table, edge vectors and spec; only the
+  per-block ``code`` array is state) travel as an index into a table of this process (filled
+  before ``--jobs`` workers fork, so they share it);
+* the request lifecycle machine (``transitions``) travels as its models and their states and is
+  rebuilt only when the scheduler fires, adds or removes a request (:class:`LazyLifecycle`; most
+  transitions fire no lifecycle edge);
+* small 1-d numpy arrays travel as lists.
 """
 
 from __future__ import annotations
@@ -18,11 +25,65 @@ from typing import Any
 
 import numpy as np
 
+from ppstate.block_states import BlockStates
+from ppstate.budget import SchedulerConfig
 from ppstate.lifecycle import Lifecycle
 from ppstate.request import Request
 
 _PROTO = pickle.HIGHEST_PROTOCOL
 _LIFECYCLE: dict[str, Any] = {}   # a built Lifecycle's fields but the machine, shared
+_SHARED: list[Any] = []           # constant objects of this process, by index
+_SHARED_INDEX: dict[int, int] = {}   # id(object) -> index in _SHARED
+_BY_VALUE: dict[Any, int] = {}       # value key -> index: equal constants get one index
+_KEEP: list[Any] = []             # every object named in _SHARED_INDEX stays alive (no id reuse)
+
+
+def _register(obj: Any, value_key: Any, shared: Any) -> int:
+    index = _BY_VALUE.get(value_key)
+    if index is None:
+        index = _BY_VALUE[value_key] = len(_SHARED)
+        _SHARED.append(shared)
+    _SHARED_INDEX[id(obj)] = index
+    _KEEP.append(obj)
+    return index
+
+
+def share(obj: SchedulerConfig) -> None:
+    """Make ``obj`` travel by reference: pickles of this process (and of processes forked after
+    this call) name it by index instead of copying it. Equal configurations get one index, so
+    equal states of different runs pickle alike."""
+    if id(obj) not in _SHARED_INDEX:
+        _register(obj, ("config", obj), obj)
+
+
+def _shared(index: int) -> Any:
+    return _SHARED[index]
+
+
+def _reduce_config(cfg: SchedulerConfig):
+    index = _SHARED_INDEX.get(id(cfg))
+    if index is None:
+        return cfg.__reduce_ex__(_PROTO)
+    return _shared, (index,)
+
+
+def _rebuild_block_states(index: int, code: bytes) -> BlockStates:
+    bs = BlockStates.__new__(BlockStates)
+    bs.__dict__.update(_SHARED[index])
+    bs.code = np.frombuffer(code, dtype=np.int8).copy()   # [num_blocks]
+    return bs
+
+
+def _reduce_block_states(bs: BlockStates):
+    """``code`` is the only field that changes; the rest (spec, machine, edge vectors) is shared
+    by every BlockStates of an equal table (keyed by its ``_allowed`` dict, kept alive)."""
+    index = _SHARED_INDEX.get(id(bs._allowed))
+    if index is None:
+        table = (tuple(bs.spec.state_names),
+                 tuple((t.trigger, tuple(t.source), t.dest) for t in bs.spec.transitions))
+        index = _register(bs._allowed, ("blocks", table),
+                          {k: v for k, v in vars(bs).items() if k != "code"})
+    return _rebuild_block_states, (index, bs.code.tobytes())
 
 
 def _rebuild_request(state: dict) -> Request:
@@ -35,18 +96,37 @@ def _reduce_request(req: Request):
     return _rebuild_request, ({k: v for k, v in vars(req).items() if not callable(v)},)
 
 
+class LazyLifecycle(Lifecycle):
+    """A :class:`Lifecycle` restored from a pickle: its ``transitions`` machine is built on first
+    use (``add``, ``remove``, ``fire``); until then the models wait in ``_pending``."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name != "machine":
+            raise AttributeError(name)
+        machine = Lifecycle(self.spec).machine
+        for model, state in self.__dict__.pop("_pending"):
+            machine.add_model(model, initial=state)
+        self.machine = machine
+        return machine
+
+    def fire(self, request, trigger: str) -> str:
+        self.machine   # noqa: B018 - builds the machine (attaches the trigger methods)
+        return super().fire(request, trigger)
+
+
 def _rebuild_lifecycle(models: list[tuple[Request, str]]) -> Lifecycle:
     if not _LIFECYCLE:
         _LIFECYCLE.update({k: v for k, v in vars(Lifecycle()).items() if k != "machine"})
-    lc = Lifecycle.__new__(Lifecycle)
+    lc = LazyLifecycle.__new__(LazyLifecycle)
     lc.__dict__.update(_LIFECYCLE)
-    lc.machine = Lifecycle(lc.spec).machine
-    for model, state in models:
-        lc.machine.add_model(model, initial=state)
+    lc._pending = models
     return lc
 
 
 def _reduce_lifecycle(lc: Lifecycle):
+    pending = lc.__dict__.get("_pending")
+    if pending is not None:
+        return _rebuild_lifecycle, ([(m, m.state) for m, _ in pending],)
     return _rebuild_lifecycle, ([(m, m.state) for m in lc.machine.models],)
 
 
@@ -61,7 +141,9 @@ def _reduce_array(a: np.ndarray):
 
 
 _TABLE = copyreg.dispatch_table.copy()
-_TABLE.update({Lifecycle: _reduce_lifecycle, Request: _reduce_request, np.ndarray: _reduce_array})
+_TABLE.update({Lifecycle: _reduce_lifecycle, LazyLifecycle: _reduce_lifecycle,
+               Request: _reduce_request, np.ndarray: _reduce_array,
+               SchedulerConfig: _reduce_config, BlockStates: _reduce_block_states})
 
 
 def dumps(obj: Any) -> bytes:
@@ -77,5 +159,11 @@ loads = pickle.loads
 
 
 def digest(data: bytes) -> bytes:
-    """16-byte key of a pickled state."""
+    """16-byte digest of a pickled state (the ``--no-canon`` key)."""
     return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def fingerprint(data: bytes) -> int:
+    """64-bit fingerprint of a pickled canonical state (BLAKE2b; docs/checker.md gives the
+    collision probability)."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")

@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Literal
 
+from ppstate import mutants
 from ppstate.batch import SchedulerOutput, StepResult
 from ppstate.budget import SchedulerConfig
 from ppstate.check import snapshot
@@ -86,6 +87,7 @@ class World:
         self.spec_tokens, self.block_size = cfg.spec_tokens, cfg.block_size
         self.sched_sink = RecordingSink() if record else NULL_SINK
         self.sched = Scheduler(cfg.scheduler_config(), sink=self.sched_sink)
+        snapshot.share(self.sched.config)   # constant: pickles name it (snapshot.py)
         self.monitor = Monitor(self.sched, self)
         self.comm = Comm(cfg.pp_size)
         overlapped = cfg.mode == "overlapped"
@@ -100,6 +102,7 @@ class World:
         self.draining = False
         work = cfg.num_requests * (cfg.prompt_len[1] + cfg.max_tokens[1] + 1)
         self.max_steps = (work + 4) * (cfg.pp_size + 1) * 2
+        self.step_bound = True   # --no-canon: absolute steps, bounded; canonical: cycle check
 
     # ---------------------------------------------------------------- cloning
     def clone(self) -> "World":
@@ -137,8 +140,12 @@ class World:
             if kind == "arrive":
                 self._arrive(action[1], action[2])
             elif kind == "abort":
-                if self.sched.abort(action[1]):
-                    self.monitor.on_abort(action[1])
+                # the request's own id object, not the action's equal copy: pickles memoize by
+                # identity, so one state must not pickle two ways (canonical keys)
+                req = self.sched._live.get(action[1])
+                rid = req.req_id if req is not None else action[1]
+                if self.sched.abort(rid):
+                    self.monitor.on_abort(rid)
             elif kind == "deliver":
                 self._deliver()
             elif kind == "issue":
@@ -168,7 +175,7 @@ class World:
             return False
         self.outputs[out.step] = out
         self.monitor.on_issue(out)
-        if out.step > self.max_steps:
+        if self.step_bound and out.step > self.max_steps:
             self.monitor.violation(6, out.step, None, f"no progress: {out.step} steps issued, "
                                    f"bound {self.max_steps}")
         return True
@@ -193,12 +200,15 @@ class World:
         out = self.outputs.get(rk.next_step)
         if out is None or self._waiting(rk):
             return False
-        before = copy.deepcopy(rk)            # shares the world, its sink and the comm ops
-        n_events, n_ops = len(rk.sink.events), len(rk.oplog)
+        before = copy.deepcopy(rk) if self._may_block(rk, out) else None   # shares the world,
+        n_events, n_ops = len(rk.sink.events), len(rk.oplog)             # its sink and the ops
         rk.begin_attempt()
         try:
             result = rk.stepper.step(out)
         except Blocked as b:
+            if before is None:
+                raise AssertionError(f"rank {r} blocked in step {out.step} although "
+                                     f"_may_block said it cannot") from None
             before.oplog, before.choice_log, before.blocked_on = rk.oplog, rk.choice_log, b.op
             self.ranks[r] = before
             del rk.sink.events[n_events:]
@@ -210,6 +220,32 @@ class World:
         self._drain_mismatches()
         self._prune()
         return True
+
+    def _may_block(self, rk: CheckRank, out: SchedulerOutput) -> bool:
+        """Can rank ``rk``'s step ``out`` block? False only when it surely completes, so the
+        rollback copy is skipped (most steps do not block). A step's waits, in order: the
+        deferred receive its PPHandler consumes first (issued in an earlier step: blocks iff that
+        op is not done), and on ranks > 0 with rows the hidden-state receive, the first op the
+        step issues on the ``pp`` group (it completes at issue iff this rank's ``pp`` queue is
+        empty and the previous rank's head is the matching send). With a mutant on: True."""
+        if mutants.any_active():
+            return True
+        h = rk.handler
+        if h is not None and h._fifo and h._fifo[0] is not None:
+            op = getattr(h._fifo[0].handle, "op", None)
+            if op is None or not op.done:
+                return True
+        if rk.rank == 0 or out.num_rows == 0:
+            return False
+        if rk.oplog:                               # re-run: the receive was issued already
+            return not rk.oplog[0].done
+        comm = self.comm
+        if comm.queues.get(("pp", rk.rank)):
+            return True
+        head = comm.head("pp", rk.rank - 1)
+        index = comm.p2p_count.get(("pp", rk.rank - 1, rk.rank, "recv"), 0)
+        return not (head is not None and head.kind == "send" and head.peer == rk.rank
+                    and head.index == index)
 
     def _drain_mismatches(self) -> None:
         for msg, step in self.comm.take_mismatches():
