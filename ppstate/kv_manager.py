@@ -36,12 +36,17 @@ class KVManager:
         self.pool = BlockPool(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.block_size = config.block_size
         self.watermark = config.watermark_blocks
+        # blocks in each slot's block-table row (= len(pool.table(owner))): lets the scheduler
+        # tell, for all decode rows at once, whose next token needs a new block
+        self.held = np.zeros(config.max_num_seqs, dtype=np.int64)   # [max_num_reqs]
         self._slots: list[int] = []
         self._cols: list[int] = []
         self._ids: list[int] = []
 
     # ------------------------------------------------------------------ deltas
     def _record(self, slot: int, first_col: int, blocks: list[int]) -> None:
+        if blocks:
+            self.held[slot] = first_col + len(blocks)
         self._slots += [slot] * len(blocks)
         self._cols += range(first_col, first_col + len(blocks))
         self._ids += blocks
@@ -105,6 +110,8 @@ class KVManager:
         req.num_registered = max(req.num_registered, upto)
 
     def free(self, req: "Request") -> None:
-        """Release ``req``'s blocks (finish, abort, preemption)."""
+        """Release ``req``'s blocks (finish, abort, preemption; ``req.slot`` still set)."""
         self.pool.free(req.req_id)
+        if req.slot >= 0:
+            self.held[req.slot] = 0
         req.num_registered = 0
