@@ -101,6 +101,24 @@ class KVManager:
             first = len(self.pool.table(req.req_id))
             self._record(req.slot, first, self.pool.allocate(req.req_id, need))
 
+    def grow_by_one_block(self, slots: np.ndarray, req_ids: list[str]) -> None:
+        """Give each of the requests ``req_ids`` (in ``slots``, ``[k]``, distinct; each holding
+        exactly the blocks its computed tokens fill) one more block, as :meth:`grow` would one by
+        one (same block ids, same deltas in the same order). A decode row's token never completes
+        a prefill block, so there is nothing to register.
+
+        Raises:
+            BlockError: fewer than ``k`` blocks free (callers check ``pool.num_free``).
+        """
+        if not req_ids:
+            return
+        blocks = self.pool.allocate_one_each(req_ids)
+        cols = self.held[slots]
+        self._slots += slots.tolist()
+        self._cols += cols.tolist()
+        self._ids += blocks
+        self.held[slots] = cols + 1
+
     def register_full(self, req: "Request", computed: int) -> None:
         """Hash-register the full prefill blocks now covered by ``computed`` scheduled tokens."""
         bs, tokens = self.block_size, req.prefill_tokens

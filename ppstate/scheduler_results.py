@@ -24,7 +24,17 @@ from ppstate.request import Request, TokenUpdate
 from ppstate.slots import SlotTable
 from ppstate.step_updates import StepUpdates
 
-FINISHED_HISTORY = 1024  # finished requests whose final state state_of still answers
+FINISHED_HISTORY = 1024
+
+
+def may_stop(tokens: np.ndarray, stop_ids: np.ndarray) -> np.ndarray:
+    """``[n]`` bool: ``tokens`` (``[n]``) that are in ``stop_ids`` (``[m]``, every EOS / stop id
+    of any request; a superset is fine, the rows found are checked per request)."""
+    if stop_ids.size == 0:
+        return np.zeros(tokens.shape, dtype=bool)
+    if stop_ids.size <= 16:
+        return (tokens[:, None] == stop_ids[None, :]).any(axis=1)
+    return np.isin(tokens, stop_ids)  # finished requests whose final state state_of still answers
 
 
 class StepResults:
@@ -100,8 +110,8 @@ class StepResults:
         """``[num_live]`` indices of the rows whose request is still running in the admission
         that scheduled them (slot epoch unchanged), that are final and sampled something."""
         slots = out.slots.astype(np.int64)
-        return np.flatnonzero((result.num_sampled > 0) & out.is_final_chunk &
-                              (self.slot_epoch[slots] == np.asarray(epochs)))
+        return ((result.num_sampled > 0) & out.is_final_chunk &
+                (self.slot_epoch[slots] == np.asarray(epochs))).nonzero()[0]
 
     def _apply_one_token_rows(self, out: SchedulerOutput, result: StepResult,
                               epochs: np.ndarray) -> StepUpdates | None:
@@ -116,7 +126,7 @@ class StepResults:
         toks = result.sampled_token_ids[rows, 0]                       # [n]
         count = a.num_output_tokens[slots] + 1                         # [n]
         a.num_output_tokens[slots] = count
-        ends = np.flatnonzero((count >= a.max_tokens[slots]) | np.isin(toks, self.stop_ids_np))
+        ends = ((count >= a.max_tokens[slots]) | may_stop(toks, self.stop_ids_np)).nonzero()[0]
         tok_list, slot_list = toks.tolist(), slots.tolist()
         reqs = [self.slot_req[s] for s in slot_list]
         for req, tok in zip(reqs, tok_list):

@@ -128,8 +128,8 @@ class RowBuilder:
         and below max_tokens, optimistic outputs), oldest eligibility first, then admission
         order (= epoch order, the order of the running requests)."""
         a, s = self.arrays, self.sched
-        cand = np.flatnonzero(s.decoding & (a.next_eligible_step <= self.step) &
-                              (a.num_sampling_rows < a.max_tokens))
+        cand = (s.decoding & (a.next_eligible_step <= self.step) &
+                (a.num_sampling_rows < a.max_tokens)).nonzero()[0]
         return cand[np.lexsort((s.slot_epoch[cand], a.next_eligible_step[cand]))]
 
     def add_decodes(self) -> None:
@@ -137,10 +137,12 @@ class RowBuilder:
         one token each, or with speculative decoding ``1 + k`` (the last sampled token and ``k``
         drafts, :meth:`_decode_tokens`).
 
-        Without speculation, rows whose token fits a block the request already holds are added
-        in runs with array operations (:meth:`_bulk_decodes`); only a row that needs a new KV
-        block (at most one per ``block_size`` steps of a request) goes through :meth:`_room`
-        (which may preempt) and :meth:`_row`, in its place in the order."""
+        Without speculation the rows are added with array operations (:meth:`_bulk_decodes`):
+        all at once when the free KV blocks suffice for every row whose token starts a new block
+        (at most one per ``block_size`` steps of a request), so that none can preempt. Otherwise
+        runs of rows whose token fits a block the request holds are added in bulk, and each row
+        that needs a block goes through :meth:`_room` (which may preempt) and :meth:`_row` in
+        its place in the order, exactly as a row-by-row loop would."""
         if not lane_open(self.step, self.sched.lanes, self.sched.config.pp_size):
             return  # adaptive lanes (ppstate.lanes): this step's lane takes no decode rows
         order = self._decode_candidates()                                  # [num_eligible]
@@ -149,10 +151,19 @@ class RowBuilder:
         if self.sched.config.num_spec_tokens:
             self._spec_decodes(order)
             return
-        bs = self.kv.block_size
-        slow = np.flatnonzero(self.arrays.num_computed_tokens[order] >= self.kv.held[order] * bs)
+        a, bs = self.arrays, self.kv.block_size
+        n = min(order.size, self.budget.tokens, self.budget.rows)
+        if n <= 0:
+            return
+        head = order[:n]                                                   # [n]
+        new_block = a.num_computed_tokens[head] >= self.kv.held[head] * bs  # [n]
+        if np.count_nonzero(new_block) <= self.kv.pool.num_free:
+            self._bulk_decodes(head, new_block)  # every row gets its block: no preemption
+            return
+        slow = new_block.nonzero()[0].tolist() if n == order.size else \
+            (a.num_computed_tokens[order] >= self.kv.held[order] * bs).nonzero()[0].tolist()
         pos = 0
-        for j in slow.tolist() + [order.size]:
+        for j in slow + [order.size]:  # short of blocks: rows that need one may preempt
             if pos < j:
                 self._bulk_decodes(order[pos:j])
             if j == order.size or not self.budget.can_add():
@@ -162,23 +173,31 @@ class RowBuilder:
                 self._row(req, 1, True)
             pos = j + 1
 
-    def _bulk_decodes(self, slots: np.ndarray) -> None:
-        """One-token decode rows for ``slots`` (``[n]``, in order) whose token lies in a KV block
-        the request holds: those still running (not preempted in this step), as many as the
-        budget allows. No block work; the arrays are updated at once."""
+    def _bulk_decodes(self, slots: np.ndarray, new_block: np.ndarray | None = None) -> None:
+        """One-token decode rows for ``slots`` (``[n]``, in order): those still running (not
+        preempted in this step), as many as the budget allows. ``new_block`` (``[n]`` bool, only
+        when every row fits the budget and the free blocks): rows whose token needs a new KV block
+        (:meth:`KVManager.grow_by_one_block`); without it every row's token must lie in a block its
+        request holds. The arrays are updated at once."""
         a, s = self.arrays, self.sched
-        slots = slots[s.slot_epoch[slots] != 0]
-        n = min(slots.size, self.budget.tokens, self.budget.rows)
-        if n <= 0:
-            return
-        slots = slots[:n]
+        if new_block is None:
+            slots = slots[s.slot_epoch[slots] != 0]
+            n = min(slots.size, self.budget.tokens, self.budget.rows)
+            if n <= 0:
+                return
+            slots = slots[:n]
+        n = slots.size
         self._flush()
         ones = np.ones(n, dtype=np.int64)
         self._parts.append((slots, ones, a.num_computed_tokens[slots], ones,
                             s.slot_epoch[slots], np.zeros(n, dtype=np.int64)))
         owner = s.slots.owner
-        self.req_ids += [owner[i] for i in slots.tolist()]
+        ids = [owner[i] for i in slots.tolist()]
+        self.req_ids += ids
         a.num_computed_tokens[slots] += 1
+        if new_block is not None and new_block.any():
+            idx = new_block.nonzero()[0]
+            self.kv.grow_by_one_block(slots[idx], [ids[i] for i in idx.tolist()])
         a.num_sampling_rows[slots] += 1
         a.next_eligible_step[slots] = self.step + self.cadence
         self.budget.tokens -= n
@@ -244,8 +263,8 @@ class RowBuilder:
         chunk).
         """
         s = self.sched
-        cand = np.flatnonzero((s.slot_epoch != 0) & ~s.decoding &
-                              (self.arrays.next_eligible_step <= self.step))  # [num_prefilling]
+        cand = ((s.slot_epoch != 0) & ~s.decoding &
+                (self.arrays.next_eligible_step <= self.step)).nonzero()[0]  # [num_prefilling]
         for slot in cand[np.argsort(s.slot_epoch[cand])].tolist():  # admission order
             req = s.slot_req[slot]
             if req is None:  # preempted earlier in this loop
