@@ -54,7 +54,8 @@ class CpuMirror:
 
     def apply_block_updates(self, slots: np.ndarray, cols: np.ndarray) -> None:
         """Block-table deltas: ``num_blocks[slot] = max(num_blocks[slot], col + 1)`` (``[U]``)."""
-        np.maximum.at(self.num_blocks_np, slots.astype(np.int64), cols.astype(np.int64) + 1)
+        if slots.size:
+            np.maximum.at(self.num_blocks_np, slots.astype(np.int64), cols.astype(np.int64) + 1)
 
     def validate_blocks(self, block_size: int, live_slots: np.ndarray, step: int,
                         owners: Sequence[str | None] | None = None, spec_slack: int = 0) -> None:
@@ -74,8 +75,11 @@ class CpuMirror:
         computed = self.num_computed_tokens_np[live_slots]
         need = -(-computed // block_size)
         held = self.num_blocks_np[live_slots]
-        most = -(-(computed + spec_slack) // block_size)
-        bad = np.nonzero((held < need) | (held > most))[0]
+        if spec_slack == 0:
+            bad = (held != need).nonzero()[0]
+        else:
+            most = -(-(computed + spec_slack) // block_size)
+            bad = ((held < need) | (held > most)).nonzero()[0]
         if bad.size:
             slot = int(live_slots[bad[0]])
             raise MirrorDivergence(step=step, slot=slot, field="num_blocks (vs ceil(num_computed_tokens / block_size))",
@@ -89,8 +93,11 @@ class CpuMirror:
             slots: ``[num_rows]`` slot per row; ``-1`` rows are skipped.
             num_scheduled_tokens: ``[num_rows]`` scheduled query length per row (tokens).
         """
-        keep = slots >= 0
-        s, n = slots[keep], num_scheduled_tokens[keep]
+        if slots.size and slots.min() >= 0:  # no -1 rows (scheduler outputs): no masking
+            s, n = slots, num_scheduled_tokens
+        else:
+            keep = slots >= 0
+            s, n = slots[keep], num_scheduled_tokens[keep]
         self.num_computed_tokens_np[s] += n
         pre = self.prefill_len_np[s] - self.num_computed_prefill_tokens_np[s]
         self.num_computed_prefill_tokens_np[s] += np.minimum(n, np.maximum(pre, 0))
@@ -119,8 +126,11 @@ class CpuMirror:
         for field in MIRROR_FIELDS:
             if field not in device_arrays:
                 continue
-            cpu = self.array(field)[live_slots]
-            dev = np.asarray(device_arrays[field])[live_slots]
+            full_cpu, full_dev = self.array(field), np.asarray(device_arrays[field])
+            if full_dev.shape == full_cpu.shape and not (full_cpu != full_dev).any():
+                continue  # equal on every slot (one comparison instead of two gathers)
+            cpu = full_cpu[live_slots]
+            dev = full_dev[live_slots]
             bad = np.nonzero(cpu != dev)[0]
             if bad.size:
                 slot = int(live_slots[bad[0]])

@@ -86,6 +86,7 @@ class Scheduler(QueueOps, StepResults):
         self.slot_epoch = np.zeros(n, dtype=np.int64)   # [max_num_reqs] epoch of the occupant, 0 = free
         self.decoding = np.zeros(n, dtype=bool)         # [max_num_reqs] occupant is decoding
         self.slot_req: list[Request | None] = [None] * n  # [max_num_reqs] occupant
+        self.slot_out: list[list[int] | None] = [None] * n  # [max_num_reqs] occupant's output_token_ids
         self._stop_ids: set[int] = set()   # every EOS / stop token id of any request added
         self.stop_ids_np = np.zeros(0, dtype=np.int64)  # [num_stop_ids] sorted _stop_ids
 

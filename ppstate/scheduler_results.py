@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from collections import OrderedDict, deque
+from operator import itemgetter
 
 import numpy as np
 
@@ -25,6 +26,12 @@ from ppstate.slots import SlotTable
 from ppstate.step_updates import StepUpdates
 
 FINISHED_HISTORY = 1024
+
+
+def gather(seq: Sequence, idx: list[int]) -> Sequence:
+    """``[seq[i] for i in idx]`` at C speed (a tuple; ``itemgetter`` of one index would return
+    the item itself)."""
+    return itemgetter(*idx)(seq) if len(idx) > 1 else tuple(seq[i] for i in idx)
 
 
 def may_stop(tokens: np.ndarray, stop_ids: np.ndarray) -> np.ndarray:
@@ -58,6 +65,7 @@ class StepResults:
     _in_flight_drafts: deque[np.ndarray]         # per in-flight step: [num_rows] drafts of each row
     slot_epoch: np.ndarray                       # [max_num_reqs] occupant's epoch, 0 = free
     slot_req: list[Request | None]               # [max_num_reqs] occupant
+    slot_out: list[list[int] | None]             # [max_num_reqs] occupant's output_token_ids
     stop_ids_np: np.ndarray                      # [num_stop_ids] every EOS / stop id seen
     vacate: Callable[[int], None]                # QueueOps.vacate: clear a slot's views
     num_spec_rows: int                           # decode rows that carried drafts (cumulative)
@@ -127,20 +135,19 @@ class StepResults:
         count = a.num_output_tokens[slots] + 1                         # [n]
         a.num_output_tokens[slots] = count
         ends = ((count >= a.max_tokens[slots]) | may_stop(toks, self.stop_ids_np)).nonzero()[0]
-        tok_list, slot_list = toks.tolist(), slots.tolist()
-        reqs = [self.slot_req[s] for s in slot_list]
-        for req, tok in zip(reqs, tok_list):
-            req.output_token_ids.append(tok)
+        tok_list = toks.tolist()
+        slot_list = slots.tolist()
+        deque(map(list.append, gather(self.slot_out, slot_list), tok_list), maxlen=0)
         reasons: dict[int, str] = {}
         for i in ends.tolist():
-            req, tok = reqs[i], tok_list[i]
+            req, tok = self.slot_req[slot_list[i]], tok_list[i]
             reason = req.spec.stop_reason(tok)
             if reason is None and count[i] >= req.max_tokens:
                 reason = "length"
             if reason is not None:
                 reasons[i] = reason
                 self._finish(req, "stop" if reason == "stop" else "hit_length")
-        ids = out.req_ids if rows.size == out.num_rows else [out.req_ids[i] for i in rows.tolist()]
+        ids = out.req_ids if rows.size == out.num_rows else gather(out.req_ids, rows.tolist())
         return StepUpdates(ids, tok_list, reasons)
 
     def _apply_rows(self, out: SchedulerOutput, result: StepResult, epochs: np.ndarray,

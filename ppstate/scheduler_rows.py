@@ -22,6 +22,7 @@ from ppstate.chunk_sizing import chunk_limit
 from ppstate.kv_manager import KVManager
 from ppstate.lanes import lane_open
 from ppstate.request import Request
+from ppstate.scheduler_results import gather
 from ppstate.spec_decode import drafts_for_row
 from ppstate.slots import SlotTable
 
@@ -191,13 +192,12 @@ class RowBuilder:
         ones = np.ones(n, dtype=np.int64)
         self._parts.append((slots, ones, a.num_computed_tokens[slots], ones,
                             s.slot_epoch[slots], np.zeros(n, dtype=np.int64)))
-        owner = s.slots.owner
-        ids = [owner[i] for i in slots.tolist()]
+        ids = gather(s.slots.owner, slots.tolist())            # [n] request ids
         self.req_ids += ids
         a.num_computed_tokens[slots] += 1
         if new_block is not None and new_block.any():
             idx = new_block.nonzero()[0]
-            self.kv.grow_by_one_block(slots[idx], [ids[i] for i in idx.tolist()])
+            self.kv.grow_by_one_block(slots[idx], list(gather(ids, idx.tolist())))
         a.num_sampling_rows[slots] += 1
         a.next_eligible_step[slots] = self.step + self.cadence
         self.budget.tokens -= n
