@@ -19,11 +19,14 @@ from ppstate.errors import MirrorDivergence
 
 MIRROR_FIELDS = ("num_computed_tokens", "prefill_len", "num_computed_prefill_tokens", "max_seq_len",
                  "num_blocks")
+_ROW = {f: i for i, f in enumerate(MIRROR_FIELDS)}   # field -> row of CpuMirror.values
 
 
 class CpuMirror:
     """The mirror arrays, each ``[max_num_reqs]`` int64, indexed by slot (``num_blocks``: KV blocks
-    in the slot's block-table row, from the scheduler's deltas).
+    in the slot's block-table row, from the scheduler's deltas). They are the rows of one
+    ``values`` array ``[len(MIRROR_FIELDS), max_num_reqs]``, so that a stacked host copy of the
+    device arrays is checked with one comparison (:meth:`validate`).
 
     Args:
         max_num_reqs: number of slots.
@@ -32,15 +35,18 @@ class CpuMirror:
 
     def __init__(self, max_num_reqs: int, rank: int | None = None) -> None:
         self.rank = rank
-        self.num_computed_tokens_np = np.zeros(max_num_reqs, dtype=np.int64)          # [max_num_reqs]
-        self.prefill_len_np = np.zeros(max_num_reqs, dtype=np.int64)                  # [max_num_reqs]
-        self.num_computed_prefill_tokens_np = np.zeros(max_num_reqs, dtype=np.int64)  # [max_num_reqs]
-        self.max_seq_len_np = np.zeros(max_num_reqs, dtype=np.int64)                  # [max_num_reqs]
-        self.num_blocks_np = np.zeros(max_num_reqs, dtype=np.int64)                   # [max_num_reqs]
+        self.values = np.zeros((len(MIRROR_FIELDS), max_num_reqs), dtype=np.int64)  # [F, max_num_reqs]
+
+    # the fields, as views of their row of ``values`` (each [max_num_reqs] int64)
+    num_computed_tokens_np = property(lambda self: self.values[0])
+    prefill_len_np = property(lambda self: self.values[1])
+    num_computed_prefill_tokens_np = property(lambda self: self.values[2])
+    max_seq_len_np = property(lambda self: self.values[3])
+    num_blocks_np = property(lambda self: self.values[4])
 
     def array(self, field: str) -> np.ndarray:
-        """The mirror array for ``field`` (one of :data:`MIRROR_FIELDS`)."""
-        return getattr(self, f"{field}_np")
+        """The mirror array for ``field`` (one of :data:`MIRROR_FIELDS`): a view, ``[max_num_reqs]``."""
+        return self.values[_ROW[field]]
 
     def add_request(self, slot: int, prefill_len: int, max_seq_len: int,
                     num_cached: int = 0) -> None:
@@ -109,13 +115,16 @@ class CpuMirror:
         keep = slots >= 0
         self.num_computed_tokens_np[slots[keep]] -= num_rejected[keep]
 
-    def validate(self, device_arrays: Mapping[str, Sequence[int] | np.ndarray], live_slots: np.ndarray,
-                 step: int, owners: Sequence[str | None] | None = None) -> None:
+    def validate(self, device_arrays: Mapping[str, Sequence[int] | np.ndarray] | np.ndarray,
+                 live_slots: np.ndarray, step: int,
+                 owners: Sequence[str | None] | None = None) -> None:
         """Compare every mirror field with the device copy on the live slots.
 
         Args:
             device_arrays: field name -> ``[max_num_reqs]`` device values (already copied to host);
-                fields absent from the mapping are not checked.
+                fields absent from the mapping are not checked. Or all fields stacked in
+                :data:`MIRROR_FIELDS` order, ``[len(MIRROR_FIELDS), max_num_reqs]`` (one
+                comparison when they agree with the mirror on every slot).
             live_slots: ``[num_live]`` slot indices to compare.
             step: the step just finished (named in the error).
             owners: optional ``[max_num_reqs]`` req_id per slot, for the error message.
@@ -123,14 +132,16 @@ class CpuMirror:
         Raises:
             MirrorDivergence: first (field, slot) whose values differ.
         """
+        if isinstance(device_arrays, np.ndarray):
+            if device_arrays.shape == self.values.shape and \
+                    np.count_nonzero(device_arrays != self.values) == 0:
+                return  # equal on every slot
+            device_arrays = dict(zip(MIRROR_FIELDS, device_arrays))
         for field in MIRROR_FIELDS:
             if field not in device_arrays:
                 continue
-            full_cpu, full_dev = self.array(field), np.asarray(device_arrays[field])
-            if full_dev.shape == full_cpu.shape and not (full_cpu != full_dev).any():
-                continue  # equal on every slot (one comparison instead of two gathers)
-            cpu = full_cpu[live_slots]
-            dev = full_dev[live_slots]
+            cpu = self.array(field)[live_slots]
+            dev = np.asarray(device_arrays[field])[live_slots]
             bad = np.nonzero(cpu != dev)[0]
             if bad.size:
                 slot = int(live_slots[bad[0]])

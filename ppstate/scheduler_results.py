@@ -105,7 +105,7 @@ class StepResults:
         self._in_flight.popleft()
         epochs = self._in_flight_epochs.popleft()     # [num_rows]
         drafts = self._in_flight_drafts.popleft()     # [num_rows]
-        updates = None if np.any(drafts) else self._apply_one_token_rows(out, result, epochs)
+        updates = None if np.count_nonzero(drafts) else self._apply_one_token_rows(out, result, epochs)
         if updates is None:
             updates = self._apply_rows(out, result, epochs, drafts)
         if self.sink.enabled:
@@ -127,7 +127,7 @@ class StepResults:
         each (None otherwise): counters and output lists updated at once; Python per row only
         for rows whose token may end the request (a known EOS / stop id, or max_tokens)."""
         rows = self._live_rows(out, result, epochs)                    # [n]
-        if np.any(result.num_sampled[rows] != 1):
+        if np.count_nonzero(result.num_sampled[rows] != 1):
             return None
         a = self.arrays
         slots = out.slots[rows].astype(np.int64)                       # [n]

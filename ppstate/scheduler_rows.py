@@ -27,6 +27,10 @@ from ppstate.spec_decode import drafts_for_row
 from ppstate.slots import SlotTable
 
 
+_ONES = np.ones(4096, dtype=np.int64)   # tokens / final columns of decode rows (never written)
+_ONES.flags.writeable = False
+
+
 class RowSource(Protocol):
     """What :class:`RowBuilder` needs of the scheduler (:class:`ppstate.scheduler.Scheduler` is
     one; the queue operations are :class:`ppstate.scheduler_queues.QueueOps`).
@@ -189,13 +193,13 @@ class RowBuilder:
             slots = slots[:n]
         n = slots.size
         self._flush()
-        ones = np.ones(n, dtype=np.int64)
+        ones = _ONES[:n] if n <= _ONES.size else np.ones(n, dtype=np.int64)  # read-only
         self._parts.append((slots, ones, a.num_computed_tokens[slots], ones,
                             s.slot_epoch[slots], np.zeros(n, dtype=np.int64)))
         ids = gather(s.slots.owner, slots.tolist())            # [n] request ids
         self.req_ids += ids
         a.num_computed_tokens[slots] += 1
-        if new_block is not None and new_block.any():
+        if new_block is not None and np.count_nonzero(new_block):
             idx = new_block.nonzero()[0]
             self.kv.grow_by_one_block(slots[idx], list(gather(ids, idx.tolist())))
         a.num_sampling_rows[slots] += 1

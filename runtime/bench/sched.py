@@ -25,7 +25,7 @@ import numpy as np
 
 from ppstate.batch import SchedulerOutput, StepResult
 from ppstate.events import NULL_SINK, JsonlSink
-from ppstate.mirror import MIRROR_FIELDS, CpuMirror
+from ppstate.mirror import CpuMirror
 from ppstate.pp_handler import PPHandler, need_sampled_mask
 from ppstate.scheduler import RequestSpec, Scheduler, SchedulerConfig
 from runtime.bench.results import command_line, write_result
@@ -71,8 +71,8 @@ class ControlPlane:
         m.apply_block_updates(out.block_table_slots, out.block_table_cols)
         m.apply_scheduled(out.slots.astype(np.int64), out.num_scheduled_tokens.astype(np.int64))
         if self.validate:
-            live = np.flatnonzero(live_np)
-            device = {f: m.array(f).copy() for f in MIRROR_FIELDS}  # the host copy of the device
+            live = live_np.nonzero()[0]
+            device = m.values.copy()  # the host copy of the device arrays, stacked [F, max_num_reqs]
             m.validate(device, live, out.step, owners=owner)
             m.validate_blocks(self.sched.config.block_size, live, out.step, owners=owner)
         if r < self.pp - 1:
