@@ -135,8 +135,9 @@ class BlockPool:
                 del self._by_hash[self.block_hash.pop(b)]
                 del self.block_tokens[b]
             take += evicted
-        self.states.fire(take, "allocate")
-        self.ref_count[take] = 1
+        ids = np.array(take, dtype=np.int64)                    # [n]
+        self.states.fire(ids, "allocate")
+        self.ref_count[ids] = 1
         tables = self.tables
         for rid, b in zip(req_ids, take):
             tables[rid].append(b)

@@ -112,6 +112,8 @@ class CpuMirror:
         """Deferred correction on consume: ``num_computed_tokens -= rejected`` (``-1`` rows skipped)."""
         if mutants.active("no_rejected_correction"):  # model checker's mutant; never on in runs
             return
+        if not np.count_nonzero(num_rejected):
+            return  # nothing rejected (always without speculative decoding)
         keep = slots >= 0
         self.num_computed_tokens_np[slots[keep]] -= num_rejected[keep]
 

@@ -117,9 +117,8 @@ class StepResults:
                    epochs: np.ndarray) -> np.ndarray:
         """``[num_live]`` indices of the rows whose request is still running in the admission
         that scheduled them (slot epoch unchanged), that are final and sampled something."""
-        slots = out.slots.astype(np.int64)
         return ((result.num_sampled > 0) & out.is_final_chunk &
-                (self.slot_epoch[slots] == np.asarray(epochs))).nonzero()[0]
+                (self.slot_epoch[out.slots] == np.asarray(epochs))).nonzero()[0]
 
     def _apply_one_token_rows(self, out: SchedulerOutput, result: StepResult,
                               epochs: np.ndarray) -> StepUpdates | None:

@@ -269,6 +269,8 @@ class RowBuilder:
         s = self.sched
         cand = ((s.slot_epoch != 0) & ~s.decoding &
                 (self.arrays.next_eligible_step <= self.step)).nonzero()[0]  # [num_prefilling]
+        if not cand.size:
+            return
         for slot in cand[np.argsort(s.slot_epoch[cand])].tolist():  # admission order
             req = s.slot_req[slot]
             if req is None:  # preempted earlier in this loop
