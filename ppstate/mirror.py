@@ -79,9 +79,11 @@ class CpuMirror:
             MirrorDivergence: field ``num_blocks``, ``cpu`` = blocks held, ``device`` = needed.
         """
         computed = self.num_computed_tokens_np[live_slots]
-        need = -(-computed // block_size)
+        need = (computed + (block_size - 1)) // block_size           # ceil
         held = self.num_blocks_np[live_slots]
         if spec_slack == 0:
+            if not np.count_nonzero(held != need):
+                return
             bad = (held != need).nonzero()[0]
         else:
             most = -(-(computed + spec_slack) // block_size)
@@ -99,14 +101,13 @@ class CpuMirror:
             slots: ``[num_rows]`` slot per row; ``-1`` rows are skipped.
             num_scheduled_tokens: ``[num_rows]`` scheduled query length per row (tokens).
         """
-        if slots.size and slots.min() >= 0:  # no -1 rows (scheduler outputs): no masking
-            s, n = slots, num_scheduled_tokens
-        else:
+        if np.count_nonzero(slots < 0):
             keep = slots >= 0
-            s, n = slots[keep], num_scheduled_tokens[keep]
-        self.num_computed_tokens_np[s] += n
-        pre = self.prefill_len_np[s] - self.num_computed_prefill_tokens_np[s]
-        self.num_computed_prefill_tokens_np[s] += np.minimum(n, np.maximum(pre, 0))
+            slots, num_scheduled_tokens = slots[keep], num_scheduled_tokens[keep]
+        s, n, v = slots, num_scheduled_tokens, self.values
+        v[0, s] += n                                              # num_computed_tokens
+        done = v[2, s]                                            # num_computed_prefill_tokens
+        v[2, s] = done + np.minimum(n, np.maximum(v[1, s] - done, 0))  # capped at prefill_len
 
     def apply_rejected(self, slots: np.ndarray, num_rejected: np.ndarray) -> None:
         """Deferred correction on consume: ``num_computed_tokens -= rejected`` (``-1`` rows skipped)."""
