@@ -15,6 +15,13 @@ from typing import overload
 from ppstate.request import TokenUpdate
 
 
+def count_tokens(updates: Sequence[TokenUpdate]) -> int:
+    """Tokens in ``updates`` (what ``on_step_result`` returned); O(1) for :class:`StepUpdates`."""
+    if isinstance(updates, StepUpdates):
+        return updates.num_tokens
+    return sum(len(u.token_ids) for u in updates)
+
+
 class StepUpdates(Sequence[TokenUpdate]):
     """One :class:`~ppstate.request.TokenUpdate` per live sampling row of a step, in row order,
     each with exactly one token (rows with several tokens, speculative decoding, come back as a
@@ -55,7 +62,13 @@ class StepUpdates(Sequence[TokenUpdate]):
         return self._item(i % n)
 
     def __iter__(self) -> Iterator[TokenUpdate]:
-        return (self._item(i) for i in range(len(self)))
+        get = self.finish_reasons.get
+        return (TokenUpdate(r, [t], get(i)) for i, (r, t) in enumerate(zip(self.req_ids, self.token_ids)))
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens delivered (one per update), without making the updates."""
+        return len(self.req_ids)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sequence):
