@@ -91,22 +91,6 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return self.num_rows == 0
 
-    @classmethod
-    def of(cls, **fields: Any) -> "SchedulerOutput":
-        """The output with every field given by name: the object the constructor makes, without
-        its per-field ``object.__setattr__`` (a frozen dataclass's ``__init__`` costs about 4 us
-        for these 11 fields, a few percent of a decode step's control-plane budget).
-
-        Raises:
-            TypeError: a field missing or unknown.
-        """
-        if fields.keys() != _OUTPUT_FIELDS:
-            raise TypeError(f"SchedulerOutput.of needs exactly the fields {sorted(_OUTPUT_FIELDS)}, "
-                            f"got {sorted(fields)}")
-        out = object.__new__(cls)
-        out.__dict__.update(fields)
-        return out
-
     @staticmethod
     def empty(step: int, new_requests: tuple[NewRequest, ...] = (),
               freed: tuple[FreedSlot, ...] = ()) -> "SchedulerOutput":
@@ -114,9 +98,6 @@ class SchedulerOutput:
         z = np.zeros(0, dtype=np.int32)
         return SchedulerOutput(step, (), z, z.copy(), z.copy(), np.zeros(0, dtype=bool),
                                new_requests, freed)
-
-
-_OUTPUT_FIELDS = frozenset(SchedulerOutput.__dataclass_fields__)
 
 
 @dataclass(frozen=True)

@@ -126,20 +126,14 @@ class StepResults:
         each (None otherwise): counters and output lists updated at once; Python per row only
         for rows whose token may end the request (a known EOS / stop id, or max_tokens)."""
         rows = self._live_rows(out, result, epochs)                    # [n]
-        if rows.size == 0:
-            return StepUpdates((), [], {})
-        every = rows.size == out.num_rows                              # (the common case)
-        if np.count_nonzero((result.num_sampled if every else result.num_sampled[rows]) != 1):
+        if np.count_nonzero(result.num_sampled[rows] != 1):
             return None
         a = self.arrays
-        slots = out.slots if every else out.slots[rows]                # [n]
-        toks = result.sampled_token_ids[:, 0] if every else result.sampled_token_ids[rows, 0]
+        slots = out.slots[rows].astype(np.int64)                       # [n]
+        toks = result.sampled_token_ids[rows, 0]                       # [n]
         count = a.num_output_tokens[slots] + 1                         # [n]
         a.num_output_tokens[slots] = count
-        ends = count >= a.max_tokens[slots]                            # [n]
-        if self.stop_ids_np.size:
-            ends |= may_stop(toks, self.stop_ids_np)
-        ends = ends.nonzero()[0]
+        ends = ((count >= a.max_tokens[slots]) | may_stop(toks, self.stop_ids_np)).nonzero()[0]
         tok_list = toks.tolist()
         slot_list = slots.tolist()
         deque(map(list.append, gather(self.slot_out, slot_list), tok_list), maxlen=0)
@@ -152,7 +146,7 @@ class StepResults:
             if reason is not None:
                 reasons[i] = reason
                 self._finish(req, "stop" if reason == "stop" else "hit_length")
-        ids = out.req_ids if every else gather(out.req_ids, rows.tolist())
+        ids = out.req_ids if rows.size == out.num_rows else gather(out.req_ids, rows.tolist())
         return StepUpdates(ids, tok_list, reasons)
 
     def _apply_rows(self, out: SchedulerOutput, result: StepResult, epochs: np.ndarray,

@@ -314,7 +314,7 @@ class RowBuilder:
         cols = [np.concatenate(c) if len(c) != 1 else c[0] for c in zip(*self._parts)] \
             if self._parts else [np.zeros(0, dtype=np.int64)] * 6
         slots, ntok, starts, final, self.row_epochs, self.row_drafts = cols
-        return SchedulerOutput.of(
+        return SchedulerOutput(
             step=self.step, req_ids=tuple(self.req_ids),
             slots=slots.astype(np.int32),                               # [num_rows]
             num_scheduled_tokens=ntok.astype(np.int32),                 # [num_rows]
