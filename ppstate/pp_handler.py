@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -67,9 +67,9 @@ class ConsumedEntry:
     mask: np.ndarray
 
 
-class _Pending(NamedTuple):
-    """A posted receive: the step's ``idx_mapping`` and the generation snapshot of its slots
-    (a named tuple: made every step, cheaper than a frozen dataclass)."""
+@dataclass(frozen=True)
+class _Pending:
+    """A posted receive: the step's ``idx_mapping`` and the generation snapshot of its slots."""
     step: int
     idx_mapping: np.ndarray   # [num_rows] int64
     mask: np.ndarray          # [num_rows] bool
@@ -138,9 +138,9 @@ class PPHandler:
         if mask is None:
             self._fifo.append(None)
         else:
-            idx = np.array(out.slots, dtype=np.int64)              # a copy
+            idx = np.asarray(out.slots, dtype=np.int64).copy()
             self._fifo.append(_Pending(step, idx, np.asarray(mask, dtype=bool),
-                                       self.generation[idx], handle))  # (gathers copy)
+                                       self.generation[idx].copy(), handle))
         if self.sink.enabled:
             self.sink.emit("pp.enqueue", step=step, rank=self.rank, pending=mask is not None)
 

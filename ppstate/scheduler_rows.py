@@ -29,8 +29,6 @@ from ppstate.slots import SlotTable
 
 _ONES = np.ones(4096, dtype=np.int64)   # tokens / final columns of decode rows (never written)
 _ONES.flags.writeable = False
-_ZEROS = np.zeros(4096, dtype=np.int64)  # drafts column of decode rows (never written)
-_ZEROS.flags.writeable = False
 
 
 class RowSource(Protocol):
@@ -163,10 +161,9 @@ class RowBuilder:
         if n <= 0:
             return
         head = order[:n]                                                   # [n]
-        computed = a.num_computed_tokens[head]                             # [n]
-        new_block = computed >= self.kv.held[head] * bs                    # [n]
+        new_block = a.num_computed_tokens[head] >= self.kv.held[head] * bs  # [n]
         if np.count_nonzero(new_block) <= self.kv.pool.num_free:
-            self._bulk_decodes(head, new_block, computed)  # each row gets its block: no preemption
+            self._bulk_decodes(head, new_block)  # every row gets its block: no preemption
             return
         slow = new_block.nonzero()[0].tolist() if n == order.size else \
             (a.num_computed_tokens[order] >= self.kv.held[order] * bs).nonzero()[0].tolist()
@@ -181,14 +178,12 @@ class RowBuilder:
                 self._row(req, 1, True)
             pos = j + 1
 
-    def _bulk_decodes(self, slots: np.ndarray, new_block: np.ndarray | None = None,
-                      computed: np.ndarray | None = None) -> None:
+    def _bulk_decodes(self, slots: np.ndarray, new_block: np.ndarray | None = None) -> None:
         """One-token decode rows for ``slots`` (``[n]``, in order): those still running (not
         preempted in this step), as many as the budget allows. ``new_block`` (``[n]`` bool, only
         when every row fits the budget and the free blocks): rows whose token needs a new KV block
         (:meth:`KVManager.grow_by_one_block`); without it every row's token must lie in a block its
-        request holds. ``computed``: ``num_computed_tokens[slots]`` when the caller has it. The
-        arrays are updated at once."""
+        request holds. The arrays are updated at once."""
         a, s = self.arrays, self.sched
         if new_block is None:
             slots = slots[s.slot_epoch[slots] != 0]
@@ -197,15 +192,13 @@ class RowBuilder:
                 return
             slots = slots[:n]
         n = slots.size
-        if computed is None:
-            computed = a.num_computed_tokens[slots]                        # [n]
         self._flush()
-        ones = _ONES[:n] if n <= _ONES.size else np.ones(n, dtype=np.int64)    # read-only
-        zeros = _ZEROS[:n] if n <= _ZEROS.size else np.zeros(n, dtype=np.int64)
-        self._parts.append((slots, ones, computed, ones, s.slot_epoch[slots], zeros))
+        ones = _ONES[:n] if n <= _ONES.size else np.ones(n, dtype=np.int64)  # read-only
+        self._parts.append((slots, ones, a.num_computed_tokens[slots], ones,
+                            s.slot_epoch[slots], np.zeros(n, dtype=np.int64)))
         ids = gather(s.slots.owner, slots.tolist())            # [n] request ids
         self.req_ids += ids
-        a.num_computed_tokens[slots] = computed + 1
+        a.num_computed_tokens[slots] += 1
         if new_block is not None and np.count_nonzero(new_block):
             idx = new_block.nonzero()[0]
             self.kv.grow_by_one_block(slots[idx], list(gather(ids, idx.tolist())))
