@@ -74,7 +74,7 @@ class BlockStates:
         ids = np.asarray(blocks, dtype=np.int64)
         cur = self.code[ids]
         bad = ~allowed[cur]
-        if bad.any():
+        if np.count_nonzero(bad):
             i = int(np.argmax(bad))
             raise BlockError(f"block {int(ids[i])} in state {STATE_NAMES[cur[i]]!r} cannot take "
                              f"trigger {trigger!r}")

@@ -116,6 +116,33 @@ class BlockPool:
         self.tables.setdefault(req_id, []).extend(take)
         return take
 
+    def allocate_one_each(self, req_ids: Sequence[str]) -> list[int]:
+        """One fresh block appended to the table of each of ``req_ids`` (distinct requests that
+        hold a table), in order: the same blocks as :meth:`allocate` ``(req_id, 1)`` called for
+        each in turn, with one state-machine firing for all. Returns the ids (``[len(req_ids)]``).
+
+        Raises:
+            BlockError: fewer than ``len(req_ids)`` blocks free (nothing is changed then).
+        """
+        n = len(req_ids)
+        if n > self.num_free:
+            raise BlockError(f"{n} requests need a block each, {self.num_free} free")
+        take = [self._free.popleft() for _ in range(min(n, len(self._free)))]
+        if len(take) < n:
+            evicted = [self._lru.popitem(last=False)[0] for _ in range(n - len(take))]
+            self.states.fire(evicted, "evict")
+            for b in evicted:
+                del self._by_hash[self.block_hash.pop(b)]
+                del self.block_tokens[b]
+            take += evicted
+        ids = np.array(take, dtype=np.int64)                    # [n]
+        self.states.fire(ids, "allocate")
+        self.ref_count[ids] = 1
+        tables = self.tables
+        for rid, b in zip(req_ids, take):
+            tables[rid].append(b)
+        return take
+
     def match_prefix(self, hashes: Sequence[int], token_ids: Sequence[int],
                      max_blocks: int) -> list[int]:
         """Longest run of cached blocks equal to the first full blocks of ``token_ids``.

@@ -9,6 +9,7 @@ per step, ``max_prefill_chunk`` tokens per prefill chunk (``long_prefill_token_t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 import numpy as np
@@ -100,7 +101,7 @@ class SchedulerConfig:
         """Tokens the KV cache holds in all (``num_kv_blocks * block_size``)."""
         return self.num_kv_blocks * self.block_size
 
-    @property
+    @cached_property  # fields are frozen: computed once per config
     def in_flight_limit(self) -> int:
         """Steps issued and not yet answered: pp_size + 1 overlapped, 1 sync."""
         return self.pp_size + 1 if self.mode == "overlapped" else 1
@@ -112,7 +113,7 @@ class SchedulerConfig:
             return self.pp_size - 1
         return self.pp_size if self.mode == "overlapped" else 1
 
-    @property
+    @cached_property  # fields are frozen: computed once per config
     def max_rows_per_step(self) -> int:
         """Balanced-admission row cap with all lanes open: ceil(max_num_seqs / pp_size)
         overlapped, max_num_seqs sync (with fewer lanes: :func:`ppstate.lanes.lane_row_cap`)."""
@@ -121,7 +122,7 @@ class SchedulerConfig:
         return -(-self.max_num_seqs // self.pp_size)
 
 
-    @property
+    @cached_property  # fields are frozen: computed once per config
     def step_token_budget(self) -> int:
         """Tokens one step may schedule (the PP throttle).
 

@@ -36,12 +36,17 @@ class KVManager:
         self.pool = BlockPool(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.block_size = config.block_size
         self.watermark = config.watermark_blocks
+        # blocks in each slot's block-table row (= len(pool.table(owner))): lets the scheduler
+        # tell, for all decode rows at once, whose next token needs a new block
+        self.held = np.zeros(config.max_num_seqs, dtype=np.int64)   # [max_num_reqs]
         self._slots: list[int] = []
         self._cols: list[int] = []
         self._ids: list[int] = []
 
     # ------------------------------------------------------------------ deltas
     def _record(self, slot: int, first_col: int, blocks: list[int]) -> None:
+        if blocks:
+            self.held[slot] = first_col + len(blocks)
         self._slots += [slot] * len(blocks)
         self._cols += range(first_col, first_col + len(blocks))
         self._ids += blocks
@@ -96,6 +101,24 @@ class KVManager:
             first = len(self.pool.table(req.req_id))
             self._record(req.slot, first, self.pool.allocate(req.req_id, need))
 
+    def grow_by_one_block(self, slots: np.ndarray, req_ids: list[str]) -> None:
+        """Give each of the requests ``req_ids`` (in ``slots``, ``[k]``, distinct; each holding
+        exactly the blocks its computed tokens fill) one more block, as :meth:`grow` would one by
+        one (same block ids, same deltas in the same order). A decode row's token never completes
+        a prefill block, so there is nothing to register.
+
+        Raises:
+            BlockError: fewer than ``k`` blocks free (callers check ``pool.num_free``).
+        """
+        if not req_ids:
+            return
+        blocks = self.pool.allocate_one_each(req_ids)
+        cols = self.held[slots]
+        self._slots += slots.tolist()
+        self._cols += cols.tolist()
+        self._ids += blocks
+        self.held[slots] = cols + 1
+
     def register_full(self, req: "Request", computed: int) -> None:
         """Hash-register the full prefill blocks now covered by ``computed`` scheduled tokens."""
         bs, tokens = self.block_size, req.prefill_tokens
@@ -105,6 +128,8 @@ class KVManager:
         req.num_registered = max(req.num_registered, upto)
 
     def free(self, req: "Request") -> None:
-        """Release ``req``'s blocks (finish, abort, preemption)."""
+        """Release ``req``'s blocks (finish, abort, preemption; ``req.slot`` still set)."""
         self.pool.free(req.req_id)
+        if req.slot >= 0:
+            self.held[req.slot] = 0
         req.num_registered = 0

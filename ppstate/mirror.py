@@ -19,11 +19,14 @@ from ppstate.errors import MirrorDivergence
 
 MIRROR_FIELDS = ("num_computed_tokens", "prefill_len", "num_computed_prefill_tokens", "max_seq_len",
                  "num_blocks")
+_ROW = {f: i for i, f in enumerate(MIRROR_FIELDS)}   # field -> row of CpuMirror.values
 
 
 class CpuMirror:
     """The mirror arrays, each ``[max_num_reqs]`` int64, indexed by slot (``num_blocks``: KV blocks
-    in the slot's block-table row, from the scheduler's deltas).
+    in the slot's block-table row, from the scheduler's deltas). They are the rows of one
+    ``values`` array ``[len(MIRROR_FIELDS), max_num_reqs]``, so that a stacked host copy of the
+    device arrays is checked with one comparison (:meth:`validate`).
 
     Args:
         max_num_reqs: number of slots.
@@ -32,15 +35,18 @@ class CpuMirror:
 
     def __init__(self, max_num_reqs: int, rank: int | None = None) -> None:
         self.rank = rank
-        self.num_computed_tokens_np = np.zeros(max_num_reqs, dtype=np.int64)          # [max_num_reqs]
-        self.prefill_len_np = np.zeros(max_num_reqs, dtype=np.int64)                  # [max_num_reqs]
-        self.num_computed_prefill_tokens_np = np.zeros(max_num_reqs, dtype=np.int64)  # [max_num_reqs]
-        self.max_seq_len_np = np.zeros(max_num_reqs, dtype=np.int64)                  # [max_num_reqs]
-        self.num_blocks_np = np.zeros(max_num_reqs, dtype=np.int64)                   # [max_num_reqs]
+        self.values = np.zeros((len(MIRROR_FIELDS), max_num_reqs), dtype=np.int64)  # [F, max_num_reqs]
+
+    # the fields, as views of their row of ``values`` (each [max_num_reqs] int64)
+    num_computed_tokens_np = property(lambda self: self.values[0])
+    prefill_len_np = property(lambda self: self.values[1])
+    num_computed_prefill_tokens_np = property(lambda self: self.values[2])
+    max_seq_len_np = property(lambda self: self.values[3])
+    num_blocks_np = property(lambda self: self.values[4])
 
     def array(self, field: str) -> np.ndarray:
-        """The mirror array for ``field`` (one of :data:`MIRROR_FIELDS`)."""
-        return getattr(self, f"{field}_np")
+        """The mirror array for ``field`` (one of :data:`MIRROR_FIELDS`): a view, ``[max_num_reqs]``."""
+        return self.values[_ROW[field]]
 
     def add_request(self, slot: int, prefill_len: int, max_seq_len: int,
                     num_cached: int = 0) -> None:
@@ -54,7 +60,8 @@ class CpuMirror:
 
     def apply_block_updates(self, slots: np.ndarray, cols: np.ndarray) -> None:
         """Block-table deltas: ``num_blocks[slot] = max(num_blocks[slot], col + 1)`` (``[U]``)."""
-        np.maximum.at(self.num_blocks_np, slots.astype(np.int64), cols.astype(np.int64) + 1)
+        if slots.size:
+            np.maximum.at(self.num_blocks_np, slots.astype(np.int64), cols.astype(np.int64) + 1)
 
     def validate_blocks(self, block_size: int, live_slots: np.ndarray, step: int,
                         owners: Sequence[str | None] | None = None, spec_slack: int = 0) -> None:
@@ -72,10 +79,15 @@ class CpuMirror:
             MirrorDivergence: field ``num_blocks``, ``cpu`` = blocks held, ``device`` = needed.
         """
         computed = self.num_computed_tokens_np[live_slots]
-        need = -(-computed // block_size)
+        need = (computed + (block_size - 1)) // block_size           # ceil
         held = self.num_blocks_np[live_slots]
-        most = -(-(computed + spec_slack) // block_size)
-        bad = np.nonzero((held < need) | (held > most))[0]
+        if spec_slack == 0:
+            if not np.count_nonzero(held != need):
+                return
+            bad = (held != need).nonzero()[0]
+        else:
+            most = -(-(computed + spec_slack) // block_size)
+            bad = ((held < need) | (held > most)).nonzero()[0]
         if bad.size:
             slot = int(live_slots[bad[0]])
             raise MirrorDivergence(step=step, slot=slot, field="num_blocks (vs ceil(num_computed_tokens / block_size))",
@@ -89,26 +101,33 @@ class CpuMirror:
             slots: ``[num_rows]`` slot per row; ``-1`` rows are skipped.
             num_scheduled_tokens: ``[num_rows]`` scheduled query length per row (tokens).
         """
-        keep = slots >= 0
-        s, n = slots[keep], num_scheduled_tokens[keep]
-        self.num_computed_tokens_np[s] += n
-        pre = self.prefill_len_np[s] - self.num_computed_prefill_tokens_np[s]
-        self.num_computed_prefill_tokens_np[s] += np.minimum(n, np.maximum(pre, 0))
+        if np.count_nonzero(slots < 0):
+            keep = slots >= 0
+            slots, num_scheduled_tokens = slots[keep], num_scheduled_tokens[keep]
+        s, n, v = slots, num_scheduled_tokens, self.values
+        v[0, s] += n                                              # num_computed_tokens
+        done = v[2, s]                                            # num_computed_prefill_tokens
+        v[2, s] = done + np.minimum(n, np.maximum(v[1, s] - done, 0))  # capped at prefill_len
 
     def apply_rejected(self, slots: np.ndarray, num_rejected: np.ndarray) -> None:
         """Deferred correction on consume: ``num_computed_tokens -= rejected`` (``-1`` rows skipped)."""
         if mutants.active("no_rejected_correction"):  # model checker's mutant; never on in runs
             return
+        if not np.count_nonzero(num_rejected):
+            return  # nothing rejected (always without speculative decoding)
         keep = slots >= 0
         self.num_computed_tokens_np[slots[keep]] -= num_rejected[keep]
 
-    def validate(self, device_arrays: Mapping[str, Sequence[int] | np.ndarray], live_slots: np.ndarray,
-                 step: int, owners: Sequence[str | None] | None = None) -> None:
+    def validate(self, device_arrays: Mapping[str, Sequence[int] | np.ndarray] | np.ndarray,
+                 live_slots: np.ndarray, step: int,
+                 owners: Sequence[str | None] | None = None) -> None:
         """Compare every mirror field with the device copy on the live slots.
 
         Args:
             device_arrays: field name -> ``[max_num_reqs]`` device values (already copied to host);
-                fields absent from the mapping are not checked.
+                fields absent from the mapping are not checked. Or all fields stacked in
+                :data:`MIRROR_FIELDS` order, ``[len(MIRROR_FIELDS), max_num_reqs]`` (one
+                comparison when they agree with the mirror on every slot).
             live_slots: ``[num_live]`` slot indices to compare.
             step: the step just finished (named in the error).
             owners: optional ``[max_num_reqs]`` req_id per slot, for the error message.
@@ -116,6 +135,11 @@ class CpuMirror:
         Raises:
             MirrorDivergence: first (field, slot) whose values differ.
         """
+        if isinstance(device_arrays, np.ndarray):
+            if device_arrays.shape == self.values.shape and \
+                    np.count_nonzero(device_arrays != self.values) == 0:
+                return  # equal on every slot
+            device_arrays = dict(zip(MIRROR_FIELDS, device_arrays))
         for field in MIRROR_FIELDS:
             if field not in device_arrays:
                 continue

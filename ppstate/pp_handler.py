@@ -42,7 +42,7 @@ def need_sampled_mask(out: SchedulerOutput) -> np.ndarray | None:
     if out.num_rows == 0:
         return None
     mask = np.asarray(out.is_final_chunk, dtype=bool).copy()
-    return mask if bool(mask.any()) else None
+    return mask if np.count_nonzero(mask) else None
 
 
 def should_broadcast(out: SchedulerOutput) -> bool:
@@ -175,7 +175,7 @@ class PPHandler:
         if self.sink.enabled:
             self.sink.emit("pp.consume", step=entry.step, rank=self.rank,
                            idx_mapping=idx.tolist())
-        if not bool((idx >= 0).any()):
+        if not np.count_nonzero(idx >= 0):
             return None
         return ConsumedEntry(entry.step, idx, entry.handle, entry.mask)
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
+import numpy as np
+
 from ppstate.blocks import block_hashes
 from ppstate.batch import FreedSlot, SchedulerOutput
 from ppstate.budget import RequestArrays, SchedulerConfig, StepBudget
@@ -71,12 +73,22 @@ class Scheduler(QueueOps, StepResults):
         self._finished: OrderedDict[str, str] = OrderedDict()
         self._freed: list[FreedSlot] = []               # delivered with the next output
         self._in_flight: deque[SchedulerOutput] = deque()
-        self._in_flight_epochs: deque[list[int]] = deque()  # per row: the request's epoch
-        self._in_flight_drafts: deque[list[int]] = deque()  # per row: speculative drafts
+        self._in_flight_epochs: deque[np.ndarray] = deque()  # [num_rows] the request's epoch
+        self._in_flight_drafts: deque[np.ndarray] = deque()  # [num_rows] speculative drafts
         self._next_step = 0
         self._order = 0
         self._admissions = 0   # admissions so far (all requests): each admission's unique epoch
         self.lanes = config.pp_size  # lanes filled with decode rows this step (ppstate.lanes)
+        # slot-indexed views of the running requests, written only on lifecycle events (admit,
+        # complete_prefill, preempt, finish), so that a step's decode rows and results are
+        # handled with array operations (vLLM v1 worker/gpu style), not per request
+        n = config.max_num_seqs
+        self.slot_epoch = np.zeros(n, dtype=np.int64)   # [max_num_reqs] epoch of the occupant, 0 = free
+        self.decoding = np.zeros(n, dtype=bool)         # [max_num_reqs] occupant is decoding
+        self.slot_req: list[Request | None] = [None] * n  # [max_num_reqs] occupant
+        self.slot_out: list[list[int] | None] = [None] * n  # [max_num_reqs] occupant's output_token_ids
+        self._stop_ids: set[int] = set()   # every EOS / stop token id of any request added
+        self.stop_ids_np = np.zeros(0, dtype=np.int64)  # [num_stop_ids] sorted _stop_ids
 
     # ---------------------------------------------------------------- queries
     @property
@@ -147,6 +159,9 @@ class Scheduler(QueueOps, StepResults):
             raise SchedulerError(f"request {rid!r}: prompt of {plen} tokens + max_tokens "
                                  f"{max_tokens} needs KV cache for {plen + max_tokens - 1} tokens; "
                                  f"the cache holds {cap}")
+        if not self._stop_ids.issuperset(spec.eos_token_ids | spec.stop_token_ids):
+            self._stop_ids |= spec.eos_token_ids | spec.stop_token_ids
+            self.stop_ids_np = np.array(sorted(self._stop_ids), dtype=np.int64)
         req = Request(spec, max_tokens, self.arrays, self._order)
         self._order += 1
         self.lifecycle.add(req)
@@ -208,8 +223,8 @@ class Scheduler(QueueOps, StepResults):
         self._freed = []
         self._next_step += 1
         self._in_flight.append(out)
-        self._in_flight_epochs.append(rows.epochs)
-        self._in_flight_drafts.append(rows.drafts)
+        self._in_flight_epochs.append(rows.row_epochs)
+        self._in_flight_drafts.append(rows.row_drafts)
         if self.sink.enabled:
             self.sink.emit("schedule", step=step,
                            output=encode_output(out, self.sink.trace_prompts))

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from collections import deque
 
+import numpy as np
+
 from ppstate.batch import FreedSlot, NewRequest
 from ppstate.budget import RequestArrays
 from ppstate.kv_manager import KVManager
@@ -33,6 +35,10 @@ class QueueOps:
     _running: dict[str, Request]
     _freed: list[FreedSlot]
     _admissions: int
+    slot_epoch: np.ndarray                       # [max_num_reqs] occupant's epoch, 0 = free
+    decoding: np.ndarray                         # [max_num_reqs] bool, occupant is decoding
+    slot_req: list[Request | None]               # [max_num_reqs] occupant
+    slot_out: list[list[int] | None]             # [max_num_reqs] occupant's output_token_ids
     fire: Callable[[Request, str], None]         # Scheduler.fire: a lifecycle edge, recorded
 
     def running_requests(self) -> list[Request]:
@@ -59,6 +65,7 @@ class QueueOps:
         so workers bump the slot generation and drop its deferred rows), back to the head of
         the waiting queue with its received tokens kept."""
         self.fire(req, "preempt")
+        self.vacate(req.slot)
         self.kv.free(req)
         slot = self.slots.free(req.req_id)
         self._freed.append(FreedSlot(req.req_id, slot, "preempted"))
@@ -67,6 +74,11 @@ class QueueOps:
         req.prefill_tokens = req.spec.prompt_token_ids + tuple(req.output_token_ids)
         self._waiting.appendleft(req)
         self.num_preemptions += 1
+
+    def vacate(self, slot: int) -> None:
+        """Clear the slot-indexed views of ``slot`` (its request finished or was preempted)."""
+        self.slot_epoch[slot], self.decoding[slot], self.slot_req[slot] = 0, False, None
+        self.slot_out[slot] = None
 
     def place(self, req: Request, step: int, hit: list[int]) -> NewRequest:
         """Allocate a slot for ``req``, fire ``admit``, give it its prefix-hit blocks ``hit`` and
@@ -79,5 +91,7 @@ class QueueOps:
         n_out = len(req.output_token_ids)
         self.arrays.reset(req.slot, len(req.prefill_tokens), req.max_tokens, step, cached, n_out)
         self._running[req.req_id] = req
+        self.slot_epoch[req.slot], self.slot_req[req.slot] = req.epoch, req
+        self.slot_out[req.slot] = req.output_token_ids
         return NewRequest(req.req_id, req.slot, req.prefill_tokens,
                           req.prompt_len + req.max_tokens, dict(req.spec.sampling), cached, n_out)

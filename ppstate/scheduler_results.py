@@ -9,8 +9,11 @@ request frees its slot and KV blocks and is remembered (final state only) among 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from collections import OrderedDict, deque
+from operator import itemgetter
+
+import numpy as np
 
 from ppstate.batch import FreedSlot, SchedulerOutput, StepResult
 from ppstate.budget import RequestArrays
@@ -20,8 +23,25 @@ from ppstate.kv_manager import KVManager
 from ppstate.lifecycle import Lifecycle
 from ppstate.request import Request, TokenUpdate
 from ppstate.slots import SlotTable
+from ppstate.step_updates import StepUpdates
 
-FINISHED_HISTORY = 1024  # finished requests whose final state state_of still answers
+FINISHED_HISTORY = 1024
+
+
+def gather(seq: Sequence, idx: list[int]) -> Sequence:
+    """``[seq[i] for i in idx]`` at C speed (a tuple; ``itemgetter`` of one index would return
+    the item itself)."""
+    return itemgetter(*idx)(seq) if len(idx) > 1 else tuple(seq[i] for i in idx)
+
+
+def may_stop(tokens: np.ndarray, stop_ids: np.ndarray) -> np.ndarray:
+    """``[n]`` bool: ``tokens`` (``[n]``) that are in ``stop_ids`` (``[m]``, every EOS / stop id
+    of any request; a superset is fine, the rows found are checked per request)."""
+    if stop_ids.size == 0:
+        return np.zeros(tokens.shape, dtype=bool)
+    if stop_ids.size <= 16:
+        return (tokens[:, None] == stop_ids[None, :]).any(axis=1)
+    return np.isin(tokens, stop_ids)  # finished requests whose final state state_of still answers
 
 
 class StepResults:
@@ -41,14 +61,19 @@ class StepResults:
     _finished: OrderedDict[str, str]
     _freed: list[FreedSlot]
     _in_flight: deque[SchedulerOutput]
-    _in_flight_epochs: deque[list[int]]
-    _in_flight_drafts: deque[list[int]]          # per in-flight step: drafts of each row
+    _in_flight_epochs: deque[np.ndarray]         # per in-flight step: [num_rows] epoch of each row
+    _in_flight_drafts: deque[np.ndarray]         # per in-flight step: [num_rows] drafts of each row
+    slot_epoch: np.ndarray                       # [max_num_reqs] occupant's epoch, 0 = free
+    slot_req: list[Request | None]               # [max_num_reqs] occupant
+    slot_out: list[list[int] | None]             # [max_num_reqs] occupant's output_token_ids
+    stop_ids_np: np.ndarray                      # [num_stop_ids] every EOS / stop id seen
+    vacate: Callable[[int], None]                # QueueOps.vacate: clear a slot's views
     num_spec_rows: int                           # decode rows that carried drafts (cumulative)
     num_spec_proposed: int                       # drafts proposed (tokens, cumulative)
     num_spec_rejected: int                       # drafts rejected (tokens, cumulative)
     fire: Callable[[Request, str], None]         # Scheduler.fire: a lifecycle edge, recorded
 
-    def on_step_result(self, result: StepResult) -> list[TokenUpdate]:
+    def on_step_result(self, result: StepResult) -> Sequence[TokenUpdate]:
         """Apply the last rank's output of the oldest in-flight step.
 
         Rows of requests no longer live (finished at an earlier step, aborted), rows scheduled
@@ -57,7 +82,9 @@ class StepResults:
         or stop token id, or when it has max_tokens tokens; its slot is freed then.
 
         Returns:
-            One TokenUpdate per live sampling row with ``num_sampled > 0``, in row order.
+            One TokenUpdate per live sampling row with ``num_sampled > 0``, in row order: a
+            :class:`~ppstate.step_updates.StepUpdates` (one token per row, made on reading) or,
+            with speculative drafts in the step, a list.
 
         Raises:
             SchedulerError: ``result.step`` is not the oldest in-flight step, or its row count
@@ -76,22 +103,63 @@ class StepResults:
             raise SchedulerError(f"step {result.step}: result has {len(result.num_sampled)} rows, "
                                  f"the step had {out.num_rows}")
         self._in_flight.popleft()
-        epochs = self._in_flight_epochs.popleft()
-        drafts = self._in_flight_drafts.popleft()
-        updates = []
-        num_sampled, final = result.num_sampled.tolist(), out.is_final_chunk.tolist()
-        sampled = result.sampled_token_ids.tolist()     # [num_rows][width] python ints
-        for i, req_id in enumerate(out.req_ids):
-            req = self._running.get(req_id)
-            n = num_sampled[i]
-            if req is None or n <= 0 or not final[i] or req.epoch != epochs[i]:
-                continue  # gone, not sampling, or a row of an admission ended by preemption
-            if drafts[i] > 0:  # speculative decoding (#14)
-                self._spec_row(req, drafts[i], int(result.num_rejected[i]))
-            updates.append(self._append_tokens(req, sampled[i][:n]))
+        epochs = self._in_flight_epochs.popleft()     # [num_rows]
+        drafts = self._in_flight_drafts.popleft()     # [num_rows]
+        updates = None if np.count_nonzero(drafts) else self._apply_one_token_rows(out, result, epochs)
+        if updates is None:
+            updates = self._apply_rows(out, result, epochs, drafts)
         if self.sink.enabled:
             self.sink.emit("tokens", step=self._next_step, of_step=result.step,
                            updates=[vars(u) for u in updates])
+        return updates
+
+    def _live_rows(self, out: SchedulerOutput, result: StepResult,
+                   epochs: np.ndarray) -> np.ndarray:
+        """``[num_live]`` indices of the rows whose request is still running in the admission
+        that scheduled them (slot epoch unchanged), that are final and sampled something."""
+        return ((result.num_sampled > 0) & out.is_final_chunk &
+                (self.slot_epoch[out.slots] == np.asarray(epochs))).nonzero()[0]
+
+    def _apply_one_token_rows(self, out: SchedulerOutput, result: StepResult,
+                              epochs: np.ndarray) -> StepUpdates | None:
+        """:meth:`on_step_result` for a step without drafts whose live rows sampled one token
+        each (None otherwise): counters and output lists updated at once; Python per row only
+        for rows whose token may end the request (a known EOS / stop id, or max_tokens)."""
+        rows = self._live_rows(out, result, epochs)                    # [n]
+        if np.count_nonzero(result.num_sampled[rows] != 1):
+            return None
+        a = self.arrays
+        slots = out.slots[rows].astype(np.int64)                       # [n]
+        toks = result.sampled_token_ids[rows, 0]                       # [n]
+        count = a.num_output_tokens[slots] + 1                         # [n]
+        a.num_output_tokens[slots] = count
+        ends = ((count >= a.max_tokens[slots]) | may_stop(toks, self.stop_ids_np)).nonzero()[0]
+        tok_list = toks.tolist()
+        slot_list = slots.tolist()
+        deque(map(list.append, gather(self.slot_out, slot_list), tok_list), maxlen=0)
+        reasons: dict[int, str] = {}
+        for i in ends.tolist():
+            req, tok = self.slot_req[slot_list[i]], tok_list[i]
+            reason = req.spec.stop_reason(tok)
+            if reason is None and count[i] >= req.max_tokens:
+                reason = "length"
+            if reason is not None:
+                reasons[i] = reason
+                self._finish(req, "stop" if reason == "stop" else "hit_length")
+        ids = out.req_ids if rows.size == out.num_rows else gather(out.req_ids, rows.tolist())
+        return StepUpdates(ids, tok_list, reasons)
+
+    def _apply_rows(self, out: SchedulerOutput, result: StepResult, epochs: np.ndarray,
+                    drafts: np.ndarray) -> list[TokenUpdate]:
+        """:meth:`on_step_result` row by row (speculative decoding: several tokens per row)."""
+        updates = []
+        num_sampled, drafts = result.num_sampled.tolist(), np.asarray(drafts).tolist()
+        sampled = result.sampled_token_ids.tolist()     # [num_rows][width] python ints
+        for i in self._live_rows(out, result, epochs).tolist():
+            req = self.slot_req[int(out.slots[i])]
+            if drafts[i] > 0:  # speculative decoding (#14)
+                self._spec_row(req, drafts[i], int(result.num_rejected[i]))
+            updates.append(self._append_tokens(req, sampled[i][:num_sampled[i]]))
         return updates
 
     def spec_stats(self) -> dict[str, int]:
@@ -141,6 +209,7 @@ class StepResults:
     def _finish(self, req: Request, trigger: str) -> None:
         self.fire(req, trigger)
         if req.slot >= 0:
+            self.vacate(req.slot)
             self.kv.free(req)
             self.slots.free(req.req_id)
             self._freed.append(FreedSlot(req.req_id, req.slot, req.state))

@@ -22,8 +22,13 @@ from ppstate.chunk_sizing import chunk_limit
 from ppstate.kv_manager import KVManager
 from ppstate.lanes import lane_open
 from ppstate.request import Request
+from ppstate.scheduler_results import gather
 from ppstate.spec_decode import drafts_for_row
 from ppstate.slots import SlotTable
+
+
+_ONES = np.ones(4096, dtype=np.int64)   # tokens / final columns of decode rows (never written)
+_ONES.flags.writeable = False
 
 
 class RowSource(Protocol):
@@ -37,6 +42,10 @@ class RowSource(Protocol):
         slots: the slot table (free slots bound admission).
         lanes: lanes filled with decode rows this step (:mod:`ppstate.lanes`).
         num_prefill_tokens: prefill tokens scheduled so far (the builder adds to it).
+        slot_epoch: ``[max_num_reqs]`` int64 admission epoch of each slot's request (0: free).
+        decoding: ``[max_num_reqs]`` bool, the slot's request is decoding (the builder sets it
+            when it fires ``complete_prefill``).
+        slot_req: ``[max_num_reqs]`` the request in each slot (None: free).
     """
     config: SchedulerConfig
     arrays: RequestArrays
@@ -44,8 +53,10 @@ class RowSource(Protocol):
     slots: SlotTable
     lanes: int
     num_prefill_tokens: int
+    slot_epoch: np.ndarray
+    decoding: np.ndarray
+    slot_req: list[Request | None]
 
-    def running_requests(self) -> list[Request]: ...
     def pop_waiting(self) -> Request | None: ...
     def peek_waiting(self) -> Request | None: ...
     def youngest_running(self, exclude: set[str]) -> Request | None: ...
@@ -56,6 +67,10 @@ class RowSource(Protocol):
 
 class RowBuilder:
     """Collects the rows of step ``step`` within ``budget``.
+
+    Rows are kept as column parts (``[n]`` arrays each: slot, tokens, start, final, epoch,
+    drafts): runs of one-token decode rows are added with array operations, other rows one by
+    one (:meth:`_row`); :meth:`build` concatenates the parts in row order.
 
     Args:
         sched: the scheduler, as a :class:`RowSource` (its arrays, slots and lifecycle are updated
@@ -68,14 +83,15 @@ class RowBuilder:
         self.sched, self.step, self.budget = sched, step, budget
         self.arrays = sched.arrays
         self.cadence = sched.config.cadence
-        self.req_ids: list[str] = []
-        self.slots: list[int] = []
+        self.req_ids: list[str] = []         # [num_rows] (all rows so far)
+        self.slots: list[int] = []           # rows added one by one since the last part:
         self.num_scheduled_tokens: list[int] = []
         self.starts: list[int] = []
         self.final: list[bool] = []
+        self.epochs: list[int] = []          # admission epoch of each row's request
+        self.drafts: list[int] = []          # speculative drafts of each row (decode)
+        self._parts: list[tuple[np.ndarray, ...]] = []   # 6 columns, [n] int64 each
         self.new: list[NewRequest] = []
-        self.epochs: list[int] = []          # [num_rows] admission epoch of each row's request
-        self.drafts: list[int] = []          # [num_rows] speculative drafts of each row (decode)
         self.kv = sched.kv
         self.preempted = False
 
@@ -101,58 +117,106 @@ class RowBuilder:
             a.next_eligible_step[slot] = self.step + 1
         self.budget.take(num_scheduled_tokens, counts_row)
 
+    def _columns(self) -> tuple[list, ...]:
+        return (self.slots, self.num_scheduled_tokens, self.starts, self.final, self.epochs,
+                self.drafts)
+
+    def _flush(self) -> None:
+        """Move the rows added one by one into a part (keeps row order)."""
+        if self.slots:
+            self._parts.append(tuple(np.array(c, dtype=np.int64) for c in self._columns()))
+            for c in self._columns():
+                c.clear()
+
+    def _decode_candidates(self) -> np.ndarray:
+        """``[num_eligible]`` slots of decoding requests that may get a decode row now (eligible
+        and below max_tokens, optimistic outputs), oldest eligibility first, then admission
+        order (= epoch order, the order of the running requests)."""
+        a, s = self.arrays, self.sched
+        cand = (s.decoding & (a.next_eligible_step <= self.step) &
+                (a.num_sampling_rows < a.max_tokens)).nonzero()[0]
+        return cand[np.lexsort((s.slot_epoch[cand], a.next_eligible_step[cand]))]
+
     def add_decodes(self) -> None:
         """Rows for decoding requests that are eligible and below max_tokens (optimistic outputs):
         one token each, or with speculative decoding ``1 + k`` (the last sampled token and ``k``
-        drafts, :meth:`_decode_tokens`)."""
-        a = self.arrays
+        drafts, :meth:`_decode_tokens`).
+
+        Without speculation the rows are added with array operations (:meth:`_bulk_decodes`):
+        all at once when the free KV blocks suffice for every row whose token starts a new block
+        (at most one per ``block_size`` steps of a request), so that none can preempt. Otherwise
+        runs of rows whose token fits a block the request holds are added in bulk, and each row
+        that needs a block goes through :meth:`_room` (which may preempt) and :meth:`_row` in
+        its place in the order, exactly as a row-by-row loop would."""
         if not lane_open(self.step, self.sched.lanes, self.sched.config.pp_size):
             return  # adaptive lanes (ppstate.lanes): this step's lane takes no decode rows
-        running = [r for r in self.sched.running_requests() if r.state == "decoding"]
-        if not running:
+        order = self._decode_candidates()                                  # [num_eligible]
+        if not order.size:
             return
-        slots = np.fromiter((r.slot for r in running), dtype=np.int64, count=len(running))
-        ok = (a.next_eligible_step[slots] <= self.step) & \
-            (a.num_sampling_rows[slots] < a.max_tokens[slots])               # [num_decoding]
-        picked = np.nonzero(ok)[0]
-        order = picked[np.argsort(a.next_eligible_step[slots[picked]], kind="stable")]
-        k_max = self.sched.config.num_spec_tokens
-        fast: list[int] = []   # slots of rows whose token fits a block the request holds
-        table, bs = self.kv.pool.table, self.kv.block_size
-        for i in order.tolist():
+        if self.sched.config.num_spec_tokens:
+            self._spec_decodes(order)
+            return
+        a, bs = self.arrays, self.kv.block_size
+        n = min(order.size, self.budget.tokens, self.budget.rows)
+        if n <= 0:
+            return
+        head = order[:n]                                                   # [n]
+        new_block = a.num_computed_tokens[head] >= self.kv.held[head] * bs  # [n]
+        if np.count_nonzero(new_block) <= self.kv.pool.num_free:
+            self._bulk_decodes(head, new_block)  # every row gets its block: no preemption
+            return
+        slow = new_block.nonzero()[0].tolist() if n == order.size else \
+            (a.num_computed_tokens[order] >= self.kv.held[order] * bs).nonzero()[0].tolist()
+        pos = 0
+        for j in slow + [order.size]:  # short of blocks: rows that need one may preempt
+            if pos < j:
+                self._bulk_decodes(order[pos:j])
+            if j == order.size or not self.budget.can_add():
+                return
+            req = self.sched.slot_req[int(order[j])]
+            if req is not None and self._room(req, 1) == 1:  # None: preempted in this loop
+                self._row(req, 1, True)
+            pos = j + 1
+
+    def _bulk_decodes(self, slots: np.ndarray, new_block: np.ndarray | None = None) -> None:
+        """One-token decode rows for ``slots`` (``[n]``, in order): those still running (not
+        preempted in this step), as many as the budget allows. ``new_block`` (``[n]`` bool, only
+        when every row fits the budget and the free blocks): rows whose token needs a new KV block
+        (:meth:`KVManager.grow_by_one_block`); without it every row's token must lie in a block its
+        request holds. The arrays are updated at once."""
+        a, s = self.arrays, self.sched
+        if new_block is None:
+            slots = slots[s.slot_epoch[slots] != 0]
+            n = min(slots.size, self.budget.tokens, self.budget.rows)
+            if n <= 0:
+                return
+            slots = slots[:n]
+        n = slots.size
+        self._flush()
+        ones = _ONES[:n] if n <= _ONES.size else np.ones(n, dtype=np.int64)  # read-only
+        self._parts.append((slots, ones, a.num_computed_tokens[slots], ones,
+                            s.slot_epoch[slots], np.zeros(n, dtype=np.int64)))
+        ids = gather(s.slots.owner, slots.tolist())            # [n] request ids
+        self.req_ids += ids
+        a.num_computed_tokens[slots] += 1
+        if new_block is not None and np.count_nonzero(new_block):
+            idx = new_block.nonzero()[0]
+            self.kv.grow_by_one_block(slots[idx], list(gather(ids, idx.tolist())))
+        a.num_sampling_rows[slots] += 1
+        a.next_eligible_step[slots] = self.step + self.cadence
+        self.budget.tokens -= n
+        self.budget.rows -= n
+
+    def _spec_decodes(self, order: np.ndarray) -> None:
+        """Decode rows with speculative drafts (#14), one by one in ``order`` (``[n]`` slots)."""
+        for slot in order.tolist():
             if not self.budget.can_add():
                 break
-            req = running[i]
-            if req.slot < 0:  # preempted earlier in this loop
+            req = self.sched.slot_req[slot]
+            if req is None:  # preempted earlier in this loop
                 continue
-            if k_max:  # speculative decoding (#14): the last token plus k drafts
-                if (got := self._room(req, self._decode_tokens(req))) >= 1:
-                    self._row(req, got, True, outputs=got)
-                continue
-            computed = int(a.num_computed_tokens[req.slot])
-            if computed < len(table(req.req_id)) * bs:  # no new block, nothing to register
-                self._decode_row(req, computed)
-                fast.append(req.slot)
-            elif self._room(req, 1) == 1:
-                self._row(req, 1, True)
-        if fast:  # the per-slot effects of _row for the fast rows, in bulk (slots are distinct)
-            idx = np.asarray(fast, dtype=np.int64)
-            a.num_computed_tokens[idx] += 1
-            a.num_sampling_rows[idx] += 1
-            a.next_eligible_step[idx] = self.step + self.cadence
-
-    def _decode_row(self, req: Request, computed: int) -> None:
-        """A one-token decode row of ``req`` whose position ``computed`` lies in a KV block it
-        already holds (:meth:`_row` without the block work; the caller updates the arrays)."""
-        self.req_ids.append(req.req_id)
-        self.slots.append(req.slot)
-        self.num_scheduled_tokens.append(1)
-        self.starts.append(computed)
-        self.final.append(True)
-        self.epochs.append(req.epoch)
-        self.drafts.append(0)
-        self.budget.tokens -= 1
-        self.budget.rows -= 1
+            if (got := self._room(req, self._decode_tokens(req))) >= 1:
+                self._row(req, got, True, outputs=got)
 
     def _decode_tokens(self, req: Request) -> int:
         """Tokens of ``req``'s decode row: 1, plus ``k`` speculative drafts when
@@ -193,6 +257,7 @@ class RowBuilder:
         self._row(req, chunk, final, counts_row)
         if final:
             self.sched.fire(req, "complete_prefill")
+            self.sched.decoding[slot] = True
 
     def add_continuing_prefills(self) -> None:
         """Next chunk of every admitted request still prefilling (consecutive steps).
@@ -201,12 +266,18 @@ class RowBuilder:
         steps for a while and must not block admissions (its lane is only chosen by its final
         chunk).
         """
-        for req in self.sched.running_requests():
-            if req.slot >= 0 and req.state == "prefilling" and \
-                    self.arrays.next_eligible_step[req.slot] <= self.step:
-                if self.budget.tokens <= 0:
-                    return
-                self._add_chunk(req, counts_row=False)
+        s = self.sched
+        cand = ((s.slot_epoch != 0) & ~s.decoding &
+                (self.arrays.next_eligible_step <= self.step)).nonzero()[0]  # [num_prefilling]
+        if not cand.size:
+            return
+        for slot in cand[np.argsort(s.slot_epoch[cand])].tolist():  # admission order
+            req = s.slot_req[slot]
+            if req is None:  # preempted earlier in this loop
+                continue
+            if self.budget.tokens <= 0:
+                return
+            self._add_chunk(req, counts_row=False)
 
     def admit_waiting(self) -> None:
         """FCFS admission into free slots while the first chunk fits the free KV blocks (minus the
@@ -229,12 +300,18 @@ class RowBuilder:
 
     def build(self, freed: tuple[FreedSlot, ...],
               deltas: tuple[np.ndarray, np.ndarray, np.ndarray]) -> SchedulerOutput:
-        """The step's SchedulerOutput (arrays ``[num_rows]``; block-table deltas ``[U]``)."""
+        """The step's SchedulerOutput (arrays ``[num_rows]``; block-table deltas ``[U]``).
+        Afterwards ``row_epochs`` and ``row_drafts`` (``[num_rows]`` int64) hold each row's
+        admission epoch and drafts (the scheduler keeps them while the step is in flight)."""
+        self._flush()
+        cols = [np.concatenate(c) if len(c) != 1 else c[0] for c in zip(*self._parts)] \
+            if self._parts else [np.zeros(0, dtype=np.int64)] * 6
+        slots, ntok, starts, final, self.row_epochs, self.row_drafts = cols
         return SchedulerOutput(
             step=self.step, req_ids=tuple(self.req_ids),
-            slots=np.array(self.slots, dtype=np.int32),                 # [num_rows]
-            num_scheduled_tokens=np.array(self.num_scheduled_tokens, dtype=np.int32),   # [num_rows]
-            start_positions=np.array(self.starts, dtype=np.int32),      # [num_rows]
-            is_final_chunk=np.array(self.final, dtype=bool),            # [num_rows]
+            slots=slots.astype(np.int32),                               # [num_rows]
+            num_scheduled_tokens=ntok.astype(np.int32),                 # [num_rows]
+            start_positions=starts.astype(np.int32),                    # [num_rows]
+            is_final_chunk=final.astype(bool),                          # [num_rows]
             new_requests=tuple(self.new), freed=freed, block_table_slots=deltas[0],
             block_table_cols=deltas[1], block_table_ids=deltas[2])

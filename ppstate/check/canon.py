@@ -147,6 +147,8 @@ def _renumber_epochs(w) -> None:
     for r in s._live.values():
         if getattr(r, "epoch", None) is not None:
             r.epoch = rank[r.epoch]
+            if r.slot >= 0:
+                s.slot_epoch[r.slot] = r.epoch   # the slot-indexed copy (0 on free slots)
     for i, rows in enumerate(s._in_flight_epochs):
         s._in_flight_epochs[i] = [rank[v] for v in rows]
     s._admissions = len(values)

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from ppstate.scheduler import RequestSpec, Scheduler, SchedulerConfig
+from ppstate.step_updates import count_tokens
 from runtime.bench.gpu_models import model_config, random_tensor
 from runtime.model.paged_stage import PagedStage
 from runtime.model.stage import StageModel
@@ -98,7 +99,7 @@ def run(runner, vocab: int, num_blocks: int, rows: int, prompt_len: int, new_tok
             t3 = time.perf_counter()
             wait = t3 - t2
             upd = sched.on_step_result(res)
-            tokens += sum(len(u.token_ids) for u in upd)
+            tokens += count_tokens(upd)
             t4 = time.perf_counter()
         else:
             t4 = t3 = t2

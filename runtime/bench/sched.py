@@ -25,7 +25,7 @@ import numpy as np
 
 from ppstate.batch import SchedulerOutput, StepResult
 from ppstate.events import NULL_SINK, JsonlSink
-from ppstate.mirror import MIRROR_FIELDS, CpuMirror
+from ppstate.mirror import CpuMirror
 from ppstate.pp_handler import PPHandler, need_sampled_mask
 from ppstate.scheduler import RequestSpec, Scheduler, SchedulerConfig
 from runtime.bench.results import command_line, write_result
@@ -48,6 +48,7 @@ class ControlPlane:
         self.handlers = [PPHandler(pp_size, live, sink=sinks[r + 1], rank=r)
                          for r in range(pp_size - 1)]
         self.owner: list[list[str | None]] = [[None] * live for _ in range(pp_size)]
+        self.live = [np.zeros(live, dtype=bool) for _ in range(pp_size)]  # [max_num_reqs] each, as the worker's live_np
         for i in range(live):
             prompt = tuple(100 + (i * 7 + j) % 30000 for j in range(prompt_len))
             self.sched.add_request(RequestSpec(f"r{i}", prompt, max_tokens=max_model_len,
@@ -55,23 +56,23 @@ class ControlPlane:
         self.sched_s = self.ranks_s = 0.0
 
     def _rank(self, r: int, out: SchedulerOutput) -> None:
-        m, owner = self.mirrors[r], self.owner[r]
+        m, owner, live_np = self.mirrors[r], self.owner[r], self.live[r]
         if r < self.pp - 1:
             entry = self.handlers[r].consume()
             if entry is not None:
                 m.apply_rejected(entry.idx_mapping, np.zeros(len(entry.idx_mapping), np.int64))
         for f in out.freed:
-            owner[f.slot] = None
+            owner[f.slot], live_np[f.slot] = None, False
             if r < self.pp - 1:
                 self.handlers[r].on_slot_freed(f.slot, out.step)
         for n in out.new_requests:
-            owner[n.slot] = n.req_id
+            owner[n.slot], live_np[n.slot] = n.req_id, True
             m.add_request(n.slot, len(n.prompt_token_ids), n.max_seq_len, n.num_cached_tokens)
         m.apply_block_updates(out.block_table_slots, out.block_table_cols)
         m.apply_scheduled(out.slots.astype(np.int64), out.num_scheduled_tokens.astype(np.int64))
         if self.validate:
-            live = np.fromiter((i for i, o in enumerate(owner) if o is not None), dtype=np.int64)
-            device = {f: m.array(f).copy() for f in MIRROR_FIELDS}  # the host copy of the device
+            live = live_np.nonzero()[0]
+            device = m.values.copy()  # the host copy of the device arrays, stacked [F, max_num_reqs]
             m.validate(device, live, out.step, owners=owner)
             m.validate_blocks(self.sched.config.block_size, live, out.step, owners=owner)
         if r < self.pp - 1:

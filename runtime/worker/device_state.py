@@ -142,7 +142,7 @@ class DeviceState:
         live = self.live_slots()
         if live.size == 0:
             return
-        dev = {f: getattr(self, f).cpu().numpy() for f in MIRROR_FIELDS}
+        dev = torch.stack([getattr(self, f) for f in MIRROR_FIELDS]).cpu().numpy()  # [F, max_num_reqs]
         self.mirror.validate(dev, live, step, owners=self.owner)
         self.mirror.validate_blocks(self.block_size, live, step, owners=self.owner,
                                     spec_slack=2 * (self.width - 1))  # drafts' blocks (#14)
