@@ -82,6 +82,12 @@ async def load(engine: AsyncEngine, n: int, concurrency: int, distinct: int, max
     await asyncio.gather(*(one(i) for i in range(n)))
     elapsed = time.perf_counter() - t0
     alone = [await _collect(engine, f"alone{k}", p, params) for k, p in enumerate(prompts)]
+    # a step issued before the last stream was served (the engine sends the next step right after a
+    # result) may still be in flight: judge the per-request maps once the pipeline has drained
+    for _ in range(1000):
+        if not engine.sched.in_flight:
+            break
+        await asyncio.sleep(0.01)
     mismatched = [i for i, r in enumerate(results) if r != alone[which[i]]]
     incomplete = [i for i, r in enumerate(results)
                   if r is None or r[1] != "length" or len(r[0]) != max_tokens]
