@@ -77,7 +77,8 @@ def _spread(key: str, res: dict) -> str:
 def render(docs: list[tuple[str, dict]]) -> str:
     """The markdown between the markers (tables + the commands that produced them)."""
     found: dict[str, tuple[str, dict]] = {}
-    sweep, sched, contention = None, None, None
+    sweep, sched = None, None
+    contention: list[tuple[str, dict]] = []   # every machine's contention file, one table each
     for name, doc in docs:                 # newer files override older ones
         res = doc["results"]
         for key, *_ in METRICS:
@@ -88,7 +89,7 @@ def render(docs: list[tuple[str, dict]]) -> str:
         if doc["kind"] == "sched":
             sched = (name, doc)
         if doc["kind"] == "contention":
-            contention = (name, doc)
+            contention = [c for c in contention if c[1]["machine"] != doc["machine"]] + [(name, doc)]
     lines = ["| metric | median | spread (min .. max over rounds) | target | result file |",
              "|---|---|---|---|---|"]
     for key, label, target, fmt in METRICS:
@@ -116,9 +117,9 @@ def render(docs: list[tuple[str, dict]]) -> str:
             cells = [f"{p[m + '_output_tokens_per_s']:.1f}" for m in modes]
             cells += [f"{p[m + '_over_sync']['median']:.2f}" for m in modes if m != "sync"]
             lines.append(f"| {p['concurrency']} | " + " | ".join(cells) + " |")
-    if contention:
-        lines += ["", *contention_table(*contention)]
-    extra = [x for x in (sweep, sched, contention) if x]
+    for c in contention:
+        lines += ["", *contention_table(*c)]
+    extra = [x for x in (sweep, sched) if x] + contention
     cmds = sorted({doc["command"] for _, doc in [*found.values(), *extra]})
     machines = sorted({doc["machine"] for _, doc in [*found.values(), *extra]})
     lines += ["", "Machine: " + "; ".join(machines) + ".", "", "Commands:", ""]
@@ -136,7 +137,7 @@ def contention_table(name: str, doc: dict) -> list[str]:
     out = [f"One stage alone vs all {pp} stages at once, decode-step forward per stage "
            f"(`{name}`); ceiling = overlapped / sync decode throughput this allows at "
            f"concurrency {pp} x rows (sync: the stages take turns on all rows; overlapped: "
-           f"{pp} lanes of `rows`, all stages at once):", "",
+           f"{pp} lanes of `rows`, all stages at once); machine: {doc['machine']}:", "",
            "| torch threads | rows | alone (ms per stage) | all at once (ms per stage) "
            "| slow-down | ceiling at concurrency | without contention |",
            "|---|---|---|---|---|---|---|"]
