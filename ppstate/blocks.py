@@ -92,6 +92,20 @@ class BlockPool:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
     # ------------------------------------------------------------------ allocation
+    def _take(self, n: int) -> list[int]:
+        """``n`` block ids off the free list, then (when it runs dry) evicted from the LRU end of
+        the cached blocks (their hashes forgotten, ``evict`` fired). The caller checked
+        ``n <= num_free`` and fires ``allocate``."""
+        take = [self._free.popleft() for _ in range(min(n, len(self._free)))]
+        if len(take) < n:
+            evicted = [self._lru.popitem(last=False)[0] for _ in range(n - len(take))]
+            self.states.fire(evicted, "evict")
+            for b in evicted:
+                del self._by_hash[self.block_hash.pop(b)]
+                del self.block_tokens[b]
+            take += evicted
+        return take
+
     def allocate(self, req_id: str, n: int) -> list[int]:
         """Append ``n`` fresh blocks to ``req_id``'s table (evicting LRU cached blocks when the
         free list is empty) and return their ids.
@@ -103,14 +117,7 @@ class BlockPool:
             raise BlockError(f"request {req_id!r} needs {n} blocks, {self.num_free} free")
         if n <= 0:
             return []
-        take = [self._free.popleft() for _ in range(min(n, len(self._free)))]
-        if len(take) < n:
-            evicted = [self._lru.popitem(last=False)[0] for _ in range(n - len(take))]
-            self.states.fire(evicted, "evict")
-            for b in evicted:
-                del self._by_hash[self.block_hash.pop(b)]
-                del self.block_tokens[b]
-            take += evicted
+        take = self._take(n)
         self.states.fire(take, "allocate")
         self.ref_count[take] = 1
         self.tables.setdefault(req_id, []).extend(take)
@@ -127,14 +134,7 @@ class BlockPool:
         n = len(req_ids)
         if n > self.num_free:
             raise BlockError(f"{n} requests need a block each, {self.num_free} free")
-        take = [self._free.popleft() for _ in range(min(n, len(self._free)))]
-        if len(take) < n:
-            evicted = [self._lru.popitem(last=False)[0] for _ in range(n - len(take))]
-            self.states.fire(evicted, "evict")
-            for b in evicted:
-                del self._by_hash[self.block_hash.pop(b)]
-                del self.block_tokens[b]
-            take += evicted
+        take = self._take(n)
         ids = np.array(take, dtype=np.int64)                    # [n]
         self.states.fire(ids, "allocate")
         self.ref_count[ids] = 1
