@@ -38,7 +38,7 @@ import multiprocessing as mp
 import statistics
 import time
 
-from runtime.bench.results import command_line, write_result
+from runtime.bench.results import subcommand_line, write_result
 
 BLOCK = 16
 
@@ -265,6 +265,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"step_cost {res['step_cost']}", flush=True)
     if args.json_out:
         write_result(args.json_out, "contention", res, vars(args),
-                     command_line(["contention", *argv]) if argv is not None else command_line())
+                     subcommand_line("contention", argv))
         print(f"wrote {args.json_out}")
     return 0

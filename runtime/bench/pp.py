@@ -32,7 +32,7 @@ import statistics
 import time
 from contextlib import AsyncExitStack
 
-from runtime.bench.results import command_line, write_result
+from runtime.bench.results import subcommand_line, write_result
 from runtime.cli_common import add_engine_flags, engine_config
 from runtime.config import EngineConfig
 from runtime.engine import AsyncEngine
@@ -313,6 +313,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"step_cost {res['step_cost']}", flush=True)
     if args.json_out:
         write_result(args.json_out, "pp", res, vars(args),
-                     command_line(["pp", *argv]) if argv is not None else command_line())
+                     subcommand_line("pp", argv))
         print(f"wrote {args.json_out}")
     return 0

@@ -48,6 +48,12 @@ def command_line(argv: list[str] | None = None) -> str:
     return "python -m runtime.bench " + shlex.join(args)
 
 
+def subcommand_line(name: str, argv: list[str] | None) -> str:
+    """:func:`command_line` of subcommand ``name`` run as ``main(argv)``; ``argv`` None = the
+    process's own arguments (already starting with ``name``)."""
+    return command_line([name, *argv]) if argv is not None else command_line()
+
+
 def write_result(path: str | Path, kind: str, results: dict, args: dict, command: str) -> Path:
     """Write ``{"kind", "date", "machine", "command", "args", "results"}`` to ``path`` (parents
     created); returns the path."""

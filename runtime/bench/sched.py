@@ -28,7 +28,7 @@ from ppstate.events import NULL_SINK, JsonlSink
 from ppstate.mirror import CpuMirror
 from ppstate.pp_handler import PPHandler, need_sampled_mask
 from ppstate.scheduler import RequestSpec, Scheduler, SchedulerConfig
-from runtime.bench.results import command_line, write_result
+from runtime.bench.results import subcommand_line, write_result
 
 
 class ControlPlane:
@@ -164,5 +164,5 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
     if args.json_out:
         write_result(args.json_out, "sched", {"results": results}, vars(args),
-                     command_line(["sched", *argv]) if argv is not None else command_line())
+                     subcommand_line("sched", argv))
     return 0

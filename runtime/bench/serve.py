@@ -21,7 +21,7 @@ import httpx
 from tqdm.asyncio import tqdm
 
 from runtime.bench.metrics import RequestRecord, summarize
-from runtime.bench.results import command_line, write_result
+from runtime.bench.results import subcommand_line, write_result
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -139,6 +139,5 @@ def main(argv: list[str] | None = None) -> int:
     res = asyncio.run(go())
     print_summary(res)
     if args.json_out:
-        write_result(args.json_out, "serve", res, vars(args), command_line(["serve", *(argv or [])])
-                     if argv is not None else command_line())
+        write_result(args.json_out, "serve", res, vars(args), subcommand_line("serve", argv))
     return 1 if res["completed"] == 0 else 0
