@@ -60,6 +60,12 @@ def pp1_run(loop: GreedyLoop, batch: int, plen: int, new: int, vocab: int, seed:
             "prefill_s": t_prefill}
 
 
+def pp1_decode_heavy(loop: GreedyLoop, args, vocab: int) -> dict[int, dict]:
+    """PP=1 reference of the PP=2 decode-heavy workload at each ``--pp-batches`` concurrency."""
+    return {b: pp1_run(loop, b, args.pp_prompt_len, args.pp_new_tokens, vocab)
+            for b in args.pp_batches}
+
+
 def validation_run(loop: GreedyLoop, batch: int, plen: int, new: int, vocab: int) -> dict:
     """Decode tokens/s with the per-slot state driven every step and mirror validation off,
     synchronous (host sync each step) and async (pinned snapshot, compared a step later)."""
@@ -84,10 +90,10 @@ def bench_shape(shape: str, args, dev: torch.device) -> dict:
     max_len = max(args.prompt_len + args.new_tokens, args.pp_prompt_len + args.pp_new_tokens,
                   args.prefill_len + 1) + BLOCK
     mb = -(-max_len // BLOCK)
-    max_rows = max(args.batches + [args.pp_batch])
+    max_rows = max(args.batches + args.pp_batches)
     per_row = lambda tokens: -(-tokens // BLOCK)  # noqa: E731
     num_blocks = max(max(args.batches) * per_row(args.prompt_len + args.new_tokens),
-                     args.pp_batch * per_row(args.pp_prompt_len + args.pp_new_tokens),
+                     max(args.pp_batches) * per_row(args.pp_prompt_len + args.pp_new_tokens),
                      args.prefill_prompts * mb) + 8
     model = PagedStage(stage, num_blocks, max_len)
     graphs = DecodeGraphs(model, max_rows, mb, max_len)
@@ -101,8 +107,7 @@ def bench_shape(shape: str, args, dev: torch.device) -> dict:
     pp1_run(fast, 4, args.prompt_len, 8, cfg.vocab_size)    # warm-up: Triton compiles, allocator
     pp1_run(eager, 4, args.prompt_len, 8, cfg.vocab_size)
     if args.pp2_only:   # only the PP=1 reference of the PP=2 workload
-        out["pp1_decode_heavy"] = pp1_run(fast, args.pp_batch, args.pp_prompt_len,
-                                          args.pp_new_tokens, cfg.vocab_size)
+        out["pp1_decode_heavy"] = pp1_decode_heavy(fast, args, cfg.vocab_size)
         del hf, fast, eager, graphs, model, stage
         torch.cuda.empty_cache()
         return out
@@ -147,8 +152,7 @@ def bench_shape(shape: str, args, dev: torch.device) -> dict:
     print(json.dumps(out["prefill"]), flush=True)
     # PP=1 reference of the PP=2 decode-heavy workload, same GPU path
     if args.pp == 2:
-        out["pp1_decode_heavy"] = pp1_run(fast, args.pp_batch, args.pp_prompt_len, args.pp_new_tokens,
-                                          cfg.vocab_size)
+        out["pp1_decode_heavy"] = pp1_decode_heavy(fast, args, cfg.vocab_size)
         print(json.dumps({"pp1_decode_heavy": out["pp1_decode_heavy"]}), flush=True)
     del hf, fast, eager, graphs, model, stage
     gc.collect()        # compiled static-cache models sit in reference cycles: free them now
@@ -156,28 +160,37 @@ def bench_shape(shape: str, args, dev: torch.device) -> dict:
     return out
 
 
-def bench_pp2(shape: str, args, pp1_tps: float) -> list[dict]:
-    """Overlapped vs sync PP=2 rows of one shape (needs two GPUs)."""
+def bench_pp2(shape: str, args, pp1_tps: dict[int, float]) -> list[dict]:
+    """Overlapped vs sync PP=2 rows of one shape (needs two GPUs): decode-heavy at each
+    ``--pp-batches`` concurrency (``pp1_tps``: PP=1 tokens/s at that concurrency) and long-prompt
+    TTFT at each ``--ttft-chunks`` chunk size (both modes with the same chunks)."""
     from runtime.bench.gpu_pp import run_pp2
     jobs = []
-    for mode in ("sync", "overlapped"):
-        jobs.append({"kind": "decode", "mode": mode, "batch": args.pp_batch,
-                     "plen": args.pp_prompt_len, "new": args.pp_new_tokens})
-    for mode in ("sync", "overlapped"):
-        jobs.append({"kind": "ttft", "mode": mode, "n": args.ttft_prompts, "plen": args.ttft_len})
+    for batch in args.pp_batches:
+        for mode in ("sync", "overlapped"):
+            jobs.append({"kind": "decode", "mode": mode, "batch": batch,
+                         "plen": args.pp_prompt_len, "new": args.pp_new_tokens})
+    for chunk in args.ttft_chunks:
+        for mode in ("sync", "overlapped"):
+            jobs.append({"kind": "ttft", "mode": mode, "n": args.ttft_prompts,
+                         "plen": args.ttft_len, "chunk": chunk})
     got = run_pp2(shape, jobs)[1]
-    res = {(j["kind"], j["mode"]): r for j, r in zip(jobs, got["results"])}
-    dec_o, dec_s = res[("decode", "overlapped")], res[("decode", "sync")]
-    tt_o, tt_s = res[("ttft", "overlapped")], res[("ttft", "sync")]
-    rows = [{"model": shape, "workload": "decode-heavy",
-             "overlapped_tokens_per_s": dec_o["tokens_per_s"], "sync_tokens_per_s": dec_s["tokens_per_s"],
-             "throughput_ratio": dec_o["tokens_per_s"] / dec_s["tokens_per_s"], "ttft_ratio": None,
-             "pp1_tokens_per_s": pp1_tps},
-            {"model": shape, "workload": "long-prompt", "overlapped_tokens_per_s": None,
-             "sync_tokens_per_s": None, "throughput_ratio": None,
-             "ttft_ratio": tt_s["mean_ttft_s"] / tt_o["mean_ttft_s"],
-             "overlapped_mean_ttft_s": tt_o["mean_ttft_s"], "sync_mean_ttft_s": tt_s["mean_ttft_s"],
-             "pp1_tokens_per_s": None}]
+    res = {(j["kind"], j["mode"], j.get("batch", j.get("chunk"))): r
+           for j, r in zip(jobs, got["results"])}
+    rows = []
+    for batch in args.pp_batches:
+        o, s = res[("decode", "overlapped", batch)], res[("decode", "sync", batch)]
+        rows.append({"model": shape, "workload": "decode-heavy", "batch_size": batch,
+                     "overlapped_tokens_per_s": o["tokens_per_s"], "sync_tokens_per_s": s["tokens_per_s"],
+                     "throughput_ratio": o["tokens_per_s"] / s["tokens_per_s"], "ttft_ratio": None,
+                     "pp1_tokens_per_s": pp1_tps.get(batch)})
+    for chunk in args.ttft_chunks:
+        o, s = res[("ttft", "overlapped", chunk)], res[("ttft", "sync", chunk)]
+        rows.append({"model": shape, "workload": "long-prompt", "chunk": chunk,
+                     "overlapped_tokens_per_s": None, "sync_tokens_per_s": None,
+                     "throughput_ratio": None, "ttft_ratio": s["mean_ttft_s"] / o["mean_ttft_s"],
+                     "overlapped_mean_ttft_s": o["mean_ttft_s"], "sync_mean_ttft_s": s["mean_ttft_s"],
+                     "pp1_tokens_per_s": None})
     for r in rows:
         print(json.dumps(r), flush=True)
     return rows
@@ -198,11 +211,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-len", type=int, default=4096)
     p.add_argument("--prefill-chunk", type=int, default=16384)
     p.add_argument("--pp", type=int, default=1, choices=[1, 2])
-    p.add_argument("--pp-batch", type=int, default=256)
+    p.add_argument("--pp-batches", type=_ints, default=[256],
+                   help="decode-heavy concurrencies of the PP=2 rows (the first is the headline)")
     p.add_argument("--pp-prompt-len", type=int, default=128)
     p.add_argument("--pp-new-tokens", type=int, default=256)
     p.add_argument("--ttft-prompts", type=int, default=8)
     p.add_argument("--ttft-len", type=int, default=4096)
+    p.add_argument("--ttft-chunks", type=_ints, default=[2048, 4096, 1024],
+                   help="prefill chunk sizes of the long-prompt rows (the first is the headline; "
+                   "2048 = vLLM's default token budget of its API server)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     p.add_argument("--pp2-only", action="store_true",
                    help="with --pp 2: only the PP=2 rows and their PP=1 reference")
@@ -243,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
             if res["validate_mirrors_cost"] is None:       # the first shape's (SmolLM2's) figure
                 res["validate_mirrors_cost"] = r["validation"]["async_cost"]
         if args.pp == 2:
-            res["pp2"] += bench_pp2(shape, args, r["pp1_decode_heavy"]["tokens_per_s"])
+            res["pp2"] += bench_pp2(shape, args, {b: d["tokens_per_s"]
+                                                  for b, d in r["pp1_decode_heavy"].items()})
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps(res, indent=2))
     print(markdown(res))

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from runtime.bench.gpu_decode import make_lane, prefill_chunks
 from runtime.bench.gpu_models import model_config, random_stage
-from runtime.model.paged_stage import PagedStage
+from runtime.model.paged_stage import PagedMeta, PagedStage
 from runtime.worker.cuda_graphs import DecodeGraphs
 from runtime.worker.groups import destroy_groups, init_groups
 
@@ -107,31 +107,56 @@ def decode_job(g, model, graphs, mode: str, batch: int, plen: int, new: int, voc
     return res
 
 
-def ttft_job(g, model, mode: str, n: int, plen: int, vocab: int) -> dict:
-    """Long-prompt workload: mean TTFT (seconds) of ``n`` prompts of ``plen`` tokens."""
+def prompt_chunks(lane, prompts: np.ndarray, chunk: int, block_size: int, kvh: int, device):
+    """Yield ``(prompt_index, is_final, PagedMeta, input_ids)`` for every chunk of every prompt,
+    prompt by prompt: chunk ``k`` of a prompt covers its tokens ``[k * chunk, (k + 1) * chunk)``
+    and attends to the ``k * chunk`` tokens its earlier chunks cached (chunked prefill)."""
+    n, plen = prompts.shape
+    for i in range(n):
+        for start in range(0, plen, chunk):
+            qlen = min(chunk, plen - start)
+            meta = PagedMeta.build(lane.block_tables_np[[i]], np.array([start]), np.array([qlen]),
+                                   block_size, device, kvh)
+            ids = torch.from_numpy(prompts[i, start:start + qlen].copy()).to(device)
+            yield i, start + qlen == plen, meta, ids
+
+
+def ttft_job(g, model, mode: str, n: int, plen: int, vocab: int, chunk: int | None = None) -> dict:
+    """Long-prompt workload: mean TTFT (seconds) of ``n`` prompts of ``plen`` tokens, prefilled
+    prompt by prompt in chunks of ``chunk`` tokens (default: the whole prompt in one step).
+
+    Sync (one step in flight): rank 0 sends the next chunk only after rank 1 finished the
+    previous one (a one-element done signal per step on the broadcast group; the first token
+    for a final chunk). Overlapped: chunks stream through both ranks back to back; only final
+    chunks broadcast (a step of non-final chunk rows samples nothing anyone needs).
+    """
     dev, kvh, hsz = model.kv_cache.device, model.cfg.num_kv_heads, model.cfg.hidden_size
     lane = make_lane(n, -(-(plen + 1) // BLOCK), 0, dev, seed=3)
     prompts = np.random.default_rng(2).integers(100, vocab - 1, (n, plen))
+    chunks = list(prompt_chunks(lane, prompts, chunk or plen, BLOCK, kvh, dev))
     start = torch.cuda.Event(enable_timing=True)
     done = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     torch.cuda.synchronize()
     dist.barrier(group=g.pp_group)
     start.record()
     works = []
-    for rows, meta, ids in prefill_chunks(lane, prompts, plen, BLOCK, kvh, dev):
-        c = int(rows[0])
+    for c, final, meta, ids in chunks:
+        signal = final or mode == "sync"
         if g.is_first:
             g.send_next(torch.stack(model.forward(meta, input_ids=ids)))
-            work, buf = g.post_broadcast(torch.empty(len(rows), dtype=torch.int64, device=dev))
-            if mode == "sync":
-                work.wait()                        # next prompt only after this one's token
-            works.append(work)
+            if signal:
+                work, buf = g.post_broadcast(torch.empty(1, dtype=torch.int64, device=dev))
+                if mode == "sync":
+                    work.wait()                    # next step only after this one finished
+                works.append(work)
         else:
             packed = g.recv_prev((2, ids.shape[0], hsz), model.kv_cache.dtype)
-            tok = model.forward(meta, hidden=packed[0], residual=packed[1]).argmax(-1)
-            done[c].record()
-            work, buf = g.post_broadcast(tok)
-            g.keep_pending(work, buf)
+            logits = model.forward(meta, hidden=packed[0], residual=packed[1])
+            if final:
+                done[c].record()
+            if signal:
+                work, buf = g.post_broadcast(logits.argmax(-1))
+                g.keep_pending(work, buf)
     for w in works:
         w.wait()
     torch.cuda.synchronize()
@@ -139,7 +164,8 @@ def ttft_job(g, model, mode: str, n: int, plen: int, vocab: int) -> dict:
     if g.is_first:
         return {"mode": mode}
     ttft = [start.elapsed_time(e) / 1e3 for e in done]
-    return {"mode": mode, "ttft_s": ttft, "mean_ttft_s": float(np.mean(ttft))}
+    return {"mode": mode, "chunk": chunk or plen, "ttft_s": ttft,
+            "mean_ttft_s": float(np.mean(ttft))}
 
 
 def order_job(g, steps: int) -> dict:
@@ -186,7 +212,8 @@ def pp_worker(rank: int, shape: str, port: int, jobs: list[dict], queue) -> None
             elif j["kind"] == "order":
                 out.append(order_job(g, j["steps"]))
             else:
-                out.append(ttft_job(g, model, j["mode"], j["n"], j["plen"], cfg.vocab_size))
+                out.append(ttft_job(g, model, j["mode"], j["n"], j["plen"], cfg.vocab_size,
+                                    j.get("chunk")))
         queue.put((rank, {"results": out, "capture_s": rep.seconds, "capture_bytes": rep.bytes,
                           "pid": os.getpid()}))
     except BaseException as exc:  # noqa: BLE001 - report to the parent

@@ -30,8 +30,10 @@ def markdown(res: dict) -> str:
                   "PP=1 tok/s | overlapped / PP=1 |", "|---|---|---|---|---|---|---|---|"]
         for r in res["pp2"]:
             o, p1 = r.get("overlapped_tokens_per_s"), r.get("pp1_tokens_per_s")
+            work = r["workload"] + (f", {r['batch_size']} rows" if r.get("batch_size") else "") + \
+                (f", chunk {r['chunk']}" if r.get("chunk") else "")
             lines.append(
-                f"| {r['model']} | {r['workload']} | {_f(o)} | {_f(r.get('sync_tokens_per_s'))} | "
+                f"| {r['model']} | {work} | {_f(o)} | {_f(r.get('sync_tokens_per_s'))} | "
                 f"{_f(r.get('throughput_ratio'), '{:.2f}')} | {_f(r.get('ttft_ratio'), '{:.2f}')} | "
                 f"{_f(p1)} | {_f(o / p1 if o and p1 else None, '{:.2f}')} |")
     for shape, v in (res.get("validation") or {}).items():
