@@ -28,6 +28,7 @@ from runtime import transport as tp
 from runtime.bench.pp import stream_timed
 from runtime.config import EngineConfig
 from runtime.engine.async_engine import AsyncEngine
+from runtime.engine.heap import freeze_startup_heap
 from runtime.engine.plan import plan_pipeline
 from runtime.model.tokenizer import load_tokenizer
 from runtime.sampling_params import SamplingParams
@@ -88,6 +89,7 @@ async def run(config: EngineConfig, prompts: list[list[int]], max_tokens: int,
     blocks = len(prompts) * -(-(len(prompts[0]) + max_tokens) // sc.block_size) + 64
     pool = InstantPool(config, blocks)
     engine = AsyncEngine(config, pool, load_tokenizer(pool.plan.model_path))
+    freeze_startup_heap()  # as AsyncEngine.start does
     engine._tasks = [asyncio.create_task(engine._step_loop()),
                      asyncio.create_task(engine._result_loop())]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

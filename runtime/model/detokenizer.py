@@ -73,7 +73,12 @@ class IncrementalDetokenizer:
             tid = token_ids[0]
             text = self._texts[tid]
             if text:  # valid UTF-8 after a valid window: the window's new text is this token's
-                self._ids, self._read, self._prefix_text = [int(tid)], 1, text
+                ids = self._ids
+                if len(ids) == 1:  # the window is the previous token: reuse its list
+                    ids[0] = int(tid)
+                else:
+                    self._ids, self._read = [int(tid)], 1
+                self._prefix_text = text
                 if not self._stops:
                     self._parts.append(text)
                     return text
