@@ -119,6 +119,7 @@ def test_engine_host_bench_delivers_every_token_over_both_transports(transport):
                        max_num_batched_tokens=4096, max_prefill_chunk=4096)
     prompts = [[100 + i] * 8 for i in range(4)]
     r = asyncio.run(engine_host.run(cfg, prompts, 6, None, transport))
-    # one prefill step gives each request its first token, five decode steps the rest; one more
-    # step (no rows) frees the warm-up request's slot after the warm-up stream ended
-    assert (r["output_tokens"], r["steps"], r["transport"]) == (24, 7, transport)
+    # one prefill step gives each request its first token, five decode steps the rest; the two
+    # slot-freeing steps (no rows: after the warm-up, after the last tokens) are counted when
+    # their answers arrive inside the timed part (over sockets that depends on the io thread)
+    assert (r["output_tokens"], r["transport"]) == (24, transport) and 6 <= r["steps"] <= 8

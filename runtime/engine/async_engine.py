@@ -252,12 +252,12 @@ class AsyncEngine:
         self._steps_total += 1
         rows = self._step_rows.pop(result.step, ())
         row_of = logprob_index(result, rows)
+        streams, tokens = self._streams, 0
         updates = self.sched.on_step_result(result)
         # The next step goes out before the streams are served: the ranks compute it while this
         # process detokenizes and wakes the clients (a stop string found below stops its
         # request one step later, as an in-flight step does in overlapped mode).
         self._issue_steps()
-        streams, tokens = self._streams, 0
         for req_id, token_ids, finish_reason in update_rows(updates):
             stream = streams.get(req_id)
             if stream is None:
