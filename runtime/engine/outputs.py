@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ppstate.step_updates import StepUpdates
@@ -92,7 +93,7 @@ def logprobs_for(result, index: dict[str, int] | None, req_id: str,
     return [TokenLogprob(token_ids[0], float(lp), {int(k): float(v) for k, v in top.items()})]
 
 
-def update_rows(updates) -> "zip | list[tuple[str, list[int], str | None]]":
+def update_rows(updates) -> Iterable[tuple[str, list[int], str | None]]:
     """``(req_id, token_ids, finish_reason)`` of each update of ``Scheduler.on_step_result``, in
     row order, each ``token_ids`` a fresh list (a stream's increment keeps it).
 
