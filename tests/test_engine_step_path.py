@@ -109,3 +109,17 @@ def test_single_token_decode_cache_equals_decode():
         for _ in range(2):                                   # second round: from the cache
             assert [tok.decode_token(i, skip) for i in ids] == \
                 [tok.decode([i], skip_special_tokens=skip) for i in ids]
+
+
+@pytest.mark.parametrize("transport", ["queue", "zmq"])
+def test_engine_host_bench_delivers_every_token_over_both_transports(transport):
+    from runtime.bench import engine_host
+    from runtime.config import EngineConfig
+    cfg = EngineConfig(model="default", pp_size=1, max_num_seqs=4, max_model_len=64,
+                       max_num_batched_tokens=4096, max_prefill_chunk=4096)
+    prompts = [[100 + i] * 8 for i in range(4)]
+    r = asyncio.run(engine_host.run(cfg, prompts, 6, None, transport))
+    # one prefill step gives each request its first token, five decode steps the rest; the two
+    # slot-freeing steps (no rows: after the warm-up, after the last tokens) are counted when
+    # their answers arrive inside the timed part (over sockets that depends on the io thread)
+    assert (r["output_tokens"], r["transport"]) == (24, transport) and 6 <= r["steps"] <= 8

@@ -7,7 +7,9 @@ once: it encodes the step message as :meth:`WorkerPool.send_step` does, and repl
 message (token id ``(slot * 7919 + step) % 30000 + 100`` per sampled row) encoded as a worker
 would. No model runs, so the wall time is the engine process's work alone: the upper bound of
 the engine's throughput whatever the GPU does (at PP=1 the GPU step of SmolLM2 at 256 rows takes
-~1.3 ms, docs/gpu.md). ``--profile FILE`` writes a cProfile of the timed part.
+~1.3 ms, docs/gpu.md). ``--transport zmq`` sends the steps and answers over ipc sockets, the
+answers read by the real :meth:`WorkerPool.recv` (default ``queue``: an ``asyncio.Queue``, no
+sockets). ``--profile FILE`` writes a cProfile of the timed part.
 
 Figures: ``engine_s_per_step`` (seconds of engine wall per step) and ``tokens_per_s``.
 """
@@ -23,11 +25,15 @@ import time
 from pathlib import Path
 
 import numpy as np
+import zmq
+import zmq.asyncio
 
 from runtime import transport as tp
 from runtime.bench.pp import stream_timed
 from runtime.config import EngineConfig
 from runtime.engine.async_engine import AsyncEngine
+from runtime.engine.heap import freeze_startup_heap
+from runtime.engine.launcher import WorkerPool
 from runtime.engine.plan import plan_pipeline
 from runtime.model.tokenizer import load_tokenizer
 from runtime.sampling_params import SamplingParams
@@ -35,16 +41,31 @@ from runtime.sampling_params import SamplingParams
 
 class InstantPool:
     """A :class:`~runtime.engine.launcher.WorkerPool` stand-in: one rank in-process that answers
-    each step at once (no model). Steps and results still pass through their msgpack bytes."""
+    each step at once (no model). Steps and results still pass through their msgpack bytes.
 
-    def __init__(self, config: EngineConfig, num_kv_blocks: int) -> None:
+    Args:
+        transport: ``"queue"``: the answers wait in an ``asyncio.Queue``; ``"zmq"``: steps go out
+            on a PUSH socket and the answers come back over an ipc PUSH/PULL pair, read by the real
+            :meth:`WorkerPool.recv` (the engine's side of the sockets as in a real run).
+    """
+
+    def __init__(self, config: EngineConfig, num_kv_blocks: int, transport: str = "queue") -> None:
         self.config, self.plan = config, plan_pipeline(config)
         self.num_kv_blocks = num_kv_blocks
         self._queue: asyncio.Queue[bytes] = asyncio.Queue()
         self.bytes_sent = 0
+        self._zmq = transport == "zmq"
+        if self._zmq:
+            self.ctx, self.sync_ctx = zmq.asyncio.Context(), zmq.Context()
+            res, step = tp.ipc_address("host-res"), tp.ipc_address("host-step")
+            self._pull = tp.make_pull(self.ctx, res, bind=True)
+            self._answer = tp.make_push(self.sync_ctx, res, bind=False)
+            self._step_sink = tp.make_pull(self.sync_ctx, step, bind=True)   # never read
+            self._push = [tp.make_push(self.sync_ctx, step, bind=False, linger_ms=0)]
+            self.last_heard = [time.monotonic()] * config.scheduler.pp_size
 
     def send_step(self, out) -> None:
-        """Encode ``out`` as the real pool does and queue the rank's encoded answer."""
+        """Encode (and with zmq send) ``out`` as the real pool does; queue the rank's answer."""
         data = tp.encode(tp.from_scheduler_output(out))
         self.bytes_sent += len(data)
         n = out.num_rows
@@ -53,10 +74,16 @@ class InstantPool:
                            sampled_token_ids=tp.NdArray.of(ids),
                            num_sampled=tp.NdArray.of(out.is_final_chunk.astype(np.int32)),
                            num_rejected=tp.NdArray.of(np.zeros(n, np.int32)))
-        self._queue.put_nowait(tp.encode(res))
+        if self._zmq:
+            self._push[0].send(data, zmq.NOBLOCK, copy=False)
+            self._answer.send(tp.encode(res))
+        else:
+            self._queue.put_nowait(tp.encode(res))
 
     async def recv(self, timeout_s: float):
         """The next queued answer, decoded; None after ``timeout_s`` seconds (0: no wait)."""
+        if self._zmq:
+            return await WorkerPool.recv(self, timeout_s)
         try:
             data = await asyncio.wait_for(self._queue.get(), timeout_s) if timeout_s > 0 \
                 else self._queue.get_nowait()
@@ -77,17 +104,20 @@ class InstantPool:
         return []
 
     async def shutdown(self, grace_s: float = 0.0) -> None:
-        """Nothing to stop."""
-        return None
+        """No processes to stop; the sockets (zmq) are closed."""
+        if self._zmq:
+            self.ctx.destroy(linger=0)
+            self.sync_ctx.destroy(linger=0)
 
 
 async def run(config: EngineConfig, prompts: list[list[int]], max_tokens: int,
-              profile: str | None) -> dict:
+              profile: str | None, transport: str = "queue") -> dict:
     """Start the engine over an :class:`InstantPool`, warm it up, run every prompt at once."""
     sc = config.scheduler
     blocks = len(prompts) * -(-(len(prompts[0]) + max_tokens) // sc.block_size) + 64
-    pool = InstantPool(config, blocks)
+    pool = InstantPool(config, blocks, transport)
     engine = AsyncEngine(config, pool, load_tokenizer(pool.plan.model_path))
+    freeze_startup_heap()  # as AsyncEngine.start does
     engine._tasks = [asyncio.create_task(engine._step_loop()),
                      asyncio.create_task(engine._result_loop())]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -108,7 +138,7 @@ async def run(config: EngineConfig, prompts: list[list[int]], max_tokens: int,
     finally:
         await engine.shutdown()
     tokens = sum(r["tokens"] for r in res)
-    return {"rows": len(prompts), "mode": sc.mode, "steps": steps, "wall_s": wall,
+    return {"rows": len(prompts), "mode": sc.mode, "transport": transport, "steps": steps, "wall_s": wall,
             "output_tokens": tokens, "tokens_per_s": tokens / wall,
             "engine_s_per_step": wall / max(1, steps),
             "engine_cpu_s_per_step": cpu / max(1, steps)}
@@ -123,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="default", help="model whose tokenizer the engine uses")
     p.add_argument("--mode", default="overlapped", choices=["overlapped", "sync"])
     p.add_argument("--repeat", type=int, default=1, help="runs per row count (best reported)")
+    p.add_argument("--transport", default="queue", choices=["queue", "zmq"],
+                   help="how the stand-in rank's answers reach the engine (see InstantPool)")
     p.add_argument("--profile", default=None, metavar="FILE",
                    help="cProfile of the last run's timed part (FILE.ROWS)")
     p.add_argument("--out", default=None, help="JSON results")
@@ -137,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                            max_prefill_chunk=max(4096, rows * args.prompt_len))
         runs = [asyncio.run(run(cfg, prompts, args.max_tokens,
                                 f"{args.profile}.{rows}" if args.profile and i == args.repeat - 1
-                                else None))
+                                else None, args.transport))
                 for i in range(args.repeat)]
         best = max(runs, key=lambda r: r["tokens_per_s"])
         best["all_tokens_per_s"] = [r["tokens_per_s"] for r in runs]

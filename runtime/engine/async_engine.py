@@ -26,8 +26,9 @@ from runtime.config import EngineConfig
 from runtime.engine.admission import admission_checks, check_kv_fit, check_prompt
 from runtime.engine.errors import EngineDeadError, RequestRejected
 from runtime.engine.faults import ENGINE, REQUEST, SHUTDOWN, RequestFailure, request_scope
+from runtime.engine.heap import freeze_startup_heap
 from runtime.engine.launcher import WorkerPool
-from runtime.engine.outputs import RequestOutput, logprob_index, logprobs_for
+from runtime.engine.outputs import RequestOutput, logprob_index, logprobs_for, update_rows
 from runtime.engine.plan import plan_pipeline
 from runtime.engine.request_stream import RequestStream
 from runtime.engine.trace import scheduler_config, start_trace_run, write_trace_header
@@ -95,6 +96,7 @@ class AsyncEngine:
                 raise EngineDeadError(f"engine failed to start: {exc}") from exc
             raise
         engine = cls(config, pool, tokenizer)
+        freeze_startup_heap()  # before any request: a full collection walks only what follows
         sc = engine.sched.config
         if config.trace_dir:  # the header again, now with the KV block count the ranks reported
             write_trace_header(Path(config.trace_dir), config, sc)
@@ -256,24 +258,23 @@ class AsyncEngine:
         # process detokenizes and wakes the clients (a stop string found below stops its
         # request one step later, as an in-flight step does in overlapped mode).
         self._issue_steps()
-        for upd in updates:
-            stream = streams.get(upd.req_id)
+        for req_id, token_ids, finish_reason in update_rows(updates):
+            stream = streams.get(req_id)
             if stream is None:
                 continue
-            tokens += len(upd.token_ids)
+            tokens += len(token_ids)
             stage = "logprobs"
             try:
-                lps = None if row_of is None else logprobs_for(result, row_of, upd.req_id,
-                                                               upd.token_ids)
+                lps = None if row_of is None else logprobs_for(result, row_of, req_id, token_ids)
                 stage = "detokenize"
-                reason = stream.push_tokens(upd.token_ids, upd.finish_reason, lps)
+                reason = stream.push_tokens(token_ids, finish_reason, lps)
             except Exception as exc:  # noqa: BLE001 - this request's own data only
-                self._fail_request(RequestFailure(upd.req_id, stage, exc))
+                self._fail_request(RequestFailure(req_id, stage, exc))
                 continue
             if reason is not None:
-                if upd.finish_reason is None:  # stop string found by the detokenizer
-                    self.sched.stop(upd.req_id)
-                del streams[upd.req_id]
+                if finish_reason is None:  # stop string found by the detokenizer
+                    self.sched.stop(req_id)
+                del streams[req_id]
         self._tokens_total += tokens
         self._wake.set()
 

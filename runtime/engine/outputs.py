@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from ppstate.step_updates import StepUpdates
 from runtime.step_logprobs import StepLogprobs
 
 
@@ -89,3 +91,18 @@ def logprobs_for(result, index: dict[str, int] | None, req_id: str,
                 for t, (lp, top) in zip(token_ids, entry)]
     lp, top = entry
     return [TokenLogprob(token_ids[0], float(lp), {int(k): float(v) for k, v in top.items()})]
+
+
+def update_rows(updates) -> Iterable[tuple[str, list[int], str | None]]:
+    """``(req_id, token_ids, finish_reason)`` of each update of ``Scheduler.on_step_result``, in
+    row order, each ``token_ids`` a fresh list (a stream's increment keeps it).
+
+    A :class:`~ppstate.step_updates.StepUpdates` (one token per row) is read column-wise: no
+    ``TokenUpdate`` object per row.
+    """
+    if isinstance(updates, StepUpdates):
+        reasons = [None] * len(updates.req_ids)
+        for i, reason in updates.finish_reasons.items():
+            reasons[i] = reason
+        return zip(updates.req_ids, [[t] for t in updates.token_ids], reasons)
+    return [(u.req_id, list(u.token_ids), u.finish_reason) for u in updates]

@@ -6,6 +6,13 @@ depending on its neighbours. Like vLLM / TGI, each step decodes a short window t
 `prefix_offset` to `read_offset` (text already emitted) and from `prefix_offset` to the end, and
 emits the difference only when the new text does not end in U+FFFD.
 
+Common case without decoding (:attr:`Tokenizer.concat_decode`, byte-level BPE): there a window's
+text is the lossy UTF-8 decode of its tokens' bytes joined, so when the prefix window's text has no
+U+FFFD (its bytes are valid UTF-8) and the new token's own text has none, the window decode is the
+prefix text followed by the token's text and the difference is the token's text, looked up from a
+cache (:meth:`Tokenizer.clean_token_texts`). Every other case decodes as above; both give the same
+text (tests/test_detokenizer_fast.py compares them over random token sequences).
+
 Stop strings: the text is cut before the first occurrence of any stop string, which is never
 emitted; a tail of the text that could still become a stop string is held back (at most
 len(longest stop) - 1 chars), so a stream never emits text it later has to take back.
@@ -15,9 +22,8 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from runtime.model.tokenizer import Tokenizer
+from runtime.model.tokenizer import REPLACEMENT_CHAR, Tokenizer
 
-REPLACEMENT_CHAR = "\ufffd"
 # prompt tokens kept as decoding context (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET)
 PROMPT_CONTEXT_TOKENS = 5
 
@@ -49,6 +55,11 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(prompt_token_ids or [])[-PROMPT_CONTEXT_TOKENS:]
         self._prefix, self._read = 0, len(self._ids)
         self._prefix_text: str | None = None  # decode of the window [_prefix, _read), when known
+        # byte-level tokenizers: _clean = the window's text is known and has no U+FFFD (its bytes
+        # are valid UTF-8); _fast = _clean and no token waits after the window (_read == len(_ids))
+        self._concat = tokenizer.concat_decode
+        self._texts = tokenizer.clean_token_texts(skip_special_tokens) if self._concat else {}
+        self._clean = self._fast = False
         self._held = ""  # decoded text not yet emitted because it may start a stop string
         self.stopped = False
         self.stop_reason: str | None = None
@@ -58,17 +69,41 @@ class IncrementalDetokenizer:
         """Feed newly sampled token ids; returns the text that became final (may be "")."""
         if self.stopped:
             return ""
+        if self._fast and token_ids.__class__ is list and len(token_ids) == 1:
+            tid = token_ids[0]
+            text = self._texts[tid]
+            if text:  # valid UTF-8 after a valid window: the window's new text is this token's
+                ids = self._ids
+                if len(ids) == 1:  # the window is the previous token: reuse its list
+                    ids[0] = int(tid)
+                else:
+                    self._ids, self._read = [int(tid)], 1
+                self._prefix_text = text
+                if not self._stops:
+                    self._parts.append(text)
+                    return text
+                return self._release(text, final=False)
+        return self._push_decoding(token_ids)
+
+    def _push_decoding(self, token_ids: Iterable[int]) -> str:
+        """:meth:`push` by decoding the two windows (see the module docstring)."""
         self._ids.extend(map(int, token_ids))
         prefix_text = self._prefix_text
         if prefix_text is None:  # the window moved since it was last decoded
             prefix_text = self._prefix_text = self._decode(self._prefix, self._read)
+            self._clean = self._concat and REPLACEMENT_CHAR not in prefix_text
         new_text = self._decode(self._prefix, len(self._ids))
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+            self._fast = False
             return ""  # nothing new, or an incomplete UTF-8 sequence at the end: wait for more
         delta = new_text[len(prefix_text):]
         self._ids = self._ids[self._read:]  # the emitted window becomes the next prefix
         self._prefix, self._read = 0, len(self._ids)
-        self._prefix_text = None
+        if self._clean:  # valid prefix bytes: the new window decodes to exactly the delta
+            self._prefix_text = delta
+            self._clean = self._fast = REPLACEMENT_CHAR not in delta
+        else:
+            self._prefix_text, self._fast = None, False
         return self._release(delta, final=False)
 
     def flush(self) -> str:
@@ -81,7 +116,7 @@ class IncrementalDetokenizer:
         tail = new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
         self._ids = self._ids[self._read:]
         self._prefix, self._read = 0, len(self._ids)
-        self._prefix_text = None
+        self._prefix_text, self._clean, self._fast = None, False, False
         return self._release(tail, final=True)
 
     def _decode(self, start: int, end: int) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import tokenizers
+from tokenizers import decoders
 
 from runtime.model.chat import ChatTemplate
 from runtime.model.gguf_vocab import build_gguf_tokenizer, read_gguf_metadata
@@ -35,6 +36,7 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 _BYTE_OF_CHAR = _byte_level_alphabet()
+REPLACEMENT_CHAR = "\ufffd"  # what decoding puts for bytes that are not (yet) complete UTF-8
 
 
 class Tokenizer:
@@ -63,6 +65,10 @@ class Tokenizer:
         self._special = frozenset(int(i) for i, t in added.items() if t.special)
         self._byte_level = "ByteLevel" in repr(backend.decoder)
         self._one: tuple[dict[int, str], dict[int, str]] = ({}, {})  # decode_token's cache
+        # the decoder alone is ByteLevel: decode = lossy UTF-8 of the tokens' bytes joined
+        self.concat_decode = type(backend.decoder) is decoders.ByteLevel
+        self._clean: tuple[CleanTokenTexts, CleanTokenTexts] = (CleanTokenTexts(backend, False),
+                                                                CleanTokenTexts(backend, True))
 
     @property
     def bos_token_id(self) -> int | None:
@@ -128,6 +134,10 @@ class Tokenizer:
                                                          skip_special_tokens=skip_special_tokens)
         return text
 
+    def clean_token_texts(self, skip_special_tokens: bool) -> "CleanTokenTexts":
+        """This tokenizer's :class:`CleanTokenTexts` (one per ``skip_special_tokens`` value)."""
+        return self._clean[skip_special_tokens]
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             continue_final_message: bool = False, **kwargs: Any) -> str:
         """The prompt text the model's chat template makes of `messages`
@@ -151,6 +161,32 @@ class Tokenizer:
         """Whether ``token_id`` is a special token (left out of text decoded with
         ``skip_special_tokens``)."""
         return token_id in self._special
+
+
+class CleanTokenTexts(dict):
+    """Token id -> ``decode([id])`` when that text is non-empty and has no U+FFFD, else ``""``;
+    filled on first lookup (``texts[token_id]``).
+
+    With :attr:`Tokenizer.concat_decode` (a ByteLevel decoder: a sequence's text is the lossy
+    UTF-8 decode of its tokens' bytes joined, ``tokenizers``' ``ByteLevel::decode_chain``), a
+    non-empty text without U+FFFD means the token's bytes are complete UTF-8, so appending the
+    token to any token sequence whose text has no U+FFFD appends exactly this text. The
+    incremental detokenizer's common case is this one lookup per token.
+
+    Raises: as ``tokenizers.Tokenizer.decode`` for an id it cannot take (e.g. a negative one);
+    nothing is stored then.
+    """
+
+    def __init__(self, backend: tokenizers.Tokenizer, skip_special_tokens: bool) -> None:
+        super().__init__()
+        self._decode, self._skip = backend.decode, skip_special_tokens
+
+    def __missing__(self, token_id: int) -> str:
+        text = self._decode([token_id], skip_special_tokens=self._skip)
+        if REPLACEMENT_CHAR in text:
+            text = ""
+        self[token_id] = text
+        return text
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
