@@ -24,6 +24,7 @@ from ppstate.scheduler import RequestSpec, Scheduler
 from ppstate.trace.run import ENGINE_FILE
 from runtime.config import EngineConfig
 from runtime.engine.admission import admission_checks, check_kv_fit, check_prompt
+from runtime.engine.counters import EngineCounters
 from runtime.engine.errors import EngineDeadError, RequestRejected
 from runtime.engine.faults import ENGINE, REQUEST, SHUTDOWN, RequestFailure, request_scope
 from runtime.engine.heap import freeze_startup_heap
@@ -67,11 +68,7 @@ class AsyncEngine:
         self._rank_error: asyncio.Task | None = None   # _die_naming_dead after a rank's error
         self._closed = False
         self._tasks: list[asyncio.Task] = []
-        self._steps_total = 0
-        self._tokens_total = 0
-        self._busy = [0.0] * config.scheduler.pp_size
-        self._active_s = 0.0
-        self._active_since: float | None = None
+        self.counters = EngineCounters(config.scheduler.pp_size)
         self._last_progress = time.monotonic()
         self.stalls = StallDetector(config.scheduler.pp_size, config.stall_timeout_s)  # from heartbeats
 
@@ -198,8 +195,7 @@ class AsyncEngine:
         overlapped, 1 in sync mode)."""
         while self.is_alive and (out := self.sched.schedule()) is not None:
             self._step_rows[out.step] = out.req_ids
-            if self._active_since is None:
-                self._active_since = time.monotonic()
+            self.counters.step_issued()
             self.pool.send_step(out)
 
     async def _result_loop(self) -> None:
@@ -237,7 +233,7 @@ class AsyncEngine:
             self._on_rank_error(f"rank {msg.rank} failed at step {msg.step}: {msg.error_type}: "
                                 f"{msg.message}")
         elif kind == "result":
-            self._busy[msg.rank] += msg.busy_s
+            self.counters.busy_s[msg.rank] += msg.busy_s
             if msg.rank == self.config.scheduler.pp_size - 1:
                 self._on_result(self.pool.to_step_result(msg))
         elif kind == "heartbeat":
@@ -249,7 +245,7 @@ class AsyncEngine:
         stage is named without a context manager per row (two per row per step were ~7% of the
         engine's time at 256 rows)."""
         self._last_progress = time.monotonic()
-        self._steps_total += 1
+        self.counters.steps_total += 1
         rows = self._step_rows.pop(result.step, ())
         row_of = logprob_index(result, rows)
         streams, tokens = self._streams, 0
@@ -275,7 +271,7 @@ class AsyncEngine:
                 if finish_reason is None:  # stop string found by the detokenizer
                     self.sched.stop(req_id)
                 del streams[req_id]
-        self._tokens_total += tokens
+        self.counters.tokens_total += tokens
         self._wake.set()
 
     def _fail_request(self, failure: RequestFailure) -> None:
@@ -336,22 +332,12 @@ class AsyncEngine:
         self._streams.clear()
 
     def _mark_idle(self) -> None:
-        if not self.sched.in_flight and self._active_since is not None:
-            self._active_s += time.monotonic() - self._active_since
-            self._active_since = None
+        if not self.sched.in_flight:
+            self.counters.pipeline_idle()
 
     # ---- stats -------------------------------------------------------------------------------
     def stats(self) -> dict:
-        """Counters for /metrics: requests, steps, tokens, per-rank busy seconds, bubble fraction.
-
-        ``bubble_fraction`` = 1 - sum(rank busy seconds) / (pp_size * seconds with work in flight).
-        """
-        active = self._active_s + (time.monotonic() - self._active_since
-                                   if self._active_since is not None else 0.0)
-        pp = self.config.scheduler.pp_size
-        bubble = max(0.0, 1.0 - sum(self._busy) / (pp * active)) if active > 0 else 0.0
+        """Counters for /metrics: requests, steps, tokens, per-rank busy seconds, bubble fraction
+        (:class:`~runtime.engine.counters.EngineCounters`), KV cache and speculative decoding."""
         return {"num_running": self.sched.num_running, "num_waiting": self.sched.num_waiting,
-                "steps_total": self._steps_total, "generated_tokens_total": self._tokens_total,
-                "rank_busy_seconds": list(self._busy), "bubble_fraction": bubble, "pp_size": pp,
-                "active_seconds": active,
-                **self.sched.kv_stats(), **self.sched.spec_stats()}
+                **self.counters.snapshot(), **self.sched.kv_stats(), **self.sched.spec_stats()}
