@@ -208,11 +208,11 @@ class Scheduler(QueueOps, StepResults):
         adaptive lanes or the cadence gap of a few requests) is not issued: its number is
         skipped and the next one tried, at most ``2 * pp_size - 1`` numbers (a decoding
         request is eligible within ``cadence <= pp_size`` numbers, then waits at most
-        ``pp_size - 1`` for an open lane; nothing else depends on the number). The ranks rotate their PPHandler FIFOs over skipped numbers
-        (:class:`~ppstate.rank_step.RankStep`), so deferred consumes stay ``depth`` numbers
-        after their step. The in-flight window counts numbers: a step is issued only while
-        its number is below the oldest unanswered step's + ``in_flight_limit`` (with no number
-        skipped this is ``in_flight < in_flight_limit``).
+        ``pp_size - 1`` for an open lane; nothing else depends on the number). The ranks
+        rotate their PPHandler FIFOs over skipped numbers (:class:`~ppstate.rank_step.RankStep`),
+        so deferred consumes stay ``depth`` numbers after their step. The in-flight window
+        counts numbers: a step is issued only while its number is below the oldest unanswered
+        step's + ``in_flight_limit`` (with no number skipped: ``in_flight < in_flight_limit``).
 
         Returns:
             None when the window is full, nothing needs delivering and no live request can get
