@@ -28,7 +28,7 @@ from ppstate.budget import RequestArrays, SchedulerConfig, StepBudget
 from ppstate.errors import SchedulerError
 from ppstate.events import NULL_SINK, EventSink
 from ppstate.kv_manager import KVManager
-from ppstate.lanes import choose_lanes
+from ppstate.lanes import choose_lanes, lane_open, lane_token_budget
 from ppstate.lifecycle import Lifecycle
 from ppstate.request import Request, RequestSpec, TokenUpdate
 from ppstate.scheduler_queues import QueueOps
@@ -235,9 +235,13 @@ class Scheduler(QueueOps, StepResults):
     def _build(self, step: int) -> SchedulerOutput | None:
         """Build step ``step`` and issue it, or None when it would carry nothing (then it
         changed nothing but :attr:`lanes`: no row took a block, no request was admitted or
-        preempted)."""
-        self.lanes = choose_lanes(self.config, self._live_share())  # issue 11: adaptive lanes
-        rows = RowBuilder(self, step, StepBudget(self.config.step_token_budget,
+        preempted). A lane that adaptive lanes keep closed carries nothing (:mod:`ppstate.lanes`;
+        its freed slots wait for the next open lane's step)."""
+        cfg = self.config
+        self.lanes = choose_lanes(cfg, self._live_share())  # issue 11: adaptive lanes
+        if not lane_open(step, self.lanes, cfg.pp_size):
+            return None
+        rows = RowBuilder(self, step, StepBudget(lane_token_budget(cfg, self.lanes),
                                                  self.row_cap()))
         rows.add_decodes()
         rows.add_continuing_prefills()

@@ -60,7 +60,7 @@ def test_adaptive_lanes_clean_and_the_closed_lane_skips_its_numbers():
     # one live request: one lane (LANE_COSTS), so its decode rows run at even numbers only and
     # the odd ones are skipped; two live: both lanes. The canonical shift keeps step mod pp
     res = explore(CheckConfig(adaptive_lanes=True, **BASE))
-    assert res.complete and res.violations == [] and (res.states, res.depth) == (411, 8)
+    assert res.complete and res.violations == [] and (res.states, res.depth) == (401, 8)
     w = World(CheckConfig(pp_size=2, num_requests=1, prompt_len=(1, 1), max_tokens=(3, 3),
                           adaptive_lanes=True), record=True)
     w.settle()

@@ -10,7 +10,7 @@ from ppstate.batch import StepResult
 from ppstate.budget import SchedulerConfig
 from ppstate.chunk_sizing import chunk_limit, equal_time_chunk
 from ppstate.errors import SchedulerError
-from ppstate.lanes import choose_lanes, feasible, lane_open, lane_row_cap
+from ppstate.lanes import choose_lanes, feasible, lane_open, lane_row_cap, lane_token_budget
 from ppstate.scheduler import RequestSpec, Scheduler
 from ppstate.sim.workload import SimConfig
 from ppstate.step_cost import StepCostModel, fit, model_of
@@ -128,11 +128,34 @@ def test_one_lane_issues_the_steps_sync_issues():
         assert not sched.has_unfinished() and not sched.in_flight
         return outs
     one, sync = run("overlapped"), run("sync")
-    assert [o.step for o in one] == list(range(0, 31, 2)) + [31]
+    assert [o.step for o in one] == list(range(0, 31, 2)) + [31]   # 31: nothing live, all open
     assert [o.step for o in sync] == list(range(17))
     assert [o.num_rows for o in one] == [o.num_rows for o in sync] == [2] * 16 + [0]
     assert [f.req_id for f in one[-1].freed] == ["r0", "r1"]
     assert not any(o.carries_nothing for o in one + sync)
+
+
+def test_one_lane_takes_sync_modes_rows_prefill_included():
+    """A burst whose prefill needs several steps: with one lane every step with rows holds
+    exactly the rows (ids, tokens, positions) of sync mode's step of the same index, at twice its
+    number: prefill chunks and admissions take turns too, with sync's token budget."""
+    def run(mode: str) -> list:
+        sched = Scheduler(SchedulerConfig(pp_size=2, max_num_seqs=8, max_model_len=128,
+                                          max_num_batched_tokens=64, max_prefill_chunk=32,
+                                          mode=mode, adaptive_lanes=True, cost_base_s=0.01,
+                                          cost_per_row_s=0.0, cost_per_token_s=1e-5))
+        for i in range(6):
+            sched.add_request(RequestSpec(f"r{i}", tuple(range(1 + i, 41 + i)), max_tokens=5,
+                                          eos_token_ids=frozenset()))
+        return _run(sched, 200)
+    one, sync = ([o for o in run(m) if o.num_rows] for m in ("overlapped", "sync"))
+    assert len(one) == len(sync) == 9 and [o.step for o in one] == [2 * o.step for o in sync]
+    for a, b in zip(one, sync):
+        assert a.req_ids == b.req_ids and a.num_scheduled_tokens.tolist() == \
+            b.num_scheduled_tokens.tolist() and a.start_positions.tolist() == \
+            b.start_positions.tolist()
+    assert max(o.total_tokens for o in one) == 64   # sync's budget, not 64 / pp_size
+    # (freed slots reach the ranks a step later than in sync: the results come one step behind)
 
 
 def test_dynamic_chunks_split_a_long_prompt_into_shrinking_chunks():
@@ -180,12 +203,18 @@ def test_one_lane_may_carry_every_live_request_within_the_token_budget():
     # 64 live: one lane 2 x 0.164 = 0.328 < 0.97 x 2 x 0.132 x 1.8 = 0.461 (the old cap of 32
     # rows per step forced both lanes here)
     assert choose_lanes(cfg, 64) == 1 and feasible(cfg, 64, 1)
-    # token budget 64 -> 32 per overlapped step: 64 rows do not fit one lane
+    # one lane's step may take the whole token budget (one batch in the pipeline, as in sync)
     tight = dataclasses.replace(cfg, max_num_batched_tokens=64)
-    assert tight.step_token_budget == 32 and not feasible(tight, 64, 1) and feasible(tight, 32, 1)
-    assert choose_lanes(tight, 64) == 2 and choose_lanes(tight, 32) == 1
-    spec = dataclasses.replace(tight, num_spec_tokens=1)   # 2 tokens per decode row
+    assert tight.step_token_budget == 32 and lane_token_budget(tight, 1) == 64
+    assert feasible(tight, 64, 1) and lane_token_budget(tight, 2) == 32
+    # budget 32: 64 decode rows do not fit one step
+    tighter = dataclasses.replace(cfg, max_num_batched_tokens=32)
+    assert lane_token_budget(tighter, 1) == 32 and not feasible(tighter, 64, 1)
+    assert feasible(tighter, 32, 1) and choose_lanes(tighter, 64) == 2
+    assert choose_lanes(tighter, 32) == 1
+    spec = dataclasses.replace(tighter, num_spec_tokens=1)   # 2 tokens per decode row
     assert not feasible(spec, 32, 1) and feasible(spec, 16, 1) and choose_lanes(spec, 32) == 2
+    assert lane_token_budget(dataclasses.replace(cfg, mode="sync"), 1) == 256
 
 
 def test_slowdown_grows_with_the_stages_computing_at_once_and_picks_the_argmin():
