@@ -8,11 +8,11 @@ dominates; the CPU path pads GEMMs to 16 rows) or when stages that compute at on
 down (shared cores, caches, memory bandwidth), that doubles the steps without making any cheaper
 and overlapped mode ends up slower than sync. With ``adaptive_lanes`` the scheduler fills only the
 first L lanes (decode rows wait for a step of an open lane, so the cadence, invariant 5, only gets
-longer; a closed lane's step that carries nothing else is not issued, its number is skipped, so
-one lane issues the steps sync issues), choosing L = argmin over 1..pp_size of the model's time
-per decoded token (:meth:`~ppstate.step_cost.StepCostModel.decode_round_s` / live requests: a lane's batch passes all
-``pp_size`` stages per token, with ``pp_size - L`` lanes of the pipeline left empty), all lanes on
-near-ties (:data:`MARGIN`).
+longer; a closed lane takes no rows and its numbers are skipped, so one lane issues the steps
+sync issues), choosing L = argmin over 1..pp_size of the model's time per decoded token
+(:meth:`~ppstate.step_cost.StepCostModel.decode_round_s` / live requests: a lane's batch passes
+all ``pp_size`` stages per token, with ``pp_size - L`` lanes of the pipeline left empty), all
+lanes on near-ties (:data:`MARGIN`).
 
 Balanced admission (invariant 7) follows the lanes: a step may hold ``ceil(max_num_seqs / L)``
 rows (:func:`lane_row_cap`; ``max_rows_per_step`` with all lanes, ``max_num_seqs`` like sync with
