@@ -50,7 +50,9 @@ class SchedulerOutput:
     """One step's batch. Rows are ordered as the runtime lays tokens out (flat, row after row).
 
     Attributes:
-        step: step number (0, 1, 2, ...); every issued step, empty ones included.
+        step: step number; increasing from one issued step to the next. A number whose step
+            would carry nothing (:attr:`carries_nothing`) is skipped, not issued: every rank
+            rotates its PPHandler over it as over an empty step (docs/design.md §5).
         req_ids: ``[num_rows]`` request id per row.
         slots: ``[num_rows]`` int32 slot per row (``idx_mapping``).
         num_scheduled_tokens: ``[num_rows]`` int32 query length per row (tokens).
@@ -90,6 +92,13 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return self.num_rows == 0
+
+    @property
+    def carries_nothing(self) -> bool:
+        """No rows, no freed slot, no admitted request, no block-table delta: the scheduler
+        skips such a step's number instead of issuing it."""
+        return not (self.req_ids or self.freed or self.new_requests or
+                    self.block_table_slots.size)
 
     @staticmethod
     def empty(step: int, new_requests: tuple[NewRequest, ...] = (),

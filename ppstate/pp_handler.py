@@ -81,7 +81,9 @@ class PPHandler:
     """FIFO of exactly ``depth`` entries, each None (empty) or a pending receive.
 
     Per step the caller does, in this order: :meth:`consume` (pops the entry of step
-    ``step - depth``), then :meth:`enqueue` (pushes this step's entry, empty when the mask is None).
+    ``step - depth``), then :meth:`enqueue` (pushes this step's entry, empty when the mask is None);
+    for a step number the scheduler skipped, :meth:`consume` then :meth:`push_empty`
+    (:class:`~ppstate.rank_step.RankStep`), so entries stay ``depth`` numbers apart.
     :meth:`on_slot_freed` is called whenever the worker frees a slot.
 
     Args:

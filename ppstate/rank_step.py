@@ -7,7 +7,11 @@ model checker is a third. What the simulator checks is therefore the order the r
 
 The order of step ``s`` on rank ``r`` of ``pp_size`` (docs/design.md, "The step of a rank"):
 
-1. ``begin_step``.
+1. ``begin_step``; then, for every number the scheduler skipped since the rank's previous step
+   (a step that would have carried nothing is not issued), the PPHandler turns over as in an
+   empty step: consume the entry of ``skipped - depth`` (applied like step 2's), enqueue an
+   empty entry for ``skipped``. The numbers are the replicated step numbers, so every rank
+   rotates alike.
 2. Deferred consume (non-last ranks): pop the PPHandler entry of step ``s - depth``; the handler
    waits on its posted receive; usable rows are applied to device state (``apply_sampled``:
    write ``token_ids``, advance by ``num_sampled``, subtract ``num_rejected``).
@@ -37,6 +41,7 @@ import numpy as np
 
 from ppstate import mutants
 from ppstate.batch import SchedulerOutput, StepResult
+from ppstate.errors import PPStateError
 from ppstate.events import NULL_SINK, EventSink
 from ppstate.payload import SampledPayload
 from ppstate.pp_handler import ConsumedEntry, PPHandler, need_sampled_mask
@@ -125,6 +130,8 @@ class RankStep:
 
     Attributes:
         handler: the PPHandler of a non-last rank of a multi-rank pipeline, else None.
+        next_step: the number after the last step run (0 before the first); numbers below the
+            next issued step were skipped by the scheduler.
 
     Raises:
         SlotError: ``depth < 1`` or ``max_num_reqs < 1`` (from PPHandler).
@@ -137,14 +144,20 @@ class RankStep:
         self.handler: PPHandler | None = None
         if not self.is_last:
             self.handler = PPHandler(depth, max_num_reqs, sink=sink, rank=rank)
+        self.next_step = 0
 
     def step(self, out: SchedulerOutput) -> StepResult | None:
         """Run step ``out``; returns its StepResult on the last rank, None elsewhere.
 
-        Raises whatever the backend raises (a peer timeout, a mirror divergence).
+        Raises:
+            PPStateError: ``out.step`` is below :attr:`next_step` (steps out of order).
+            Whatever the backend raises (a peer timeout, a mirror divergence).
         """
         b = self.backend
+        if out.step < self.next_step:
+            raise PPStateError(f"rank {self.rank}: step {out.step} after step {self.next_step - 1}")
         b.begin_step(out)
+        self._skip_to(out.step)
         self._consume()
         if self.handler is not None:
             for f in out.freed:
@@ -172,7 +185,15 @@ class RankStep:
         else:
             self.handler.enqueue(out.step, out, mask, b.post_receive(out, mask))
         b.end_step(out)
+        self.next_step = out.step + 1
         return result
+
+    def _skip_to(self, step: int) -> None:
+        """The PPHandler's turns of the numbers skipped before ``step`` (module docstring)."""
+        if self.handler is not None:
+            for skipped in range(self.next_step, step):
+                self._consume()
+                self.handler.push_empty(skipped)
 
     def _receive_now(self, out: SchedulerOutput, mask: np.ndarray) -> None:
         """Mutant ``blocking_all_chunk_broadcast`` (``ppstate.mutants``; the model checker's):

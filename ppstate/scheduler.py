@@ -28,7 +28,7 @@ from ppstate.budget import RequestArrays, SchedulerConfig, StepBudget
 from ppstate.errors import SchedulerError
 from ppstate.events import NULL_SINK, EventSink
 from ppstate.kv_manager import KVManager
-from ppstate.lanes import choose_lanes
+from ppstate.lanes import choose_lanes, lane_open, lane_token_budget
 from ppstate.lifecycle import Lifecycle
 from ppstate.request import Request, RequestSpec, TokenUpdate
 from ppstate.scheduler_queues import QueueOps
@@ -202,26 +202,55 @@ class Scheduler(QueueOps, StepResults):
     def schedule(self) -> SchedulerOutput | None:
         """Issue the next step.
 
+        Step numbers are the pipeline's beats (step s belongs to lane s mod pp_size, a decode
+        row is eligible again ``cadence`` numbers later). A step that would carry nothing
+        (:attr:`~ppstate.batch.SchedulerOutput.carries_nothing`: no row, e.g. a closed lane of
+        adaptive lanes or the cadence gap of a few requests) is not issued: its number is
+        skipped and the next one tried, at most ``2 * pp_size - 1`` numbers (a decoding
+        request is eligible within ``cadence <= pp_size`` numbers, then waits at most
+        ``pp_size - 1`` for an open lane; nothing else depends on the number). The ranks
+        rotate their PPHandler FIFOs over skipped numbers (:class:`~ppstate.rank_step.RankStep`),
+        so deferred consumes stay ``depth`` numbers after their step. The in-flight window
+        counts numbers: a step is issued only while its number is below the oldest unanswered
+        step's + ``in_flight_limit`` (with no number skipped: ``in_flight < in_flight_limit``).
+
         Returns:
-            None when ``in_flight_limit`` steps are in flight, or nothing needs delivering and no
-            live request can get a row before more results arrive. Otherwise the step's output,
-            possibly without rows (nothing eligible this step under the cadence, or only
-            ``freed`` to deliver), so that step numbers and every rank's FIFO keep advancing.
+            None when the window is full, nothing needs delivering and no live request can get
+            a row before more results arrive, or none of the numbers tried would carry
+            anything (then no number is used up). Otherwise the step's output: rows, or only
+            ``freed`` (and block-table deltas) to deliver.
         """
-        if self.in_flight >= self.config.in_flight_limit:
-            return None
         if not (self._waiting or self._freed) and self._all_awaiting_results():
             return None
-        step = self._next_step
-        self.lanes = choose_lanes(self.config, self._live_share())  # issue 11: adaptive lanes
-        rows = RowBuilder(self, step, StepBudget(self.config.step_token_budget,
+        first, limit = self._next_step, self.config.in_flight_limit
+        for step in range(first, first + 2 * self.config.pp_size - 1):
+            if self._in_flight and step - self._in_flight[0].step >= limit:
+                break
+            self._next_step = step   # lifecycle events of this step are stamped with it
+            if (out := self._build(step)) is not None:
+                return out
+        self._next_step = first      # nothing issued: a skipped number changed no state
+        return None
+
+    def _build(self, step: int) -> SchedulerOutput | None:
+        """Build step ``step`` and issue it, or None when it would carry nothing (then it
+        changed nothing but :attr:`lanes`: no row took a block, no request was admitted or
+        preempted). A lane that adaptive lanes keep closed carries nothing (:mod:`ppstate.lanes`;
+        its freed slots wait for the next open lane's step)."""
+        cfg = self.config
+        self.lanes = choose_lanes(cfg, self._live_share())  # issue 11: adaptive lanes
+        if not lane_open(step, self.lanes, cfg.pp_size):
+            return None
+        rows = RowBuilder(self, step, StepBudget(lane_token_budget(cfg, self.lanes),
                                                  self.row_cap()))
         rows.add_decodes()
         rows.add_continuing_prefills()
         rows.admit_waiting()
         out = rows.build(tuple(self._freed), self.kv.take_deltas())
+        if out.carries_nothing:
+            return None
         self._freed = []
-        self._next_step += 1
+        self._next_step = step + 1
         self._in_flight.append(out)
         self._in_flight_epochs.append(rows.row_epochs)
         self._in_flight_drafts.append(rows.row_drafts)

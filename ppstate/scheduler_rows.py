@@ -20,7 +20,6 @@ from ppstate.batch import NewRequest, SchedulerOutput, FreedSlot
 from ppstate.budget import RequestArrays, SchedulerConfig, StepBudget
 from ppstate.chunk_sizing import chunk_limit
 from ppstate.kv_manager import KVManager
-from ppstate.lanes import lane_open
 from ppstate.request import Request
 from ppstate.scheduler_results import gather
 from ppstate.spec_decode import drafts_for_row
@@ -40,7 +39,6 @@ class RowSource(Protocol):
         arrays: per-slot progress (``[max_num_seqs]`` int64 each), updated in place per row.
         kv: the KV-cache manager (blocks taken per row).
         slots: the slot table (free slots bound admission).
-        lanes: lanes filled with decode rows this step (:mod:`ppstate.lanes`).
         num_prefill_tokens: prefill tokens scheduled so far (the builder adds to it).
         slot_epoch: ``[max_num_reqs]`` int64 admission epoch of each slot's request (0: free).
         decoding: ``[max_num_reqs]`` bool, the slot's request is decoding (the builder sets it
@@ -51,7 +49,6 @@ class RowSource(Protocol):
     arrays: RequestArrays
     kv: KVManager
     slots: SlotTable
-    lanes: int
     num_prefill_tokens: int
     slot_epoch: np.ndarray
     decoding: np.ndarray
@@ -148,8 +145,6 @@ class RowBuilder:
         runs of rows whose token fits a block the request holds are added in bulk, and each row
         that needs a block goes through :meth:`_room` (which may preempt) and :meth:`_row` in
         its place in the order, exactly as a row-by-row loop would."""
-        if not lane_open(self.step, self.sched.lanes, self.sched.config.pp_size):
-            return  # adaptive lanes (ppstate.lanes): this step's lane takes no decode rows
         order = self._decode_candidates()                                  # [num_eligible]
         if not order.size:
             return

@@ -7,10 +7,12 @@ at an exact step (abort while a deferred PPHandler entry is in flight) and count
 seconds, and ``make mutants`` can map runner / device-state mutants to the tests that cover them.
 
 Timing model (the same as the simulator's): in tick ``t`` rank ``r`` runs the step rank ``r - 1``
-ran in tick ``t - 1``; ranks run last to first inside a tick. The last rank's broadcast of step
-``s`` is therefore posted in tick ``s + pp - 1``, before rank 0 consumes it in step ``s + pp``.
-A non-last rank that waits on a broadcast the last rank never posted raises (the deadlock a
-multi-process run would hit), so a wrong broadcast decision fails loudly here too.
+ran in tick ``t - 1``; ranks run last to first inside a tick. A non-last rank whose step consumes
+a deferred receive of a step the last rank has not run yet waits for a later tick, as a real rank
+blocks in the consume (the scheduler skips numbers of steps that would carry nothing, so the
+step consumed may have been issued only one tick before). A non-last rank that waits on a
+broadcast the last rank never posted raises (the deadlock a multi-process run would hit), so a
+wrong broadcast decision fails loudly here too.
 """
 
 from __future__ import annotations
@@ -151,7 +153,7 @@ class InprocPipeline:
             self.queues[0].append(out)
         updates: list[TokenUpdate] = []
         for r in reversed(range(self.pp)):
-            if not self.queues[r]:
+            if not self.queues[r] or not self._deferred_posted(r, self.queues[r][0]):
                 continue
             o = self.queues[r].popleft()
             result = self.runners[r].step(o)
@@ -167,6 +169,13 @@ class InprocPipeline:
                     self.finish[u.req_id] = u.finish_reason
         self.ticks += 1
         return updates
+
+    def _deferred_posted(self, rank: int, out: SchedulerOutput) -> bool:
+        """The last rank ran every step whose deferred receive rank ``rank`` consumes in ``out``
+        (entries of steps ``<= out.step - depth``, skipped numbers' turns included)."""
+        h = self.runners[rank].handler
+        return h is None or all(p <= self.last_result_step for p in h.pending_steps()
+                                if p <= out.step - h.depth)
 
     @property
     def idle(self) -> bool:

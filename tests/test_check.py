@@ -44,15 +44,34 @@ MUTANT_CASES = {
 
 
 def test_baseline_clean_at_a_small_bound():
-    # the whole-state graph at BASE has 2,795 states / 3,332 transitions / depth 12
+    # the whole-state graph at BASE has 1,937 states / 2,284 transitions / depth 10
     # (--no-canon; compared with canonical keys at a smaller bound below)
     res = explore(CheckConfig(**BASE))
     assert res.complete and res.violations == []
     assert (res.states, res.transitions, res.depth) == CANON_B0
 
 
-# canonical states / transitions / depth at BASE: the same under every PYTHONHASHSEED
-CANON_B0 = (729, 1246, 11)
+# canonical states / transitions / depth at BASE: the same under every PYTHONHASHSEED (729 /
+# 1,246 / 11 while steps that carried nothing were issued, before numbers were skipped)
+CANON_B0 = (441, 806, 8)
+
+
+def test_adaptive_lanes_clean_and_the_closed_lane_skips_its_numbers():
+    # one live request: one lane (LANE_COSTS), so its decode rows run at even numbers only and
+    # the odd ones are skipped; two live: both lanes. The canonical shift keeps step mod pp
+    res = explore(CheckConfig(adaptive_lanes=True, **BASE))
+    assert res.complete and res.violations == [] and (res.states, res.depth) == (401, 8)
+    w = World(CheckConfig(pp_size=2, num_requests=1, prompt_len=(1, 1), max_tokens=(3, 3),
+                          adaptive_lanes=True), record=True)
+    w.settle()
+    assert w.apply(("arrive", 1, 3), Chooser((0, 0, 0)))
+    while w.results:
+        assert w.apply(("deliver",), Chooser((0,)))
+    issued = [e["step"] for e in w.sched_sink.events if e["kind"] == "schedule"]
+    assert issued == [0, 2, 4, 5]   # 5: the step that delivers r0's freed slot
+    assert w.monitor.inner.sampling_steps["r0"] == [0, 2, 4]
+    assert [rk.next_step for rk in w.ranks] == [6, 6]
+    assert w.violations == [] and not w.unfinished()
 
 
 def test_canonical_counts_do_not_depend_on_the_hash_seed():
@@ -69,10 +88,14 @@ def test_canonical_form_is_a_bisimulation():
     # also when the code runs on the scrubbed world (ppstate/check/verify.py); the second bound
     # has 3 KV blocks for two 4-token requests: preemption, prefix hits on the preempted
     # request's cached blocks, re-admission epochs and renamed blocks
+    # (and the third, adaptive lanes: numbers skipped, shifts that keep step mod pp_size, the
+    # next step below pp_size after the shift; it caught two canonical-form bugs of that case)
     for kw in (dict(pp_size=2, num_requests=2, prompt_len=(1, 1), max_tokens=(1, 1),
                     abort_anywhere=True),
                dict(pp_size=2, num_requests=2, prompt_len=(3, 3), max_tokens=(2, 2),
-                    num_kv_blocks=3)):
+                    num_kv_blocks=3),
+               dict(pp_size=3, num_requests=2, prompt_len=(1, 1), max_tokens=(2, 2),
+                    adaptive_lanes=True)):
         got = check_bisimulation(CheckConfig(**kw))
         assert got["complete"] and got["mismatches"] == [], got
         assert got["classes"] < got["states"]

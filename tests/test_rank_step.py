@@ -4,6 +4,8 @@ import numpy as np
 import pytest
 
 from ppstate.batch import NewRequest, SchedulerOutput, StepResult
+from ppstate.errors import PPStateError
+from ppstate.events import ListSink
 from ppstate.payload import SampledPayload
 from ppstate.rank_step import RankStep
 
@@ -84,6 +86,23 @@ def test_non_last_rank_defers_the_payload_by_depth_steps():
     rs.step(_out(2, [0], [1], [True]))
     assert b.calls[:3] == ["begin_step", "received", "apply_sampled@0"]
     assert b.computed[0] == 3 - 2 + 1              # deferred num_rejected taken back at step 2
+
+
+def test_skipped_numbers_turn_the_fifo_over_as_empty_steps():
+    b, sink = Recorder(), ListSink()
+    rs = RankStep(b, rank=0, pp_size=2, depth=2, max_num_reqs=4, sink=sink)
+    rs.step(_out(0, [0], [3], [True], [NewRequest("r0", 0, (1, 2, 3), 8)]))
+    b.calls.clear()
+    rs.step(_out(3, [0], [1], [True]))             # numbers 1 and 2 carried nothing
+    # skipped 1 consumes the (empty) entry of -1, skipped 2 the pending one of step 0, step 3
+    # its own of 1 (empty): the payload of 0 is applied before anything of step 3 runs
+    assert b.calls[:4] == ["begin_step", "received", "apply_sampled@0", "free_and_admit"]
+    assert b.calls.count("apply_sampled@0") == 1 and rs.next_step == 4
+    assert rs.handler.pending_steps() == [3] and len(rs.handler) == 2
+    assert [(e.step, e.data["pending"]) for e in sink.of_kind("pp.enqueue")] == \
+        [(0, True), (1, False), (2, False), (3, True)]
+    with pytest.raises(PPStateError, match="step 2 after step 3"):
+        rs.step(_out(2, [0], [1], [True]))
 
 
 def test_payload_view_writes_through_and_checks_shape():

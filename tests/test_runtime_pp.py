@@ -101,6 +101,30 @@ def test_sync_and_overlapped_modes_agree(pp2, pp1_tokens):
     assert got == pp1_tokens
 
 
+def test_one_lane_skips_the_closed_lanes_numbers_and_keeps_the_tokens(pp1_tokens):
+    """Adaptive lanes with the default CPU step costs put the 16 MIXED requests in one lane:
+    every row (decode, prefill chunk, admission) runs at an even step number, the odd numbers
+    carry nothing and are not issued (the ranks turn their PPHandlers over them), and the tokens
+    stay the reference's."""
+    eng = _engine(pp_size=2, adaptive_lanes=True)
+    sink = ListSink()
+    try:
+        eng.engine.sched.sink = sink
+        got = [r["token_ids"] for r in eng.generate(MIXED, GREEDY, prefix="lane-")]
+    finally:
+        eng.close()
+    assert got == pp1_tokens
+    outs = [e.data["output"] for e in sink.of_kind("schedule")]
+    steps = [e.step for e in sink.of_kind("schedule")]
+    plen = {f"lane-{i}": len(p) for i, p in enumerate(MIXED)}
+    decode = {st for st, o in zip(steps, outs)
+              for rid, start in zip(o["req_ids"], o["start_positions"]) if start >= plen[rid]}
+    assert len(decode) >= NEW_TOKENS - 1
+    assert all(st % 2 == 0 for st, o in zip(steps, outs) if o["req_ids"])
+    assert len(steps) < steps[-1] + 1       # numbers were skipped
+    assert all(o["req_ids"] or o["freed"] or o["new_requests"] for o in outs)
+
+
 def test_seeded_sampling_pp2_equals_pp1_and_reference(pp2, pp1_runs):
     """temperature > 0 with top-p / top-k / seed through both real pipelines, concurrently, and
     the sampling rule restated in numpy over transformers logits (tests/reference.py)."""

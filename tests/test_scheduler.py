@@ -100,14 +100,32 @@ def test_cadence_decode_rows_at_least_pp_apart(pp):
 def test_in_flight_limits_overlapped_and_sync():
     over = Scheduler(SchedulerConfig(pp_size=3))
     over.add_request(spec("a", max_tokens=50))
-    outs = [over.schedule() for _ in range(4)]
-    assert [o.num_rows for o in outs] == [1, 0, 0, 1]    # optimistic decode at step 3
-    assert over.schedule() is None and over.in_flight == 4
+    outs = [over.schedule() for _ in range(2)]           # numbers 1, 2 carry nothing: skipped
+    assert [(o.step, o.num_rows) for o in outs] == [(0, 1), (3, 1)]  # optimistic decode at 3
+    # the window counts numbers: 0..3 are pp_size + 1 = 4, so step 4 waits although 2 are in flight
+    assert over.schedule() is None and over.in_flight == 2 and over.next_step == 4
+    answer(over)
+    assert over.schedule().step == 6 and over.next_step == 7   # 4, 5 skipped: a's cadence
     sync = Scheduler(SchedulerConfig(pp_size=3, mode="sync"))
     sync.add_request(spec("a", max_tokens=50))
     assert sync.schedule().num_rows == 1 and sync.schedule() is None
     answer(sync)
     assert sync.schedule().start_positions.tolist() == [4]
+
+
+def test_numbers_that_carry_nothing_are_skipped_not_used_up():
+    sched = Scheduler(SchedulerConfig(pp_size=2, max_num_seqs=1))
+    sched.add_request(spec("a", max_tokens=2))
+    sched.add_request(spec("b"))                         # waits: one slot
+    assert [sched.schedule().step for _ in range(2)] == [0, 2]   # 1 carried nothing
+    assert sched.schedule() is None and sched.next_step == 3     # window: 0..2 in flight
+    answer(sched)                                        # a's first token
+    # 3 and 4 would carry nothing (a has both its rows in flight, b no slot): None, 3 unused
+    assert sched.schedule() is None and sched.next_step == 3 and sched.in_flight == 1
+    answer(sched)                                        # a's last token frees its slot
+    out = sched.schedule()
+    assert (out.step, [f.req_id for f in out.freed], [n.req_id for n in out.new_requests]) == \
+        (3, ["a"], ["b"])
 
 
 def test_burst_spread_over_in_flight_batches():
@@ -153,10 +171,9 @@ def test_finish_on_eos_stop_ids_and_length_frees_slots():
 def test_optimistic_rows_after_eos_are_dropped():
     sched = Scheduler(SchedulerConfig(pp_size=2))
     sched.add_request(spec("a", max_tokens=20, eos_token_ids=frozenset({2})))
-    outs = [sched.schedule() for _ in range(3)]          # steps 0 (final chunk), 1, 2 (decode)
-    assert [o.num_rows for o in outs] == [1, 0, 1]
+    outs = [sched.schedule() for _ in range(2)]          # steps 0 (final chunk), 2 (decode)
+    assert [(o.step, o.num_rows) for o in outs] == [(0, 1), (2, 1)]   # 1 carried nothing
     assert [(u.token_ids, u.finish_reason) for u in answer(sched, token=2)] == [([2], "stop")]
-    assert answer(sched) == []                           # empty step 1
     assert answer(sched) == []                           # optimistic decode of step 2 ignored
     assert sched.schedule().freed[0].req_id == "a" and not sched.has_unfinished()
 

@@ -70,14 +70,15 @@ def test_stale_rows_of_a_reused_id_are_ignored():
     and is admitted; their results must not count for the new request."""
     sched = Scheduler(SchedulerConfig(pp_size=2, max_num_seqs=4, max_model_len=64))
     sched.add_request(spec("a", plen=3, max_tokens=10))
-    outs = [sched.schedule() for _ in range(2)]           # prefill (final chunk), empty step
-    assert [o.req_ids for o in outs] == [("a",), ()]
+    outs = [sched.schedule() for _ in range(2)]           # prefill (final chunk), decode
+    assert [(o.step, o.req_ids) for o in outs] == [(0, ("a",)), (2, ("a",))]  # 1: nothing
     assert sched.abort("a")
     sched.add_request(spec("a", plen=3, max_tokens=2))
-    new = sched.schedule()                                # admitted behind the stale rows
-    assert new is not None and "a" in new.req_ids
-    for _ in range(2):                                    # the stale rows' results: all dropped
-        assert answer(sched, token=4) == []
+    assert sched.schedule() is None                       # window: numbers 0..2 in flight
+    assert answer(sched, token=4) == []                   # the old prefill's result: dropped
+    new = sched.schedule()                                # admitted behind the stale decode row
+    assert new.step == 3 and "a" in new.req_ids and new.freed[0].req_id == "a"
+    assert answer(sched, token=4) == []                   # the stale decode row: dropped
     ups = answer(sched, token=6)                          # the new admission's prefill
     assert [(u.req_id, u.token_ids) for u in ups] == [("a", [6])]
     got = [6]

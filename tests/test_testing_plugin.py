@@ -111,8 +111,8 @@ def test_failing_test_report_names_its_trace(pytester, tmp_path):
     res.stdout.fnmatch_lines(["*ppstate traces*",
                               f"trace: {tmp_path}/*test_fails.py_test_fails/run-*"])
     path = re.search(r"trace: (\S+)", res.stdout.str()).group(1)
-    res = replay(path)  # what the test ran before failing: the first round issues pp_size + 1 steps
-    assert res.steps == 3 and res.first_divergence is None
+    res = replay(path)  # what the test ran before failing: the first round's window of pp_size + 1
+    assert res.steps == 2 and res.first_divergence is None   # numbers: steps 0, 2 (1 skipped)
     assert [v["invariant"] for v in res.invariant_violations] == [6]  # "a" never finished
 
 

@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--async", dest="async_engine", action="store_true",
       help="issuing a step is a choice too, interleaved with arrivals, aborts and results "
            "(default: the engine issues as soon as schedule() gives a step)")
+    a("--adaptive-lanes", action="store_true",
+      help="the scheduler fills only the lanes its step-cost model picks (one lane with one live "
+           "request, all with two at pp 2): closed lanes skip their step numbers")
     a("--spec-tokens", type=_nonneg, default=0, metavar="K",
       help="each sampled decode row reports 0..K rejected speculative tokens (default 0)")
     a("--mutant", choices=sorted(MUTANTS), default=None, metavar="NAME",
@@ -111,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             max_num_batched_tokens=ns.max_num_batched_tokens, block_size=ns.block_size,
             num_kv_blocks=ns.kv_blocks, abort_anywhere=ns.abort_anywhere,
             async_engine=ns.async_engine, spec_tokens=ns.spec_tokens, mode=ns.mode,
-            por=ns.por, mutant=ns.mutant)
+            por=ns.por, mutant=ns.mutant, adaptive_lanes=ns.adaptive_lanes)
         res = explore(cfg, max_states=ns.max_states, canon=ns.canon,
                       jobs=ns.jobs, progress=sys.stderr if ns.progress else None)
         if res.violations and counterexample is None:

@@ -116,7 +116,7 @@ class Monitor:
         """Progress rules for a blocking wait on a broadcast (overlapped mode)."""
         if op.kind != "bcast" or not rk.overlapped or self.world.pp_size == 1:
             return
-        s, t = rk.next_step, op.step
+        s, t = rk.running_step, op.step
         need = self.inner.rows_needing_sample(self.world.outputs[t])
         if not need.any():
             self.violation(1, t, rk.rank, f"rank {rk.rank} posted and waits for the broadcast of "

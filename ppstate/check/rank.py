@@ -59,21 +59,33 @@ class CheckRank(BackendMethods):
         self.ignore_eos = np.zeros(max_num_reqs, dtype=bool)  # [max_num_reqs]
         self.stopped = np.zeros(max_num_reqs, dtype=bool)  # [max_num_reqs] EOS sampled (last rank)
         self.last_prompt = np.zeros(max_num_reqs, **i64)  # [max_num_reqs]
-        self.next_step = 0
+        self.running_step = -1   # the step of the attempt in progress (-1 between attempts)
         self.oplog: list[Op] = []      # ops issued by the step in progress (resumed after a block)
         self.choice_log: list[int] = []  # choices taken by the step in progress
         self.blocked_on: Op | None = None  # the op the step in progress waits for
         self._cursor = self._choice_cursor = 0
         self.world: Any = None  # the ppstate.check.world.World running this rank (no import: no cycle)
 
-    def begin_attempt(self) -> None:
-        """(Re-)start the step in progress: logged ops and choices are answered from the logs."""
+    @property
+    def next_step(self) -> int:
+        """The number after the last step this rank ran (its step order's
+        :attr:`~ppstate.rank_step.RankStep.next_step`); it runs the first issued step from it."""
+        return self.stepper.next_step
+
+    @next_step.setter
+    def next_step(self, value: int) -> None:   # the canonical form's step shift
+        self.stepper.next_step = value
+
+    def begin_attempt(self, step: int) -> None:
+        """(Re-)start step ``step``: logged ops and choices are answered from the logs."""
+        self.running_step = step
         self._cursor = self._choice_cursor = 0
 
     def finish_step(self) -> None:
-        """The step completed: the next one starts with empty logs."""
-        self.next_step += 1
+        """The step completed (the step order advanced :attr:`next_step`): the next one starts
+        with empty logs."""
         self.oplog, self.choice_log, self.blocked_on = [], [], None
+        self.running_step = -1
 
     def choose(self, n: int) -> int:
         """A choice of the explorer in ``range(n)``; the same one when the step is re-run."""

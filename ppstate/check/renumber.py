@@ -6,8 +6,9 @@ rule; in short:
 * **Steps** are shifted so that the next step is 0: every reader compares steps with each other
   (a FIFO's order, ``<=`` against the step being built, differences for the cadence, bisection
   in the monitor's sampling history) and a common shift keeps every outcome. The one reader of a
-  step's residue, adaptive lanes (``lane_open``: step mod pp_size; off in the checker's
-  configuration), keeps its value: with them on, the shift is a multiple of pp_size. A live slot's
+  step's residue, adaptive lanes (``lane_open``: step mod pp_size; ``--adaptive-lanes``), keeps
+  its value: with them on, the shift is a multiple of pp_size and the next step below pp_size.
+  A live slot's
   ``next_eligible_step`` values older than the next step are compressed in order (``-1, -2``..):
   every future step passes ``<=`` for all of them and only their order (the ``argsort`` of
   ``add_decodes``) is read.
@@ -65,9 +66,9 @@ def shift_steps(w, ops: list) -> None:
     base = w.sched._next_step
     if w.sched.config.adaptive_lanes:   # lane_open reads step mod pp_size: keep it
         base -= base % w.pp_size
-    if base == 0:
-        return _compress_eligible(w)
-    w.sched._next_step = 0
+    # also with base 0 (adaptive lanes: the next step below pp_size): the rebuilt admission
+    # tuples below must not share objects the way unshifted ones do, or equal states pickle apart
+    w.sched._next_step -= base   # 0, or below pp_size with adaptive lanes
     for out in _outputs(w):
         object.__setattr__(out, "step", out.step - base)
     w.outputs = {o.step: o for o in sorted(w.outputs.values(), key=lambda o: o.step)}

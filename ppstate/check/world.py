@@ -34,6 +34,13 @@ from ppstate.scheduler import RequestSpec, Scheduler
 from ppstate.sim.workload import EOS_TOKEN, FIRST_TOKEN
 
 
+#: step-cost coefficients of ``--adaptive-lanes`` (:class:`ppstate.step_cost.StepCostModel`,
+#: arbitrary units): a step costs 1 + 0.5 per row, a stage 1.1x slower while all compute. At
+#: pp 2 one live request runs fastest in one lane (3 < 0.97 x 3.3), two in both lanes (4 > 3.2).
+LANE_COSTS = {"cost_base_s": 1.0, "cost_per_row_s": 0.0, "cost_per_token_s": 0.5,
+              "cost_per_prefix_token_s": 0.0, "cost_concurrency": 1.1}
+
+
 @dataclass(frozen=True)
 class CheckConfig:
     """Bounds of one model-checking run (CLI flags in brackets).
@@ -51,6 +58,11 @@ class CheckConfig:
         spec_tokens [--spec-tokens K]: each sampled decode row reports 0..K rejected tokens.
         mode [--mode]: overlapped or sync. por [--no-por]: explore rank order too when False.
         mutant [--mutant]: the mutant switched on (``ppstate.mutants``), or None.
+        adaptive_lanes [--adaptive-lanes]: the scheduler fills only the lanes its step-cost
+            model picks (:mod:`ppstate.lanes`), with :data:`LANE_COSTS`: one lane while one
+            request is live, all lanes (pp 2; two of three at pp 3) with two, so arrivals and
+            finishes switch the lane count, closed lanes skip their step numbers and the ranks
+            rotate their PPHandlers over the skipped numbers.
     """
     pp_size: int = 2
     num_requests: int = 3
@@ -67,13 +79,15 @@ class CheckConfig:
     mode: Literal["overlapped", "sync"] = "overlapped"
     por: bool = True
     mutant: str | None = None
+    adaptive_lanes: bool = False
 
     def scheduler_config(self) -> SchedulerConfig:
+        lanes = dict(adaptive_lanes=True, **LANE_COSTS) if self.adaptive_lanes else {}
         return SchedulerConfig(
             pp_size=self.pp_size, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_prefill_chunk=self.chunk,
             max_model_len=self.prompt_len[1] + self.max_tokens[1] + 1, mode=self.mode,
-            block_size=self.block_size, num_kv_blocks=self.num_kv_blocks)
+            block_size=self.block_size, num_kv_blocks=self.num_kv_blocks, **lanes)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -185,9 +199,15 @@ class World:
         self.monitor.on_updates(res.step, self.sched.on_step_result(res))
 
     # ---------------------------------------------------------------- ranks
+    def _next_out(self, rk: CheckRank) -> SchedulerOutput | None:
+        """The issued step rank ``rk`` runs next (the first at or after its ``next_step``: the
+        scheduler skips numbers of steps that would carry nothing), or None."""
+        later = [s for s in self.outputs if s >= rk.next_step]
+        return self.outputs[min(later)] if later else None
+
     def _runnable(self, r: int) -> bool:
         rk = self.ranks[r]
-        return rk.next_step in self.outputs and not self._waiting(rk)
+        return self._next_out(rk) is not None and not self._waiting(rk)
 
     def _waiting(self, rk: CheckRank) -> bool:
         """The rank's step in progress waits on an op that has not completed."""
@@ -197,12 +217,12 @@ class World:
         """Run rank ``r``'s next step; on a block keep the ops it issued and roll the rest back.
         True when something changed."""
         rk = self.ranks[r]
-        out = self.outputs.get(rk.next_step)
+        out = self._next_out(rk)
         if out is None or self._waiting(rk):
             return False
         before = copy.deepcopy(rk) if self._may_block(rk, out) else None   # shares the world,
         n_events, n_ops = len(rk.sink.events), len(rk.oplog)             # its sink and the ops
-        rk.begin_attempt()
+        rk.begin_attempt(out.step)
         try:
             result = rk.stepper.step(out)
         except Blocked as b:
@@ -224,17 +244,19 @@ class World:
     def _may_block(self, rk: CheckRank, out: SchedulerOutput) -> bool:
         """Can rank ``rk``'s step ``out`` block? False only when it surely completes, so the
         rollback copy is skipped (most steps do not block). A step's waits, in order: the
-        deferred receive its PPHandler consumes first (issued in an earlier step: blocks iff that
-        op is not done), and on ranks > 0 with rows the hidden-state receive, the first op the
-        step issues on the ``pp`` group (it completes at issue iff this rank's ``pp`` queue is
-        empty and the previous rank's head is the matching send). With a mutant on: True."""
+        deferred receives its PPHandler consumes first (issued in earlier steps: one per number
+        skipped before ``out`` and one for ``out``; each blocks iff its op is not done), and on
+        ranks > 0 with rows the hidden-state receive, the first op the step issues on the ``pp``
+        group (it completes at issue iff this rank's ``pp`` queue is empty and the previous
+        rank's head is the matching send). With a mutant on: True."""
         if mutants.any_active():
             return True
         h = rk.handler
-        if h is not None and h._fifo and h._fifo[0] is not None:
-            op = getattr(h._fifo[0].handle, "op", None)
-            if op is None or not op.done:
-                return True
+        if h is not None:
+            for entry in list(h._fifo)[:out.step - rk.next_step + 1]:
+                op = getattr(getattr(entry, "handle", None), "op", None)
+                if entry is not None and (op is None or not op.done):
+                    return True
         if rk.rank == 0 or out.num_rows == 0:
             return False
         if rk.oplog:                               # re-run: the receive was issued already
@@ -308,9 +330,9 @@ class World:
         parts = []
         for rk in self.ranks:
             if rk.blocked_on is not None and not rk.blocked_on.done:
-                parts.append(f"rank {rk.rank} in step {rk.next_step} waits for "
+                parts.append(f"rank {rk.rank} in step {self._next_out(rk).step} waits for "
                              f"{rk.blocked_on.describe()}")
-            elif rk.next_step < self.sched.next_step:
-                parts.append(f"rank {rk.rank} idle before step {rk.next_step}")
+            elif (nxt := self._next_out(rk)) is not None:
+                parts.append(f"rank {rk.rank} idle before step {nxt.step}")
         return (f"deadlock: {self.sched.num_running} running, {self.sched.num_waiting} waiting, "
                 f"{self.sched.in_flight} steps in flight; " + "; ".join(parts or ["no rank moves"]))

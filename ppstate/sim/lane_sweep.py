@@ -6,8 +6,10 @@ tokens`` ticks per stage step, stages slowed down by ``contention`` while they c
 (processor sharing, :mod:`ppstate.sim.simulator`), steps without rows cost ``empty`` ticks. The
 scheduler gets the same coefficients (``cost_base_s = base`` ..., ``cost_concurrency =
 contention``; ticks stand in for seconds), so any point where adaptive lanes lose to sync is a
-fault of the policy, not of the calibration or of noise. A burst of ``n`` requests
-(``prompt_len``-token prompts, ``max_tokens`` new tokens, no EOS) at each concurrency.
+fault of the policy, not of the calibration or of noise. ``--policy-contention`` gives the policy
+another slow-down than the simulated one: a stale calibration (the machine's load changed since).
+A burst of ``n`` requests (``prompt_len``-token prompts, ``max_tokens`` new tokens, no EOS) at
+each concurrency.
 
 ``python -m ppstate.sim.lane_sweep --pp 2 --base 60 --per-token 1 --contention 1.8`` prints one
 row per concurrency (JSON with ``--json``).
@@ -33,16 +35,18 @@ def burst(n: int, prompt_len: int, max_tokens: int) -> tuple[SimRequest, ...]:
 
 
 def point(n: int, pp: int, base: int, per_token: int, contention: float, empty: int,
-          prompt_len: int = 16, max_tokens: int = 16) -> dict:
+          prompt_len: int = 16, max_tokens: int = 16, policy_contention: float | None = None) -> dict:
     """Output tokens per tick of each mode for a burst of ``n`` requests, the lane count the
-    adaptive scheduler ended on, and adaptive / sync, overlapped / sync."""
+    adaptive scheduler ended on, and adaptive / sync, overlapped / sync. The lane policy's
+    ``cost_concurrency`` is ``policy_contention`` (default: the simulated ``contention``)."""
     row: dict = {"concurrency": n}
     for name, upd in MODES.items():
         cfg = SimConfig(pp_size=pp, max_num_seqs=max(n, pp), max_num_batched_tokens=4096,
                         max_prefill_chunk=512, max_model_len=prompt_len + max_tokens + 8,
                         cost_base_s=float(base), cost_per_row_s=0.0,
                         cost_per_token_s=float(per_token), cost_per_prefix_token_s=0.0,
-                        cost_concurrency=contention, stage_base=base, stage_per_token=per_token,
+                        cost_concurrency=contention if policy_contention is None
+                        else policy_contention, stage_base=base, stage_per_token=per_token,
                         contention=contention, empty_step_ticks=empty,
                         workload=burst(n, prompt_len, max_tokens), **upd)
         sim = Simulator(cfg)
@@ -67,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-token", type=int, default=1, help="ticks per token of a stage step")
     p.add_argument("--contention", type=float, default=1.8,
                    help="slow-down of a stage while all stages compute at once")
+    p.add_argument("--policy-contention", type=float, default=None,
+                   help="slow-down the lane policy assumes (default: --contention)")
     p.add_argument("--empty", type=int, default=1, help="ticks of a step without rows")
     p.add_argument("--json", action="store_true")
     ns = p.parse_args(argv)
@@ -74,10 +80,13 @@ def main(argv: list[str] | None = None) -> int:
         points = [int(x) for x in ns.points.split(",")]
     except ValueError:
         p.error(f"--points must be a comma list of integers, got {ns.points!r}")
+    policy = ns.policy_contention
     if ns.pp < 2 or min(points) < 1 or ns.base < 0 or ns.per_token < 0 or ns.contention < 1 \
-            or ns.empty < 0:
-        p.error("--pp >= 2, --points >= 1, --base/--per-token/--empty >= 0, --contention >= 1")
-    rows = [point(n, ns.pp, ns.base, ns.per_token, ns.contention, ns.empty) for n in points]
+            or ns.empty < 0 or (policy is not None and policy < 1):
+        p.error("--pp >= 2, --points >= 1, --base/--per-token/--empty >= 0, --contention and "
+                "--policy-contention >= 1")
+    rows = [point(n, ns.pp, ns.base, ns.per_token, ns.contention, ns.empty,
+                  policy_contention=policy) for n in points]
     if ns.json:
         print(json.dumps(rows, indent=1))
         return 0

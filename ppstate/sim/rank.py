@@ -70,7 +70,7 @@ class SimRank:
         self.handler = self.order.handler
         self.kv = SimKV(rank, max_num_reqs, *kv_geometry, checker)
         self.wire = Wire()
-        self.next_step = 0          # next step this rank will run
+        self.next_index = 0         # index of the next step this rank runs among the issued ones
         self.busy_until = -1        # tick the running step ends (-1: idle)
         self.running: int | None = None
         self.finished: dict[int, int] = {}  # step -> tick it finished here

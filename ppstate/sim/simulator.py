@@ -2,9 +2,10 @@
 
 Logical integer ticks; one seed draws the whole workload (:mod:`ppstate.sim.workload`). Each rank
 is a :class:`~ppstate.sim.rank.SimRank` (device state, CPU mirrors, PPHandler on non-last ranks).
-Timing rules: rank r starts step s only after it finished s-1, after rank r-1 finished s (the p2p
-hand-off of hidden states; rank 0: after the step was issued) and, on non-last ranks, after the last
-rank finished step s-depth when that deferred receive is pending. A stage takes
+Timing rules: rank r starts issued step s only after it finished its previous step, after rank r-1
+finished s (the p2p hand-off of hidden states; rank 0: after the step was issued) and, on non-last
+ranks, after the last rank finished every step <= s-depth whose deferred receive is still pending
+(step s-depth itself, and those of numbers the scheduler skipped before s). A stage takes
 ``stage_base + stage_per_token * tokens`` ticks of work; with ``contention`` > 1 the stages share
 the machine (processor sharing): while k of the pp_size ranks compute, each progresses at rate
 ``1 / (1 + (contention - 1) (k - 1) / (pp_size - 1))`` (the slow-down of
@@ -66,6 +67,7 @@ class Simulator:
                       for r in range(sc.pp_size)]
         self.wire = Wire()
         self.outputs = self.wire.outputs
+        self.issued: list[int] = []   # numbers of the issued steps, in order (skipped ones absent)
         self.now = 0
         self.num_aborted = 0
         self.output_tokens = 0
@@ -100,33 +102,44 @@ class Simulator:
     def _issue(self) -> None:
         while (out := self.sched.schedule()) is not None:
             self.outputs[out.step] = out
+            self.issued.append(out.step)
             self.checker.on_issue(out)
 
+    def _next_of(self, rank: SimRank) -> int | None:
+        """The issued step rank ``rank`` runs next, or None when it ran every issued step."""
+        i = rank.next_index
+        return self.issued[i] if i < len(self.issued) else None
+
+    def _consumed_by(self, rank: SimRank, s: int) -> list[int]:
+        """Steps whose pending deferred receive rank ``rank`` consumes in step ``s``."""
+        if rank.handler is None:
+            return []
+        return [p for p in rank.handler.pending_steps() if p <= s - self.depth]
+
     def _can_start(self, rank: SimRank) -> bool:
-        s = rank.next_step
-        if rank.running is not None or s not in self.outputs:
+        s = self._next_of(rank)
+        if rank.running is not None or s is None:
             return False
         never = self.now + 1
         if rank.rank > 0 and \
                 self.ranks[rank.rank - 1].finished.get(s, never) + self.cfg.p2p_ticks > self.now:
             return False
-        if rank.handler is not None and s - self.depth in rank.handler.pending_steps():
-            done = self.ranks[-1].finished.get(s - self.depth, never)
-            return done + self.cfg.broadcast_ticks <= self.now
-        return True
+        last = self.ranks[-1].finished
+        return all(last.get(p, never) + self.cfg.broadcast_ticks <= self.now
+                   for p in self._consumed_by(rank, s))
 
     def _start_ranks(self) -> None:
         for rank in self.ranks:
             if not self._can_start(rank):
                 continue
-            out = self.outputs[rank.next_step]
+            out = self.outputs[self._next_of(rank)]
             result = rank.run_step(out, self.wire)
             dur = self.cfg.empty_step_ticks if out.num_rows == 0 and \
                 self.cfg.empty_step_ticks >= 0 else self.cfg.stage_time(out.total_tokens)
             rank.running, rank.busy_until = out.step, self.now + dur
             rank.busy_ticks += dur
             rank.work_left, rank.started, rank.planned = float(dur), self.now, dur
-            rank.next_step += 1
+            rank.next_index += 1
             if result is not None:
                 self._pending_results.append((rank, out.step, result))
 
@@ -175,13 +188,14 @@ class Simulator:
         """Ticks at which a latency (p2p hand-off, broadcast) ends for an idle rank's next step."""
         out = []
         for rank in self.ranks:
-            s = rank.next_step
-            if rank.running is not None or s not in self.outputs:
+            s = self._next_of(rank)
+            if rank.running is not None or s is None:
                 continue
             if rank.rank > 0 and s in self.ranks[rank.rank - 1].finished:
                 out.append(self.ranks[rank.rank - 1].finished[s] + self.cfg.p2p_ticks)
-            if s - self.depth in self.ranks[-1].finished:
-                out.append(self.ranks[-1].finished[s - self.depth] + self.cfg.broadcast_ticks)
+            last = self.ranks[-1].finished
+            out += [last[p] + self.cfg.broadcast_ticks for p in self._consumed_by(rank, s)
+                    if p in last]
         return out
 
     # ---------------------------------------------------------------- main loop
@@ -216,7 +230,7 @@ class Simulator:
         busy = sum(r.busy_ticks for r in self.ranks)
         completed = sum(1 for v in self.checker.closed.values() if v != "abort")
         return SimResult(
-            steps=self.sched.next_step, ticks=ticks, completed=completed,
+            steps=len(self.issued), ticks=ticks, completed=completed,
             aborted=self.num_aborted, output_tokens=self.output_tokens,
             throughput_tokens_per_tick=round(self.output_tokens / ticks, 6),
             bubble_fraction=round(1.0 - busy / (self.cfg.scheduler.pp_size * ticks), 6),

@@ -3,7 +3,9 @@
 Each seed picks its own configuration (:func:`soak_config`): 2-4 stages, overlapped or sync,
 aborts at random ticks, few slots for many requests (slot reuse), prefill chunks smaller than
 the prompts (chunked prefill), burst or Poisson arrivals, a tight or roomy KV cache (preemption),
-prefix caching on or off. Every simulator run checks the invariants at every tick
+prefix caching on or off, adaptive lanes on half of the overlapped seeds (:data:`LANE_COSTS`:
+the lane count changes with the live requests, closed lanes skip their step numbers). Every
+simulator run checks the invariants at every tick
 (:mod:`ppstate.sim.checks`). Prints one JSON object: seeds run, runs with violations (their
 seeds, at most 20) and totals (requests, aborted, steps); exit status 1 on any violation.
 Reproduce one seed with ``--start SEED --seeds 1``. ``--jobs N`` runs the seeds in N processes
@@ -23,6 +25,13 @@ from ppstate.sim.simulator import run_sim
 from ppstate.sim.workload import SimConfig
 
 
+#: step-cost coefficients (ticks) of the adaptive-lanes seeds: with up to 16 live requests
+#: :func:`ppstate.lanes.choose_lanes` picks every count from 1 to pp_size (pp 4: 1, 2, 3, 2,
+#: 3, 3, 4, 4, 3, 4, ... for 1, 2, ... live)
+LANE_COSTS = {"cost_base_s": 8.0, "cost_per_row_s": 0.0, "cost_per_token_s": 1.0,
+              "cost_per_prefix_token_s": 0.0, "cost_concurrency": 1.3}
+
+
 def soak_config(seed: int) -> SimConfig:
     """The simulator configuration of soak seed ``seed`` (deterministic)."""
     pp = 2 + seed % 3
@@ -31,8 +40,9 @@ def soak_config(seed: int) -> SimConfig:
     bs = (1, 4, 16)[(seed // 7) % 3]
     need = -(-(48 + 32) // bs)                      # one request of the longest kind
     blocks = need * (1, 2, slots)[(seed // 11) % 3]  # tight: preemption; roomy: none
-    return SimConfig(pp_size=pp, num_requests=8 + seed % 25, seed=seed,
-                     mode="sync" if seed % 6 == 5 else "overlapped",
+    mode = "sync" if seed % 6 == 5 else "overlapped"
+    lanes = dict(adaptive_lanes=True, **LANE_COSTS) if (seed // 17) % 2 else {}
+    return SimConfig(pp_size=pp, num_requests=8 + seed % 25, seed=seed, mode=mode, **lanes,
                      prompt_len=(1, 48), output_len=(1, 32), max_prefill_chunk=chunk, max_num_seqs=slots,
                      max_num_batched_tokens=(16, 32, 128)[(seed // 13) % 3],
                      abort_rate=(0.0, 0.2, 0.5)[seed % 3 if seed % 4 else 1],

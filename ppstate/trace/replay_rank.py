@@ -3,7 +3,9 @@ results by running the runtime's own step order (:class:`~ppstate.rank_step.Rank
 recording backend, with a fresh :class:`~ppstate.pp_handler.PPHandler` (depth ``pp_size``
 overlapped, 1 sync), :class:`~ppstate.mirror.CpuMirror` and slot-owner table.
 
-Per step: ``rank.step`` -> deferred ``pp.consume`` (non-last ranks) -> ``pp.free`` of each freed
+Per step: ``rank.step`` -> for each number the scheduler skipped before the step, the deferred
+``pp.consume`` of that number's turn and an empty ``pp.enqueue`` (non-last ranks) -> the step's
+deferred ``pp.consume`` (non-last ranks) -> ``pp.free`` of each freed
 slot -> the immediate mirror update (non-empty steps) -> the last rank's ``broadcast.*`` and
 ``sampled``, or a non-last rank's ``broadcast.posted`` + ``pp.enqueue`` (``pp.enqueue`` +
 ``broadcast.skipped`` when no row needs a sample) -> ``mirror.check`` when mirrors are validated
@@ -162,41 +164,44 @@ class RankReplay:
         differs is a divergence. Returns ``(divergence or None, steps compared)``.
         """
         rec = [e for e in recorded if e.get("kind") in RANK_DECISIONS]
-        i, steps, expected_step = 0, 0, 0
+        issued = iter(sorted(self.outputs))   # skipped numbers are not steps of any rank
+        i, steps = 0, 0
         while i < len(rec):
+            expected_step = next(issued, None)
+            if expected_step is None:  # the engine's recording ends before this rank's
+                break
             ev = rec[i]
             if ev["kind"] != "rank.step" or ev["step"] != expected_step:
                 want = {"kind": "rank.step", "step": expected_step, "rank": self.s.rank}
                 return self._diverge(rec, i, expected_step, want), steps
             if until is not None and expected_step > until:
                 break
-            out = self.outputs.get(expected_step)
-            if out is None:  # the engine's recording ends before this rank's
-                break
             self._check_consume(rec, i)
-            for want in (normalise(e) for e in self.run_step(out)):
+            for want in (normalise(e) for e in self.run_step(self.outputs[expected_step])):
                 if i >= len(rec):
                     return None, steps + 1       # truncated last step
                 if not matches(want, rec[i]):
                     return self._diverge(rec, i, expected_step, want), steps
                 i += 1
             steps += 1
-            expected_step += 1
         return None, steps
 
     def _check_consume(self, rec: list[dict], i: int) -> None:
-        """Invariant 2 on the recorded consume of this step: every applied row's slot is still
-        owned by that row's request."""
-        if self.checker is None or i + 1 >= len(rec) or rec[i + 1]["kind"] != "pp.consume":
+        """Invariant 2 on the recorded consumes of the step starting at ``rec[i]`` (its own and
+        those of numbers skipped before it): every applied row's slot is still owned by that
+        row's request."""
+        if self.checker is None:
             return
-        ev = rec[i + 1]
-        src = self.outputs.get(ev["step"])
-        if src is None:
-            return
-        for row, slot in enumerate(ev["idx_mapping"]):
-            if slot >= 0 and row < src.num_rows:
-                self.checker.check_apply(self.s.rank, ev["step"], src.req_ids[row], slot,
-                                         self.owner[slot])
+        for ev in rec[i + 1:]:
+            if ev["kind"] == "rank.step":
+                return
+            src = self.outputs.get(ev["step"]) if ev["kind"] == "pp.consume" else None
+            if src is None:
+                continue
+            for row, slot in enumerate(ev["idx_mapping"]):
+                if slot >= 0 and row < src.num_rows:
+                    self.checker.check_apply(self.s.rank, ev["step"], src.req_ids[row], slot,
+                                             self.owner[slot])
 
     def _diverge(self, rec: list[dict], i: int, step: int, want: dict) -> Divergence:
         got = rec[i] if i < len(rec) else None

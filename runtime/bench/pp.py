@@ -13,7 +13,8 @@ min, max over the rounds):
   ``--chunks`` also fixed vs dynamic chunk sizing (``dynamic_chunk_ttft_ratio`` = fixed /
   dynamic, overlapped mode).
 * ``--sweep 1,2,4,...``: the decode workload at each concurrency for sync, overlapped and
-  overlapped with adaptive lanes; the ratio to sync at each point.
+  overlapped with adaptive lanes; the ratio to sync at each point. The engines' order rotates
+  from round to round (round i starts with the i-th), so none always follows another.
 * ``--overheads``: tracing (``--trace-dir``) and mirror validation (``every`` vs ``off``) as
   throughput ratios on the decode workload (``trace_overhead`` = 1 - on / off).
 * ``--calibrate``: fit the step-cost model (:mod:`ppstate.step_cost`) to the ranks' busy seconds
@@ -180,11 +181,13 @@ def sweep(base: EngineConfig, args, points: list[int]) -> dict:
                 engines[name] = eng
             for n in points:
                 runs: dict[str, list[dict]] = {k: [] for k in engines}
+                names = list(engines)
                 for i in range(args.repeats):
                     prompts = _prompts(n, args.prompt_len, args.seed + n + 1000 * i)
-                    for name, eng in engines.items():
-                        runs[name].append(await run_workload(eng, prompts, args.max_tokens,
-                                                             f"{name}-{n}-{i}"))
+                    # the order rotates round by round: no mode always runs right after another
+                    for name in names[i % len(names):] + names[:i % len(names)]:
+                        runs[name].append(await run_workload(engines[name], prompts,
+                                                             args.max_tokens, f"{name}-{n}-{i}"))
                 tp = {k: [r["output_tokens_per_s"] for r in v] for k, v in runs.items()}
                 row = {"concurrency": n, "runs": runs,
                        **{f"{k}_output_tokens_per_s": statistics.median(v) for k, v in tp.items()}}

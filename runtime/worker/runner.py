@@ -54,7 +54,7 @@ class _PendingRecv:
         r.g.wait(self.work)
         r.progress.enter("prepare")
         if r.sink.enabled:
-            r._emit_timing("broadcast", self.step + r.handler.depth, ns0)
+            r._emit_timing("broadcast", r.running_step, ns0)
 
 
 @dataclass
@@ -112,6 +112,7 @@ class StageRunner:
         self._meta: BatchMeta | None = None         # of the step being run
         self._sampled: SampledPayload | None = None  # the payload this rank just sampled
         self.timing = StepTiming()
+        self.running_step = -1   # the step being run (its consumes may be of skipped numbers)
         self.spec = spec
 
     @property
@@ -139,6 +140,7 @@ class StageRunner:
     # ---- RankBackend: step bracket -----------------------------------------------------------
     def begin_step(self, out: SchedulerOutput) -> None:
         self.timing = StepTiming()
+        self.running_step = out.step
         if self.sink.enabled:
             self.sink.emit("rank.step", step=out.step, rank=self.g.rank, num_rows=out.num_rows)
 
