@@ -12,6 +12,7 @@ attends).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -54,9 +55,10 @@ class KVManager:
     def take_deltas(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(slots, cols, block_ids)`` each ``[U]`` int32 recorded since the last call:
         ``block_table[slots[u], cols[u]] = block_ids[u]`` on every rank."""
-        out = tuple(np.array(x, dtype=np.int32) for x in (self._slots, self._cols, self._ids))
+        out = (np.array(self._slots, dtype=np.int32), np.array(self._cols, dtype=np.int32),
+               np.array(self._ids, dtype=np.int32))
         self._slots, self._cols, self._ids = [], [], []
-        return out  # type: ignore[return-value]
+        return out
 
     # ------------------------------------------------------------------ admission
     def prefix_hit(self, req: "Request") -> list[int]:
@@ -101,7 +103,7 @@ class KVManager:
             first = len(self.pool.table(req.req_id))
             self._record(req.slot, first, self.pool.allocate(req.req_id, need))
 
-    def grow_by_one_block(self, slots: np.ndarray, req_ids: list[str]) -> None:
+    def grow_by_one_block(self, slots: np.ndarray, req_ids: Sequence[str]) -> None:
         """Give each of the requests ``req_ids`` (in ``slots``, ``[k]``, distinct; each holding
         exactly the blocks its computed tokens fill) one more block, as :meth:`grow` would one by
         one (same block ids, same deltas in the same order). A decode row's token never completes

@@ -41,7 +41,7 @@ def need_sampled_mask(out: SchedulerOutput) -> np.ndarray | None:
     """
     if out.num_rows == 0:
         return None
-    mask = np.asarray(out.is_final_chunk, dtype=bool).copy()
+    mask = np.array(out.is_final_chunk, dtype=bool)   # a copy
     return mask if np.count_nonzero(mask) else None
 
 
@@ -138,9 +138,9 @@ class PPHandler:
         if mask is None:
             self._fifo.append(None)
         else:
-            idx = np.asarray(out.slots, dtype=np.int64).copy()
+            idx = np.array(out.slots, dtype=np.int64)   # a copy; the generations' gather too
             self._fifo.append(_Pending(step, idx, np.asarray(mask, dtype=bool),
-                                       self.generation[idx].copy(), handle))
+                                       self.generation[idx], handle))
         if self.sink.enabled:
             self.sink.emit("pp.enqueue", step=step, rank=self.rank, pending=mask is not None)
 
@@ -167,15 +167,19 @@ class PPHandler:
             return None
         if callable(getattr(entry.handle, "wait", None)):
             entry.handle.wait()
-        idx = entry.idx_mapping.copy()
-        stale = self._stale_rows(entry)
+        idx = entry.idx_mapping    # the entry's own copy (made by enqueue), no longer queued
+        unusable = self._stale_rows(entry)
         if mutants.active("no_generation_check"):  # model checker's mutant; never on in runs
-            stale[:] = False
-        idx[~entry.mask | stale] = -1
+            unusable[:] = False
+        if np.count_nonzero(entry.mask) < idx.size:  # rows that need no sample
+            unusable |= ~entry.mask
+        num_unusable = np.count_nonzero(unusable)
+        if num_unusable:
+            idx[unusable] = -1
         if self.sink.enabled:
             self.sink.emit("pp.consume", step=entry.step, rank=self.rank,
                            idx_mapping=idx.tolist())
-        if not np.count_nonzero(idx >= 0):
+        if num_unusable == idx.size:
             return None
         return ConsumedEntry(entry.step, idx, entry.handle, entry.mask)
 

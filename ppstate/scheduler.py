@@ -233,9 +233,11 @@ class Scheduler(QueueOps, StepResults):
     def _all_awaiting_results(self) -> bool:
         """True when no live request can get a row before more results arrive (or none is live):
         every one has all its max_tokens sampling rows in flight."""
-        a = self.arrays
-        return all(r.state == "decoding" and a.num_sampling_rows[r.slot] >= a.max_tokens[r.slot]
-                   for r in self._running.values())
+        rows, most = self.arrays.num_sampling_rows, self.arrays.max_tokens
+        for r in self._running.values():  # the oldest one usually answers
+            if r.state != "decoding" or rows[r.slot] < most[r.slot]:
+                return False
+        return True
 
     def kv_stats(self) -> dict[str, float | int]:
         """KV-cache counters: blocks (total / free incl. cached / cached), prefix-cache lookups

@@ -125,15 +125,25 @@ class StepResults:
         """:meth:`on_step_result` for a step without drafts whose live rows sampled one token
         each (None otherwise): counters and output lists updated at once; Python per row only
         for rows whose token may end the request (a known EOS / stop id, or max_tokens)."""
-        rows = self._live_rows(out, result, epochs)                    # [n]
-        if np.count_nonzero(result.num_sampled[rows] != 1):
+        slots = out.slots.astype(np.int64)     # [num_rows] (int64 indexes faster than int32)
+        ns = result.num_sampled                                         # [num_rows]
+        live = self.slot_epoch[slots] == np.asarray(epochs)             # [num_rows]
+        live &= out.is_final_chunk
+        live &= ns > 0
+        rows = None if np.count_nonzero(live) == live.size else live.nonzero()[0]  # None: all
+        if rows is None:  # every row (the usual decode step)
+            toks = result.sampled_token_ids[:, 0]                      # [n]
+        else:
+            slots, ns, toks = slots[rows], ns[rows], result.sampled_token_ids[rows, 0]
+        if np.count_nonzero(ns != 1):
             return None
         a = self.arrays
-        slots = out.slots[rows].astype(np.int64)                       # [n]
-        toks = result.sampled_token_ids[rows, 0]                       # [n]
         count = a.num_output_tokens[slots] + 1                         # [n]
         a.num_output_tokens[slots] = count
-        ends = ((count >= a.max_tokens[slots]) | may_stop(toks, self.stop_ids_np)).nonzero()[0]
+        end = count >= a.max_tokens[slots]                             # [n]
+        if self.stop_ids_np.size:
+            end |= may_stop(toks, self.stop_ids_np)
+        ends = end.nonzero()[0]
         tok_list = toks.tolist()
         slot_list = slots.tolist()
         deque(map(list.append, gather(self.slot_out, slot_list), tok_list), maxlen=0)
@@ -146,7 +156,7 @@ class StepResults:
             if reason is not None:
                 reasons[i] = reason
                 self._finish(req, "stop" if reason == "stop" else "hit_length")
-        ids = out.req_ids if rows.size == out.num_rows else gather(out.req_ids, rows.tolist())
+        ids = out.req_ids if rows is None else gather(out.req_ids, rows.tolist())
         return StepUpdates(ids, tok_list, reasons)
 
     def _apply_rows(self, out: SchedulerOutput, result: StepResult, epochs: np.ndarray,
