@@ -19,6 +19,7 @@ import numpy as np
 
 from ppstate.block_states import CACHED
 from ppstate.blocks import BlockPool, block_hashes
+from ppstate.scalars import ONE_I64
 
 if TYPE_CHECKING:
     from ppstate.budget import SchedulerConfig
@@ -119,7 +120,7 @@ class KVManager:
         self._slots += slots.tolist()
         self._cols += cols.tolist()
         self._ids += blocks
-        self.held[slots] = cols + 1
+        self.held[slots] = cols + ONE_I64
 
     def register_full(self, req: "Request", computed: int) -> None:
         """Hash-register the full prefill blocks now covered by ``computed`` scheduled tokens."""

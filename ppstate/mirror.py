@@ -16,6 +16,7 @@ import numpy as np
 
 from ppstate import mutants
 from ppstate.errors import MirrorDivergence
+from ppstate.scalars import ONE_I64, ZERO_I64
 
 MIRROR_FIELDS = ("num_computed_tokens", "prefill_len", "num_computed_prefill_tokens", "max_seq_len",
                  "num_blocks")
@@ -75,7 +76,7 @@ class CpuMirror:
     def apply_block_updates(self, slots: np.ndarray, cols: np.ndarray) -> None:
         """Block-table deltas: ``num_blocks[slot] = max(num_blocks[slot], col + 1)`` (``[U]``)."""
         if slots.size:
-            np.maximum.at(self._rows[4], slots, cols.astype(np.int64) + 1)  # int64: fast ufunc.at
+            np.maximum.at(self._rows[4], slots, cols.astype(np.int64) + ONE_I64)  # int64: fast .at
 
     def validate_blocks(self, block_size: int, live_slots: np.ndarray, step: int,
                         owners: Sequence[str | None] | None = None, spec_slack: int = 0) -> None:
@@ -121,7 +122,7 @@ class CpuMirror:
             slots: ``[num_rows]`` slot per row; ``-1`` rows are skipped.
             num_scheduled_tokens: ``[num_rows]`` scheduled query length per row (tokens).
         """
-        if np.count_nonzero(slots < 0):
+        if np.count_nonzero(slots < ZERO_I64):
             keep = slots >= 0
             slots, num_scheduled_tokens = slots[keep], num_scheduled_tokens[keep]
         s, n = slots, num_scheduled_tokens

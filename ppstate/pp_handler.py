@@ -66,6 +66,10 @@ class ConsumedEntry:
     handle: Any
     mask: np.ndarray
 
+    def __init__(self, step: int, idx_mapping: np.ndarray, handle: Any, mask: np.ndarray) -> None:
+        d = self.__dict__   # written out, as SchedulerOutput's: one per step
+        d["step"], d["idx_mapping"], d["handle"], d["mask"] = step, idx_mapping, handle, mask
+
 
 @dataclass(frozen=True)
 class _Pending:
@@ -75,6 +79,12 @@ class _Pending:
     mask: np.ndarray          # [num_rows] bool
     generations: np.ndarray   # [num_rows] int64, generation of each row's slot at enqueue
     handle: Any
+
+    def __init__(self, step: int, idx_mapping: np.ndarray, mask: np.ndarray,
+                 generations: np.ndarray, handle: Any) -> None:
+        d = self.__dict__   # written out, as SchedulerOutput's: one per step
+        d["step"], d["idx_mapping"], d["mask"] = step, idx_mapping, mask
+        d["generations"], d["handle"] = generations, handle
 
 
 class PPHandler:

@@ -22,6 +22,7 @@ from ppstate.events import EventSink
 from ppstate.kv_manager import KVManager
 from ppstate.lifecycle import Lifecycle
 from ppstate.request import Request, TokenUpdate
+from ppstate.scalars import ONE_I32, ONE_I64, ZERO_I32
 from ppstate.slots import SlotTable
 from ppstate.step_updates import StepUpdates
 
@@ -65,7 +66,7 @@ class StepResults:
     _in_flight_drafts: deque[np.ndarray]         # per in-flight step: [num_rows] drafts of each row
     slot_epoch: np.ndarray                       # [max_num_reqs] occupant's epoch, 0 = free
     slot_req: list[Request | None]               # [max_num_reqs] occupant
-    slot_out: list[list[int] | None]             # [max_num_reqs] occupant's output_token_ids
+    out_tokens: np.ndarray                       # [max_num_reqs, max_model_len] occupant's outputs
     stop_ids_np: np.ndarray                      # [num_stop_ids] every EOS / stop id seen
     vacate: Callable[[int], None]                # QueueOps.vacate: clear a slot's views
     num_spec_rows: int                           # decode rows that carried drafts (cumulative)
@@ -129,27 +130,27 @@ class StepResults:
         ns = result.num_sampled                                         # [num_rows]
         live = self.slot_epoch[slots] == np.asarray(epochs)             # [num_rows]
         live &= out.is_final_chunk
-        live &= ns > 0
+        live &= ns > ZERO_I32
         rows = None if np.count_nonzero(live) == live.size else live.nonzero()[0]  # None: all
         if rows is None:  # every row (the usual decode step)
             toks = result.sampled_token_ids[:, 0]                      # [n]
         else:
             slots, ns, toks = slots[rows], ns[rows], result.sampled_token_ids[rows, 0]
-        if np.count_nonzero(ns != 1):
+        if np.count_nonzero(ns != ONE_I32):
             return None
         a = self.arrays
-        count = a.num_output_tokens[slots] + 1                         # [n]
+        received = a.num_output_tokens[slots]                          # [n]
+        self.out_tokens[slots, received] = toks
+        count = received + ONE_I64
         a.num_output_tokens[slots] = count
         end = count >= a.max_tokens[slots]                             # [n]
         if self.stop_ids_np.size:
             end |= may_stop(toks, self.stop_ids_np)
         ends = end.nonzero()[0]
         tok_list = toks.tolist()
-        slot_list = slots.tolist()
-        deque(map(list.append, gather(self.slot_out, slot_list), tok_list), maxlen=0)
         reasons: dict[int, str] = {}
         for i in ends.tolist():
-            req, tok = self.slot_req[slot_list[i]], tok_list[i]
+            req, tok = self.slot_req[int(slots[i])], tok_list[i]
             reason = req.spec.stop_reason(tok)
             if reason is None and count[i] >= req.max_tokens:
                 reason = "length"
@@ -201,10 +202,11 @@ class StepResults:
     def _append_tokens(self, req: Request, tokens: list[int]) -> TokenUpdate:
         slot, taken, reason = req.slot, [], None
         count = int(self.arrays.num_output_tokens[slot])
+        row = self.out_tokens[slot]                       # [max_model_len]
         for tok in tokens:
             tok = int(tok)
             taken.append(tok)
-            req.output_token_ids.append(tok)
+            row[count] = tok
             count += 1
             reason = req.spec.stop_reason(tok)
             if reason is None and count >= req.max_tokens:

@@ -22,6 +22,7 @@ from ppstate.chunk_sizing import chunk_limit
 from ppstate.kv_manager import KVManager
 from ppstate.lanes import lane_open
 from ppstate.request import Request
+from ppstate.scalars import ONE_I64
 from ppstate.scheduler_results import gather
 from ppstate.spec_decode import drafts_for_row
 from ppstate.slots import SlotTable
@@ -122,7 +123,7 @@ class RowBuilder:
         and below max_tokens, optimistic outputs), oldest eligibility first, then admission
         order (= epoch order, the order of the running requests)."""
         a, s = self.arrays, self.sched
-        ok = a.next_eligible_step <= self.step                             # [max_num_reqs]
+        ok = a.next_eligible_step <= np.array(self.step, dtype=np.int64)  # [max_num_reqs]
         ok &= s.decoding
         ok &= a.num_sampling_rows < a.max_tokens
         cand = ok.nonzero()[0]
@@ -197,10 +198,10 @@ class RowBuilder:
                             np.zeros(n, dtype=np.int64)))
         ids = gather(s.slots.owner, slots.tolist())            # [n] request ids
         self.req_ids += ids
-        a.num_computed_tokens[slots] = starts + 1
+        a.num_computed_tokens[slots] = starts + ONE_I64
         if new_rows is not None:
             self.kv.grow_by_one_block(slots[new_rows], gather(ids, new_rows.tolist()))
-        a.num_sampling_rows[slots] += 1
+        a.num_sampling_rows[slots] += ONE_I64
         a.next_eligible_step[slots] = self.step + self.cadence
         self.budget.tokens -= n
         self.budget.rows -= n
