@@ -40,10 +40,12 @@ class CpuMirror:
         self._derived()
 
     def _derived(self) -> None:
-        """What is made once from ``values``: the row views (a view costs a numpy call) and the
-        block-size constants of :meth:`validate_blocks`."""
+        """What is kept beside ``values`` and not pickled: the row views (a view costs a numpy
+        call), the block-size constants of :meth:`validate_blocks`, and whether some slot may
+        have prefill left (only :meth:`add_request` makes one; True when not known)."""
         self._rows = tuple(self.values)
         self._block_size: tuple[int, np.ndarray, np.ndarray] | None = None
+        self._prefill_left = True
 
     def __getstate__(self) -> dict:
         return {"rank": self.rank, "values": self.values}   # views do not survive a pickle
@@ -72,6 +74,7 @@ class CpuMirror:
         self.prefill_len_np[slot] = prefill_len
         self.max_seq_len_np[slot] = max_seq_len
         self.num_blocks_np[slot] = 0
+        self._prefill_left = True
 
     def apply_block_updates(self, slots: np.ndarray, cols: np.ndarray) -> None:
         """Block-table deltas: ``num_blocks[slot] = max(num_blocks[slot], col + 1)`` (``[U]``)."""
@@ -128,7 +131,10 @@ class CpuMirror:
         s, n = slots, num_scheduled_tokens
         computed, prefill_len, prefill_done = self._rows[:3]      # [max_num_reqs] each
         computed[s] += n
+        if not self._prefill_left:
+            return
         if not np.count_nonzero(prefill_len > prefill_done):
+            self._prefill_left = False   # until the next add_request
             return  # no slot has prefill left: every row would add 0 below
         done = prefill_done[s]
         prefill_done[s] = done + np.minimum(n, np.maximum(prefill_len[s] - done, 0))  # capped

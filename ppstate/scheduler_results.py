@@ -130,14 +130,16 @@ class StepResults:
         ns = result.num_sampled                                         # [num_rows]
         live = self.slot_epoch[slots] == np.asarray(epochs)             # [num_rows]
         live &= out.is_final_chunk
-        live &= ns > ZERO_I32
+        not_one = ns != ONE_I32                                         # [num_rows]
+        if np.count_nonzero(not_one):  # rows that sampled nothing or several tokens
+            live &= ns > ZERO_I32
+            if np.count_nonzero(not_one & live):
+                return None
         rows = None if np.count_nonzero(live) == live.size else live.nonzero()[0]  # None: all
         if rows is None:  # every row (the usual decode step)
             toks = result.sampled_token_ids[:, 0]                      # [n]
         else:
-            slots, ns, toks = slots[rows], ns[rows], result.sampled_token_ids[rows, 0]
-        if np.count_nonzero(ns != ONE_I32):
-            return None
+            slots, toks = slots[rows], result.sampled_token_ids[rows, 0]
         a = self.arrays
         received = a.num_output_tokens[slots]                          # [n]
         self.out_tokens[slots, received] = toks

@@ -156,7 +156,7 @@ class RowBuilder:
             return
         head = order[:n] if n < order.size else order                      # [n]
         starts = a.num_computed_tokens[head]                               # [n]
-        new_block = starts >= kv.held[head] * kv.block_size                # [n]
+        new_block = starts >= kv.held[head] * kv.block_size_np             # [n]
         num_new = np.count_nonzero(new_block)
         if num_new <= kv.pool.num_free:  # every row gets its block: no preemption
             self._bulk_decodes(head, starts, new_block.nonzero()[0] if num_new else None)
