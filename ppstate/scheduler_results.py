@@ -16,7 +16,7 @@ from operator import itemgetter
 import numpy as np
 
 from ppstate.batch import FreedSlot, SchedulerOutput, StepResult
-from ppstate.budget import RequestArrays
+from ppstate.budget import RequestArrays, SchedulerConfig
 from ppstate.errors import SchedulerError
 from ppstate.events import EventSink
 from ppstate.kv_manager import KVManager
@@ -51,6 +51,7 @@ class StepResults:
     Uses the scheduler's state (annotated below; set by ``Scheduler.__init__``) and its
     :meth:`fire`.
     """
+    config: SchedulerConfig
     sink: EventSink
     arrays: RequestArrays                        # per-slot progress, [max_num_seqs] each
     slots: SlotTable
@@ -106,7 +107,8 @@ class StepResults:
         self._in_flight.popleft()
         epochs = self._in_flight_epochs.popleft()     # [num_rows]
         drafts = self._in_flight_drafts.popleft()     # [num_rows]
-        updates = None if np.count_nonzero(drafts) else self._apply_one_token_rows(out, result, epochs)
+        one_token = not self.config.num_spec_tokens or not np.count_nonzero(drafts)  # no drafts
+        updates = self._apply_one_token_rows(out, result, epochs) if one_token else None
         if updates is None:
             updates = self._apply_rows(out, result, epochs, drafts)
         if self.sink.enabled:

@@ -305,8 +305,13 @@ class RowBuilder:
         Afterwards ``row_epochs`` and ``row_drafts`` (``[num_rows]`` int64) hold each row's
         admission epoch and drafts (the scheduler keeps them while the step is in flight)."""
         self._flush()
-        cols = [np.concatenate(c) if len(c) != 1 else c[0] for c in zip(*self._parts)] \
-            if self._parts else [np.zeros(0, dtype=np.int64)] * 6
+        parts = self._parts
+        if len(parts) == 1:
+            cols = parts[0]
+        elif parts:
+            cols = [np.concatenate(c) for c in zip(*parts)]
+        else:
+            cols = [np.zeros(0, dtype=np.int64)] * 6
         slots, ntok, starts, final, self.row_epochs, self.row_drafts = cols
         return SchedulerOutput(
             step=self.step, req_ids=tuple(self.req_ids),
