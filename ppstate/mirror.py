@@ -27,7 +27,9 @@ class CpuMirror:
     """The mirror arrays, each ``[max_num_reqs]`` int64, indexed by slot (``num_blocks``: KV blocks
     in the slot's block-table row, from the scheduler's deltas). They are the rows of one
     ``values`` array ``[len(MIRROR_FIELDS), max_num_reqs]``, so that a stacked host copy of the
-    device arrays is checked with one comparison (:meth:`validate`).
+    device arrays is checked with one comparison (:meth:`validate`). Write them through the
+    methods only: :meth:`apply_scheduled` relies on :meth:`add_request` being the only way a slot
+    gets prefill left.
 
     Args:
         max_num_reqs: number of slots.
