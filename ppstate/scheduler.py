@@ -238,7 +238,7 @@ class Scheduler(QueueOps, StepResults):
         every one has all its max_tokens sampling rows in flight."""
         rows, most = self.arrays.num_sampling_rows, self.arrays.max_tokens
         for r in self._running.values():  # the oldest one usually answers
-            if r.state != "decoding" or rows[r.slot] < most[r.slot]:
+            if r.state != "decoding" or rows.item(r.slot) < most.item(r.slot):
                 return False
         return True
 
