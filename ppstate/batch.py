@@ -45,6 +45,10 @@ class FreedSlot:
     reason: str  # finished state name ("finished_stopped", ...) or "preempted"
 
 
+def _no_deltas() -> np.ndarray:
+    return np.zeros(0, dtype=np.int32)
+
+
 @dataclass(frozen=True)
 class SchedulerOutput:
     """One step's batch. Rows are ordered as the runtime lays tokens out (flat, row after row).
@@ -79,6 +83,22 @@ class SchedulerOutput:
     block_table_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     block_table_cols: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     block_table_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+
+    def __init__(self, step: int, req_ids: tuple[str, ...], slots: np.ndarray,
+                 num_scheduled_tokens: np.ndarray, start_positions: np.ndarray,
+                 is_final_chunk: np.ndarray, new_requests: tuple[NewRequest, ...] = (),
+                 freed: tuple[FreedSlot, ...] = (), block_table_slots: np.ndarray | None = None,
+                 block_table_cols: np.ndarray | None = None,
+                 block_table_ids: np.ndarray | None = None) -> None:
+        # written out: the generated __init__ of a frozen dataclass calls object.__setattr__
+        # once per field, about ten times slower, and every step makes one (fields in order)
+        d = self.__dict__
+        d["step"], d["req_ids"], d["slots"] = step, req_ids, slots
+        d["num_scheduled_tokens"], d["start_positions"] = num_scheduled_tokens, start_positions
+        d["is_final_chunk"], d["new_requests"], d["freed"] = is_final_chunk, new_requests, freed
+        d["block_table_slots"] = _no_deltas() if block_table_slots is None else block_table_slots
+        d["block_table_cols"] = _no_deltas() if block_table_cols is None else block_table_cols
+        d["block_table_ids"] = _no_deltas() if block_table_ids is None else block_table_ids
 
     @property
     def num_rows(self) -> int:
@@ -127,3 +147,9 @@ class StepResult:
     num_sampled: np.ndarray
     num_rejected: np.ndarray
     logprobs: Any = None
+
+    def __init__(self, step: int, sampled_token_ids: np.ndarray, num_sampled: np.ndarray,
+                 num_rejected: np.ndarray, logprobs: Any = None) -> None:
+        d = self.__dict__   # written out, as SchedulerOutput's: one per step
+        d["step"], d["sampled_token_ids"], d["num_sampled"] = step, sampled_token_ids, num_sampled
+        d["num_rejected"], d["logprobs"] = num_rejected, logprobs

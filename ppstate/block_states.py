@@ -56,6 +56,7 @@ class BlockStates:
                 allowed[i] = True
                 dest[i] = STATE_NAMES.index(edges[0].dest or source)
             self._allowed[trigger], self._dest[trigger] = allowed, dest
+        self._forbidden = {t: ~a for t, a in self._allowed.items()}  # [num_states] each
 
     @property
     def triggers(self) -> tuple[str, ...]:
@@ -68,12 +69,12 @@ class BlockStates:
             BlockError: unknown trigger, or some block's state has no ``trigger`` edge (names the
                 first such block and its state); no block is changed then.
         """
-        allowed = self._allowed.get(trigger)
-        if allowed is None:
+        forbidden = self._forbidden.get(trigger)
+        if forbidden is None:
             raise BlockError(f"unknown block trigger {trigger!r}; known: {self.triggers}")
         ids = np.asarray(blocks, dtype=np.int64)
-        cur = self.code[ids]
-        bad = ~allowed[cur]
+        cur = self.code[ids].astype(np.intp)   # intp: indexing with int8 is several times slower
+        bad = forbidden[cur]
         if np.count_nonzero(bad):
             i = int(np.argmax(bad))
             raise BlockError(f"block {int(ids[i])} in state {STATE_NAMES[cur[i]]!r} cannot take "

@@ -96,7 +96,8 @@ class BlockPool:
         """``n`` block ids off the free list, then (when it runs dry) evicted from the LRU end of
         the cached blocks (their hashes forgotten, ``evict`` fired). The caller checked
         ``n <= num_free`` and fires ``allocate``."""
-        take = [self._free.popleft() for _ in range(min(n, len(self._free)))]
+        free = self._free
+        take = [free.popleft() for _ in range(min(n, len(free)))]
         if len(take) < n:
             evicted = [self._lru.popitem(last=False)[0] for _ in range(n - len(take))]
             self.states.fire(evicted, "evict")
@@ -123,10 +124,11 @@ class BlockPool:
         self.tables.setdefault(req_id, []).extend(take)
         return take
 
-    def allocate_one_each(self, req_ids: Sequence[str]) -> list[int]:
+    def allocate_one_each(self, req_ids: Sequence[str]) -> np.ndarray:
         """One fresh block appended to the table of each of ``req_ids`` (distinct requests that
         hold a table), in order: the same blocks as :meth:`allocate` ``(req_id, 1)`` called for
-        each in turn, with one state-machine firing for all. Returns the ids (``[len(req_ids)]``).
+        each in turn, with one state-machine firing for all. Returns the ids (``[len(req_ids)]``
+        int64).
 
         Raises:
             BlockError: fewer than ``len(req_ids)`` blocks free (nothing is changed then).
@@ -141,7 +143,7 @@ class BlockPool:
         tables = self.tables
         for rid, b in zip(req_ids, take):
             tables[rid].append(b)
-        return take
+        return ids
 
     def match_prefix(self, hashes: Sequence[int], token_ids: Sequence[int],
                      max_blocks: int) -> list[int]:

@@ -12,12 +12,14 @@ attends).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ppstate.block_states import CACHED
 from ppstate.blocks import BlockPool, block_hashes
+from ppstate.scalars import ONE_I64
 
 if TYPE_CHECKING:
     from ppstate.budget import SchedulerConfig
@@ -35,10 +37,14 @@ class KVManager:
     def __init__(self, config: "SchedulerConfig") -> None:
         self.pool = BlockPool(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.block_size = config.block_size
+        self.block_size_np = np.array(config.block_size, dtype=np.int64)  # 0-d (ppstate.scalars)
         self.watermark = config.watermark_blocks
         # blocks in each slot's block-table row (= len(pool.table(owner))): lets the scheduler
         # tell, for all decode rows at once, whose next token needs a new block
         self.held = np.zeros(config.max_num_seqs, dtype=np.int64)   # [max_num_reqs]
+        # the step's deltas, in order: parts ((slots, cols, ids), [k] int64 each) and, since the
+        # last part, the ones recorded one request at a time
+        self._parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self._slots: list[int] = []
         self._cols: list[int] = []
         self._ids: list[int] = []
@@ -51,12 +57,24 @@ class KVManager:
         self._cols += range(first_col, first_col + len(blocks))
         self._ids += blocks
 
+    def _flush(self) -> None:
+        """Move the deltas recorded one request at a time into a part (keeps their order)."""
+        if self._slots:
+            self._parts.append((np.array(self._slots, dtype=np.int64),
+                                np.array(self._cols, dtype=np.int64),
+                                np.array(self._ids, dtype=np.int64)))
+            self._slots, self._cols, self._ids = [], [], []
+
     def take_deltas(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(slots, cols, block_ids)`` each ``[U]`` int32 recorded since the last call:
         ``block_table[slots[u], cols[u]] = block_ids[u]`` on every rank."""
-        out = tuple(np.array(x, dtype=np.int32) for x in (self._slots, self._cols, self._ids))
-        self._slots, self._cols, self._ids = [], [], []
-        return out  # type: ignore[return-value]
+        self._flush()
+        parts, self._parts = self._parts, []
+        if not parts:
+            return (np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32),
+                    np.zeros(0, dtype=np.int32))
+        cols = parts[0] if len(parts) == 1 else [np.concatenate(c) for c in zip(*parts)]
+        return cols[0].astype(np.int32), cols[1].astype(np.int32), cols[2].astype(np.int32)
 
     # ------------------------------------------------------------------ admission
     def prefix_hit(self, req: "Request") -> list[int]:
@@ -101,7 +119,7 @@ class KVManager:
             first = len(self.pool.table(req.req_id))
             self._record(req.slot, first, self.pool.allocate(req.req_id, need))
 
-    def grow_by_one_block(self, slots: np.ndarray, req_ids: list[str]) -> None:
+    def grow_by_one_block(self, slots: np.ndarray, req_ids: Sequence[str]) -> None:
         """Give each of the requests ``req_ids`` (in ``slots``, ``[k]``, distinct; each holding
         exactly the blocks its computed tokens fill) one more block, as :meth:`grow` would one by
         one (same block ids, same deltas in the same order). A decode row's token never completes
@@ -112,12 +130,11 @@ class KVManager:
         """
         if not req_ids:
             return
-        blocks = self.pool.allocate_one_each(req_ids)
-        cols = self.held[slots]
-        self._slots += slots.tolist()
-        self._cols += cols.tolist()
-        self._ids += blocks
-        self.held[slots] = cols + 1
+        blocks = self.pool.allocate_one_each(req_ids)                 # [k]
+        cols = self.held[slots]                                        # [k]
+        self._flush()
+        self._parts.append((slots, cols, blocks))
+        self.held[slots] = cols + ONE_I64
 
     def register_full(self, req: "Request", computed: int) -> None:
         """Hash-register the full prefill blocks now covered by ``computed`` scheduled tokens."""

@@ -16,6 +16,7 @@ import numpy as np
 
 from ppstate import mutants
 from ppstate.errors import MirrorDivergence
+from ppstate.scalars import ONE_I64, ZERO_I64
 
 MIRROR_FIELDS = ("num_computed_tokens", "prefill_len", "num_computed_prefill_tokens", "max_seq_len",
                  "num_blocks")
@@ -26,7 +27,9 @@ class CpuMirror:
     """The mirror arrays, each ``[max_num_reqs]`` int64, indexed by slot (``num_blocks``: KV blocks
     in the slot's block-table row, from the scheduler's deltas). They are the rows of one
     ``values`` array ``[len(MIRROR_FIELDS), max_num_reqs]``, so that a stacked host copy of the
-    device arrays is checked with one comparison (:meth:`validate`).
+    device arrays is checked with one comparison (:meth:`validate`). Write them through the
+    methods only: :meth:`apply_scheduled` relies on :meth:`add_request` being the only way a slot
+    gets prefill left.
 
     Args:
         max_num_reqs: number of slots.
@@ -36,17 +39,33 @@ class CpuMirror:
     def __init__(self, max_num_reqs: int, rank: int | None = None) -> None:
         self.rank = rank
         self.values = np.zeros((len(MIRROR_FIELDS), max_num_reqs), dtype=np.int64)  # [F, max_num_reqs]
+        self._derived()
+
+    def _derived(self) -> None:
+        """What is kept beside ``values`` and not pickled: the row views (a view costs a numpy
+        call), the block-size constants of :meth:`validate_blocks`, and whether some slot may
+        have prefill left (only :meth:`add_request` makes one; True when not known)."""
+        self._rows = tuple(self.values)
+        self._block_size: tuple[int, np.ndarray, np.ndarray] | None = None
+        self._prefill_left = True
+
+    def __getstate__(self) -> dict:
+        return {"rank": self.rank, "values": self.values}   # views do not survive a pickle
+
+    def __setstate__(self, state: dict) -> None:
+        self.rank, self.values = state["rank"], state["values"]
+        self._derived()
 
     # the fields, as views of their row of ``values`` (each [max_num_reqs] int64)
-    num_computed_tokens_np = property(lambda self: self.values[0])
-    prefill_len_np = property(lambda self: self.values[1])
-    num_computed_prefill_tokens_np = property(lambda self: self.values[2])
-    max_seq_len_np = property(lambda self: self.values[3])
-    num_blocks_np = property(lambda self: self.values[4])
+    num_computed_tokens_np = property(lambda self: self._rows[0])
+    prefill_len_np = property(lambda self: self._rows[1])
+    num_computed_prefill_tokens_np = property(lambda self: self._rows[2])
+    max_seq_len_np = property(lambda self: self._rows[3])
+    num_blocks_np = property(lambda self: self._rows[4])
 
     def array(self, field: str) -> np.ndarray:
         """The mirror array for ``field`` (one of :data:`MIRROR_FIELDS`): a view, ``[max_num_reqs]``."""
-        return self.values[_ROW[field]]
+        return self._rows[_ROW[field]]
 
     def add_request(self, slot: int, prefill_len: int, max_seq_len: int,
                     num_cached: int = 0) -> None:
@@ -57,11 +76,12 @@ class CpuMirror:
         self.prefill_len_np[slot] = prefill_len
         self.max_seq_len_np[slot] = max_seq_len
         self.num_blocks_np[slot] = 0
+        self._prefill_left = True
 
     def apply_block_updates(self, slots: np.ndarray, cols: np.ndarray) -> None:
         """Block-table deltas: ``num_blocks[slot] = max(num_blocks[slot], col + 1)`` (``[U]``)."""
         if slots.size:
-            np.maximum.at(self.num_blocks_np, slots.astype(np.int64), cols.astype(np.int64) + 1)
+            np.maximum.at(self._rows[4], slots, cols.astype(np.int64) + ONE_I64)  # int64: fast .at
 
     def validate_blocks(self, block_size: int, live_slots: np.ndarray, step: int,
                         owners: Sequence[str | None] | None = None, spec_slack: int = 0) -> None:
@@ -78,12 +98,18 @@ class CpuMirror:
         Raises:
             MirrorDivergence: field ``num_blocks``, ``cpu`` = blocks held, ``device`` = needed.
         """
-        computed = self.num_computed_tokens_np[live_slots]
-        need = (computed + (block_size - 1)) // block_size           # ceil
-        held = self.num_blocks_np[live_slots]
-        if spec_slack == 0:
-            if not np.count_nonzero(held != need):
+        v = self._rows
+        if spec_slack == 0:  # every slot, live or not: 0 <= held * block_size - computed < block_size
+            if self._block_size is None or self._block_size[0] != block_size:
+                self._block_size = (block_size, np.array(block_size, dtype=np.int64),
+                                    np.array(block_size, dtype=np.uint64))  # 0-d: numpy's fast path
+            _, bs, bs_unsigned = self._block_size
+            if not np.count_nonzero((v[4] * bs - v[0]).view(np.uint64) >= bs_unsigned):
                 return
+        computed = v[0][live_slots]
+        need = (computed + (block_size - 1)) // block_size           # ceil
+        held = v[4][live_slots]
+        if spec_slack == 0:
             bad = (held != need).nonzero()[0]
         else:
             most = -(-(computed + spec_slack) // block_size)
@@ -101,13 +127,19 @@ class CpuMirror:
             slots: ``[num_rows]`` slot per row; ``-1`` rows are skipped.
             num_scheduled_tokens: ``[num_rows]`` scheduled query length per row (tokens).
         """
-        if np.count_nonzero(slots < 0):
+        if np.count_nonzero(slots < ZERO_I64):
             keep = slots >= 0
             slots, num_scheduled_tokens = slots[keep], num_scheduled_tokens[keep]
-        s, n, v = slots, num_scheduled_tokens, self.values
-        v[0, s] += n                                              # num_computed_tokens
-        done = v[2, s]                                            # num_computed_prefill_tokens
-        v[2, s] = done + np.minimum(n, np.maximum(v[1, s] - done, 0))  # capped at prefill_len
+        s, n = slots, num_scheduled_tokens
+        computed, prefill_len, prefill_done = self._rows[:3]      # [max_num_reqs] each
+        computed[s] += n
+        if not self._prefill_left:
+            return
+        if not np.count_nonzero(prefill_len > prefill_done):
+            self._prefill_left = False   # until the next add_request
+            return  # no slot has prefill left: every row would add 0 below
+        done = prefill_done[s]
+        prefill_done[s] = done + np.minimum(n, np.maximum(prefill_len[s] - done, 0))  # capped
 
     def apply_rejected(self, slots: np.ndarray, num_rejected: np.ndarray) -> None:
         """Deferred correction on consume: ``num_computed_tokens -= rejected`` (``-1`` rows skipped)."""

@@ -41,7 +41,7 @@ def need_sampled_mask(out: SchedulerOutput) -> np.ndarray | None:
     """
     if out.num_rows == 0:
         return None
-    mask = np.asarray(out.is_final_chunk, dtype=bool).copy()
+    mask = np.array(out.is_final_chunk, dtype=bool)   # a copy
     return mask if np.count_nonzero(mask) else None
 
 
@@ -66,6 +66,10 @@ class ConsumedEntry:
     handle: Any
     mask: np.ndarray
 
+    def __init__(self, step: int, idx_mapping: np.ndarray, handle: Any, mask: np.ndarray) -> None:
+        d = self.__dict__   # written out, as SchedulerOutput's: one per step
+        d["step"], d["idx_mapping"], d["handle"], d["mask"] = step, idx_mapping, handle, mask
+
 
 @dataclass(frozen=True)
 class _Pending:
@@ -75,6 +79,12 @@ class _Pending:
     mask: np.ndarray          # [num_rows] bool
     generations: np.ndarray   # [num_rows] int64, generation of each row's slot at enqueue
     handle: Any
+
+    def __init__(self, step: int, idx_mapping: np.ndarray, mask: np.ndarray,
+                 generations: np.ndarray, handle: Any) -> None:
+        d = self.__dict__   # written out, as SchedulerOutput's: one per step
+        d["step"], d["idx_mapping"], d["mask"] = step, idx_mapping, mask
+        d["generations"], d["handle"] = generations, handle
 
 
 class PPHandler:
@@ -140,9 +150,9 @@ class PPHandler:
         if mask is None:
             self._fifo.append(None)
         else:
-            idx = np.asarray(out.slots, dtype=np.int64).copy()
+            idx = np.array(out.slots, dtype=np.int64)   # a copy; the generations' gather too
             self._fifo.append(_Pending(step, idx, np.asarray(mask, dtype=bool),
-                                       self.generation[idx].copy(), handle))
+                                       self.generation[idx], handle))
         if self.sink.enabled:
             self.sink.emit("pp.enqueue", step=step, rank=self.rank, pending=mask is not None)
 
@@ -169,15 +179,19 @@ class PPHandler:
             return None
         if callable(getattr(entry.handle, "wait", None)):
             entry.handle.wait()
-        idx = entry.idx_mapping.copy()
-        stale = self._stale_rows(entry)
+        idx = entry.idx_mapping    # the entry's own copy (made by enqueue), no longer queued
+        unusable = self._stale_rows(entry)
         if mutants.active("no_generation_check"):  # model checker's mutant; never on in runs
-            stale[:] = False
-        idx[~entry.mask | stale] = -1
+            unusable[:] = False
+        if np.count_nonzero(entry.mask) < idx.size:  # rows that need no sample
+            unusable |= ~entry.mask
+        num_unusable = np.count_nonzero(unusable)
+        if num_unusable:
+            idx[unusable] = -1
         if self.sink.enabled:
             self.sink.emit("pp.consume", step=entry.step, rank=self.rank,
                            idx_mapping=idx.tolist())
-        if not np.count_nonzero(idx >= 0):
+        if num_unusable == idx.size:
             return None
         return ConsumedEntry(entry.step, idx, entry.handle, entry.mask)
 

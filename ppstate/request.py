@@ -85,7 +85,10 @@ class Request:
         self.order = order
         self.slot = -1
         self._arrays = arrays
-        self.output_token_ids: list[int] = []   # received tokens (kept across preemption)
+        # received tokens, kept across preemption; while the request holds a slot, those
+        # before its admission (the scheduler's out_tokens row has them all, and gives them
+        # back when the request leaves its slot)
+        self.output_token_ids: list[int] = []
         self.prefill_tokens: tuple[int, ...] = spec.prompt_token_ids  # prompt + outputs at admission
         self.block_hashes: list[int] = []       # chained hashes of prefill_tokens' full blocks
         self.num_registered = 0                 # leading blocks registered in the prefix cache

@@ -86,7 +86,10 @@ class Scheduler(QueueOps, StepResults):
         self.slot_epoch = np.zeros(n, dtype=np.int64)   # [max_num_reqs] epoch of the occupant, 0 = free
         self.decoding = np.zeros(n, dtype=bool)         # [max_num_reqs] occupant is decoding
         self.slot_req: list[Request | None] = [None] * n  # [max_num_reqs] occupant
-        self.slot_out: list[list[int] | None] = [None] * n  # [max_num_reqs] occupant's output_token_ids
+        # [max_num_reqs, max_model_len] the occupant's output token ids (its first
+        # num_output_tokens; zeros elsewhere and in free rows): one indexed write per step
+        # instead of a list append per row; Request.output_token_ids gets them on vacate
+        self.out_tokens = np.zeros((n, config.max_model_len), dtype=np.int64)
         self._stop_ids: set[int] = set()   # every EOS / stop token id of any request added
         self.stop_ids_np = np.zeros(0, dtype=np.int64)  # [num_stop_ids] sorted _stop_ids
 
@@ -262,9 +265,11 @@ class Scheduler(QueueOps, StepResults):
     def _all_awaiting_results(self) -> bool:
         """True when no live request can get a row before more results arrive (or none is live):
         every one has all its max_tokens sampling rows in flight."""
-        a = self.arrays
-        return all(r.state == "decoding" and a.num_sampling_rows[r.slot] >= a.max_tokens[r.slot]
-                   for r in self._running.values())
+        rows, most = self.arrays.num_sampling_rows, self.arrays.max_tokens
+        for r in self._running.values():  # the oldest one usually answers
+            if r.state != "decoding" or rows.item(r.slot) < most.item(r.slot):
+                return False
+        return True
 
     def kv_stats(self) -> dict[str, float | int]:
         """KV-cache counters: blocks (total / free incl. cached / cached), prefix-cache lookups

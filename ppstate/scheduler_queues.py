@@ -38,7 +38,7 @@ class QueueOps:
     slot_epoch: np.ndarray                       # [max_num_reqs] occupant's epoch, 0 = free
     decoding: np.ndarray                         # [max_num_reqs] bool, occupant is decoding
     slot_req: list[Request | None]               # [max_num_reqs] occupant
-    slot_out: list[list[int] | None]             # [max_num_reqs] occupant's output_token_ids
+    out_tokens: np.ndarray                       # [max_num_reqs, max_model_len] occupant's outputs
     fire: Callable[[Request, str], None]         # Scheduler.fire: a lifecycle edge, recorded
 
     def running_requests(self) -> list[Request]:
@@ -76,9 +76,13 @@ class QueueOps:
         self.num_preemptions += 1
 
     def vacate(self, slot: int) -> None:
-        """Clear the slot-indexed views of ``slot`` (its request finished or was preempted)."""
+        """Clear the slot-indexed views of ``slot`` (its request finished or was preempted);
+        its request's ``output_token_ids`` get the tokens of its ``out_tokens`` row."""
+        req, n = self.slot_req[slot], int(self.arrays.num_output_tokens[slot])
+        if req is not None and n:
+            req.output_token_ids[:] = self.out_tokens[slot, :n].tolist()
+            self.out_tokens[slot, :n] = 0
         self.slot_epoch[slot], self.decoding[slot], self.slot_req[slot] = 0, False, None
-        self.slot_out[slot] = None
 
     def place(self, req: Request, step: int, hit: list[int]) -> NewRequest:
         """Allocate a slot for ``req``, fire ``admit``, give it its prefix-hit blocks ``hit`` and
@@ -92,6 +96,7 @@ class QueueOps:
         self.arrays.reset(req.slot, len(req.prefill_tokens), req.max_tokens, step, cached, n_out)
         self._running[req.req_id] = req
         self.slot_epoch[req.slot], self.slot_req[req.slot] = req.epoch, req
-        self.slot_out[req.slot] = req.output_token_ids
+        if n_out:
+            self.out_tokens[req.slot, :n_out] = req.output_token_ids
         return NewRequest(req.req_id, req.slot, req.prefill_tokens,
                           req.prompt_len + req.max_tokens, dict(req.spec.sampling), cached, n_out)

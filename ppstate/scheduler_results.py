@@ -16,12 +16,13 @@ from operator import itemgetter
 import numpy as np
 
 from ppstate.batch import FreedSlot, SchedulerOutput, StepResult
-from ppstate.budget import RequestArrays
+from ppstate.budget import RequestArrays, SchedulerConfig
 from ppstate.errors import SchedulerError
 from ppstate.events import EventSink
 from ppstate.kv_manager import KVManager
 from ppstate.lifecycle import Lifecycle
 from ppstate.request import Request, TokenUpdate
+from ppstate.scalars import ONE_I32, ONE_I64, ZERO_I32
 from ppstate.slots import SlotTable
 from ppstate.step_updates import StepUpdates
 
@@ -50,6 +51,7 @@ class StepResults:
     Uses the scheduler's state (annotated below; set by ``Scheduler.__init__``) and its
     :meth:`fire`.
     """
+    config: SchedulerConfig
     sink: EventSink
     arrays: RequestArrays                        # per-slot progress, [max_num_seqs] each
     slots: SlotTable
@@ -65,7 +67,7 @@ class StepResults:
     _in_flight_drafts: deque[np.ndarray]         # per in-flight step: [num_rows] drafts of each row
     slot_epoch: np.ndarray                       # [max_num_reqs] occupant's epoch, 0 = free
     slot_req: list[Request | None]               # [max_num_reqs] occupant
-    slot_out: list[list[int] | None]             # [max_num_reqs] occupant's output_token_ids
+    out_tokens: np.ndarray                       # [max_num_reqs, max_model_len] occupant's outputs
     stop_ids_np: np.ndarray                      # [num_stop_ids] every EOS / stop id seen
     vacate: Callable[[int], None]                # QueueOps.vacate: clear a slot's views
     num_spec_rows: int                           # decode rows that carried drafts (cumulative)
@@ -105,7 +107,8 @@ class StepResults:
         self._in_flight.popleft()
         epochs = self._in_flight_epochs.popleft()     # [num_rows]
         drafts = self._in_flight_drafts.popleft()     # [num_rows]
-        updates = None if np.count_nonzero(drafts) else self._apply_one_token_rows(out, result, epochs)
+        one_token = not self.config.num_spec_tokens or not np.count_nonzero(drafts)  # no drafts
+        updates = self._apply_one_token_rows(out, result, epochs) if one_token else None
         if updates is None:
             updates = self._apply_rows(out, result, epochs, drafts)
         if self.sink.enabled:
@@ -125,28 +128,40 @@ class StepResults:
         """:meth:`on_step_result` for a step without drafts whose live rows sampled one token
         each (None otherwise): counters and output lists updated at once; Python per row only
         for rows whose token may end the request (a known EOS / stop id, or max_tokens)."""
-        rows = self._live_rows(out, result, epochs)                    # [n]
-        if np.count_nonzero(result.num_sampled[rows] != 1):
-            return None
+        slots = out.slots.astype(np.int64)     # [num_rows] (int64 indexes faster than int32)
+        ns = result.num_sampled                                         # [num_rows]
+        live = self.slot_epoch[slots] == np.asarray(epochs)             # [num_rows]
+        live &= out.is_final_chunk
+        not_one = ns != ONE_I32                                         # [num_rows]
+        if np.count_nonzero(not_one):  # rows that sampled nothing or several tokens
+            live &= ns > ZERO_I32
+            if np.count_nonzero(not_one & live):
+                return None
+        rows = None if np.count_nonzero(live) == live.size else live.nonzero()[0]  # None: all
+        if rows is None:  # every row (the usual decode step)
+            toks = result.sampled_token_ids[:, 0]                      # [n]
+        else:
+            slots, toks = slots[rows], result.sampled_token_ids[rows, 0]
         a = self.arrays
-        slots = out.slots[rows].astype(np.int64)                       # [n]
-        toks = result.sampled_token_ids[rows, 0]                       # [n]
-        count = a.num_output_tokens[slots] + 1                         # [n]
+        received = a.num_output_tokens[slots]                          # [n]
+        self.out_tokens[slots, received] = toks
+        count = received + ONE_I64
         a.num_output_tokens[slots] = count
-        ends = ((count >= a.max_tokens[slots]) | may_stop(toks, self.stop_ids_np)).nonzero()[0]
+        end = count >= a.max_tokens[slots]                             # [n]
+        if self.stop_ids_np.size:
+            end |= may_stop(toks, self.stop_ids_np)
+        ends = end.nonzero()[0]
         tok_list = toks.tolist()
-        slot_list = slots.tolist()
-        deque(map(list.append, gather(self.slot_out, slot_list), tok_list), maxlen=0)
         reasons: dict[int, str] = {}
         for i in ends.tolist():
-            req, tok = self.slot_req[slot_list[i]], tok_list[i]
+            req, tok = self.slot_req[int(slots[i])], tok_list[i]
             reason = req.spec.stop_reason(tok)
             if reason is None and count[i] >= req.max_tokens:
                 reason = "length"
             if reason is not None:
                 reasons[i] = reason
                 self._finish(req, "stop" if reason == "stop" else "hit_length")
-        ids = out.req_ids if rows.size == out.num_rows else gather(out.req_ids, rows.tolist())
+        ids = out.req_ids if rows is None else gather(out.req_ids, rows.tolist())
         return StepUpdates(ids, tok_list, reasons)
 
     def _apply_rows(self, out: SchedulerOutput, result: StepResult, epochs: np.ndarray,
@@ -191,10 +206,11 @@ class StepResults:
     def _append_tokens(self, req: Request, tokens: list[int]) -> TokenUpdate:
         slot, taken, reason = req.slot, [], None
         count = int(self.arrays.num_output_tokens[slot])
+        row = self.out_tokens[slot]                       # [max_model_len]
         for tok in tokens:
             tok = int(tok)
             taken.append(tok)
-            req.output_token_ids.append(tok)
+            row[count] = tok
             count += 1
             reason = req.spec.stop_reason(tok)
             if reason is None and count >= req.max_tokens:

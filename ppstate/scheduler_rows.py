@@ -21,6 +21,7 @@ from ppstate.budget import RequestArrays, SchedulerConfig, StepBudget
 from ppstate.chunk_sizing import chunk_limit
 from ppstate.kv_manager import KVManager
 from ppstate.request import Request
+from ppstate.scalars import ONE_I64
 from ppstate.scheduler_results import gather
 from ppstate.spec_decode import drafts_for_row
 from ppstate.slots import SlotTable
@@ -44,6 +45,7 @@ class RowSource(Protocol):
         decoding: ``[max_num_reqs]`` bool, the slot's request is decoding (the builder sets it
             when it fires ``complete_prefill``).
         slot_req: ``[max_num_reqs]`` the request in each slot (None: free).
+        num_running: requests holding a slot (prefilling or decoding).
     """
     config: SchedulerConfig
     arrays: RequestArrays
@@ -53,6 +55,7 @@ class RowSource(Protocol):
     slot_epoch: np.ndarray
     decoding: np.ndarray
     slot_req: list[Request | None]
+    num_running: int
 
     def pop_waiting(self) -> Request | None: ...
     def peek_waiting(self) -> Request | None: ...
@@ -81,12 +84,8 @@ class RowBuilder:
         self.arrays = sched.arrays
         self.cadence = sched.config.cadence
         self.req_ids: list[str] = []         # [num_rows] (all rows so far)
-        self.slots: list[int] = []           # rows added one by one since the last part:
-        self.num_scheduled_tokens: list[int] = []
-        self.starts: list[int] = []
-        self.final: list[bool] = []
-        self.epochs: list[int] = []          # admission epoch of each row's request
-        self.drafts: list[int] = []          # speculative drafts of each row (decode)
+        self._rows: list[tuple[int, ...]] = []   # rows added one by one since the last part:
+        # (slot, tokens, start, final, epoch, drafts) each
         self._parts: list[tuple[np.ndarray, ...]] = []   # 6 columns, [n] int64 each
         self.new: list[NewRequest] = []
         self.kv = sched.kv
@@ -96,12 +95,8 @@ class RowBuilder:
              outputs: int = 1) -> None:
         a, slot = self.arrays, req.slot
         self.req_ids.append(req.req_id)
-        self.slots.append(slot)
-        self.num_scheduled_tokens.append(num_scheduled_tokens)
-        self.starts.append(int(a.num_computed_tokens[slot]))
-        self.final.append(final)
-        self.epochs.append(req.epoch)
-        self.drafts.append(outputs - 1 if req.state == "decoding" else 0)
+        self._rows.append((slot, num_scheduled_tokens, int(a.num_computed_tokens[slot]), final,
+                           req.epoch, outputs - 1 if req.state == "decoding" else 0))
         if req.state == "prefilling":
             self.sched.num_prefill_tokens += num_scheduled_tokens
         a.num_computed_tokens[slot] += num_scheduled_tokens
@@ -114,24 +109,21 @@ class RowBuilder:
             a.next_eligible_step[slot] = self.step + 1
         self.budget.take(num_scheduled_tokens, counts_row)
 
-    def _columns(self) -> tuple[list, ...]:
-        return (self.slots, self.num_scheduled_tokens, self.starts, self.final, self.epochs,
-                self.drafts)
-
     def _flush(self) -> None:
         """Move the rows added one by one into a part (keeps row order)."""
-        if self.slots:
-            self._parts.append(tuple(np.array(c, dtype=np.int64) for c in self._columns()))
-            for c in self._columns():
-                c.clear()
+        if self._rows:
+            self._parts.append(tuple(np.array(c, dtype=np.int64) for c in zip(*self._rows)))
+            self._rows = []
 
     def _decode_candidates(self) -> np.ndarray:
         """``[num_eligible]`` slots of decoding requests that may get a decode row now (eligible
         and below max_tokens, optimistic outputs), oldest eligibility first, then admission
         order (= epoch order, the order of the running requests)."""
         a, s = self.arrays, self.sched
-        cand = (s.decoding & (a.next_eligible_step <= self.step) &
-                (a.num_sampling_rows < a.max_tokens)).nonzero()[0]
+        ok = a.next_eligible_step <= np.array(self.step, dtype=np.int64)  # [max_num_reqs]
+        ok &= s.decoding
+        ok &= a.num_sampling_rows < a.max_tokens
+        cand = ok.nonzero()[0]
         return cand[np.lexsort((s.slot_epoch[cand], a.next_eligible_step[cand]))]
 
     def add_decodes(self) -> None:
@@ -145,59 +137,66 @@ class RowBuilder:
         runs of rows whose token fits a block the request holds are added in bulk, and each row
         that needs a block goes through :meth:`_room` (which may preempt) and :meth:`_row` in
         its place in the order, exactly as a row-by-row loop would."""
+        s = self.sched
+        cfg = s.config
         order = self._decode_candidates()                                  # [num_eligible]
         if not order.size:
             return
-        if self.sched.config.num_spec_tokens:
+        if cfg.num_spec_tokens:
             self._spec_decodes(order)
             return
-        a, bs = self.arrays, self.kv.block_size
-        n = min(order.size, self.budget.tokens, self.budget.rows)
+        a, kv, budget = self.arrays, self.kv, self.budget
+        n = min(order.size, budget.tokens, budget.rows)
         if n <= 0:
             return
-        head = order[:n]                                                   # [n]
-        new_block = a.num_computed_tokens[head] >= self.kv.held[head] * bs  # [n]
-        if np.count_nonzero(new_block) <= self.kv.pool.num_free:
-            self._bulk_decodes(head, new_block)  # every row gets its block: no preemption
+        head = order[:n] if n < order.size else order                      # [n]
+        starts = a.num_computed_tokens[head]                               # [n]
+        new_block = starts >= kv.held[head] * kv.block_size_np             # [n]
+        num_new = np.count_nonzero(new_block)
+        if num_new <= kv.pool.num_free:  # every row gets its block: no preemption
+            self._bulk_decodes(head, starts, new_block.nonzero()[0] if num_new else None)
             return
         slow = new_block.nonzero()[0].tolist() if n == order.size else \
-            (a.num_computed_tokens[order] >= self.kv.held[order] * bs).nonzero()[0].tolist()
+            (a.num_computed_tokens[order] >= kv.held[order] * kv.block_size).nonzero()[0].tolist()
         pos = 0
         for j in slow + [order.size]:  # short of blocks: rows that need one may preempt
             if pos < j:
-                self._bulk_decodes(order[pos:j])
-            if j == order.size or not self.budget.can_add():
+                self._bulk_run(order[pos:j])
+            if j == order.size or not budget.can_add():
                 return
-            req = self.sched.slot_req[int(order[j])]
+            req = s.slot_req[int(order[j])]
             if req is not None and self._room(req, 1) == 1:  # None: preempted in this loop
                 self._row(req, 1, True)
             pos = j + 1
 
-    def _bulk_decodes(self, slots: np.ndarray, new_block: np.ndarray | None = None) -> None:
-        """One-token decode rows for ``slots`` (``[n]``, in order): those still running (not
-        preempted in this step), as many as the budget allows. ``new_block`` (``[n]`` bool, only
-        when every row fits the budget and the free blocks): rows whose token needs a new KV block
-        (:meth:`KVManager.grow_by_one_block`); without it every row's token must lie in a block its
-        request holds. The arrays are updated at once."""
-        a, s = self.arrays, self.sched
-        if new_block is None:
-            slots = slots[s.slot_epoch[slots] != 0]
-            n = min(slots.size, self.budget.tokens, self.budget.rows)
-            if n <= 0:
-                return
+    def _bulk_run(self, slots: np.ndarray) -> None:
+        """One-token decode rows for ``slots`` (``[n]``, in order) whose tokens lie in blocks
+        their requests hold: those still running (not preempted in this step), as many as the
+        budget allows."""
+        slots = slots[self.sched.slot_epoch[slots] != 0]
+        n = min(slots.size, self.budget.tokens, self.budget.rows)
+        if n > 0:
             slots = slots[:n]
+            self._bulk_decodes(slots, self.arrays.num_computed_tokens[slots], None)
+
+    def _bulk_decodes(self, slots: np.ndarray, starts: np.ndarray,
+                      new_rows: np.ndarray | None) -> None:
+        """One-token decode rows for ``slots`` (``[n]``, in order; running, within the budget),
+        with the arrays updated at once. ``starts``: ``[n]`` their ``num_computed_tokens``;
+        ``new_rows``: ``[k]`` indices of the rows whose token needs a new KV block (the free
+        blocks suffice, :meth:`KVManager.grow_by_one_block`), None when none does."""
+        a, s = self.arrays, self.sched
         n = slots.size
         self._flush()
         ones = _ONES[:n] if n <= _ONES.size else np.ones(n, dtype=np.int64)  # read-only
-        self._parts.append((slots, ones, a.num_computed_tokens[slots], ones,
-                            s.slot_epoch[slots], np.zeros(n, dtype=np.int64)))
+        self._parts.append((slots, ones, starts, ones, s.slot_epoch[slots],
+                            np.zeros(n, dtype=np.int64)))
         ids = gather(s.slots.owner, slots.tolist())            # [n] request ids
         self.req_ids += ids
-        a.num_computed_tokens[slots] += 1
-        if new_block is not None and np.count_nonzero(new_block):
-            idx = new_block.nonzero()[0]
-            self.kv.grow_by_one_block(slots[idx], list(gather(ids, idx.tolist())))
-        a.num_sampling_rows[slots] += 1
+        a.num_computed_tokens[slots] = starts + ONE_I64
+        if new_rows is not None:
+            self.kv.grow_by_one_block(slots[new_rows], gather(ids, new_rows.tolist()))
+        a.num_sampling_rows[slots] += ONE_I64
         a.next_eligible_step[slots] = self.step + self.cadence
         self.budget.tokens -= n
         self.budget.rows -= n
@@ -262,6 +261,8 @@ class RowBuilder:
         chunk).
         """
         s = self.sched
+        if np.count_nonzero(s.decoding) == s.num_running:
+            return  # every running request is decoding
         cand = ((s.slot_epoch != 0) & ~s.decoding &
                 (self.arrays.next_eligible_step <= self.step)).nonzero()[0]  # [num_prefilling]
         if not cand.size:
@@ -299,8 +300,13 @@ class RowBuilder:
         Afterwards ``row_epochs`` and ``row_drafts`` (``[num_rows]`` int64) hold each row's
         admission epoch and drafts (the scheduler keeps them while the step is in flight)."""
         self._flush()
-        cols = [np.concatenate(c) if len(c) != 1 else c[0] for c in zip(*self._parts)] \
-            if self._parts else [np.zeros(0, dtype=np.int64)] * 6
+        parts = self._parts
+        if len(parts) == 1:
+            cols = parts[0]
+        elif parts:
+            cols = [np.concatenate(c) for c in zip(*parts)]
+        else:
+            cols = [np.zeros(0, dtype=np.int64)] * 6
         slots, ntok, starts, final, self.row_epochs, self.row_drafts = cols
         return SchedulerOutput(
             step=self.step, req_ids=tuple(self.req_ids),

@@ -1,7 +1,7 @@
 """The scheduler's slot-indexed views (issue #11: decode rows and results with array operations):
-``slot_epoch`` / ``decoding`` / ``slot_req`` / ``slot_out`` and ``KVManager.held`` agree with the
-running requests and the block tables after every step, through preemption, aborts, EOS and slot
-reuse; the two decode paths (all rows at once, and row by row when blocks run short) give the
+``slot_epoch`` / ``decoding`` / ``slot_req`` / ``out_tokens`` and ``KVManager.held`` agree with the
+running requests, the block tables and the tokens delivered after every step, through preemption,
+aborts, EOS and slot reuse; the two decode paths (all rows at once, and row by row when blocks run short) give the
 exact rows; :class:`StepUpdates` reads as the list of TokenUpdates it stands for."""
 
 from __future__ import annotations
@@ -18,18 +18,23 @@ from ppstate.step_updates import StepUpdates, count_tokens
 EOS = 2
 
 
-def check_views(s: Scheduler) -> None:
-    """Every view equals what the running requests and the block pool say."""
+def check_views(s: Scheduler, delivered: dict[str, list[int]] | None = None) -> None:
+    """Every view equals what the running requests and the block pool say; with ``delivered``
+    (request id -> every token delivered to it) the output rows hold exactly those tokens."""
     running = {r.slot: r for r in s.running_requests()}
     for slot in range(s.config.max_num_seqs):
         req = running.get(slot)
         if req is None:
             assert s.slot_epoch[slot] == 0 and not s.decoding[slot] and s.slot_req[slot] is None
-            assert s.slot_out[slot] is None and s.kv.held[slot] == 0
+            assert not s.out_tokens[slot].any() and s.kv.held[slot] == 0
             continue
         assert s.slot_epoch[slot] == req.epoch and s.slot_req[slot] is req
         assert bool(s.decoding[slot]) == (req.state == "decoding")
-        assert s.slot_out[slot] is req.output_token_ids
+        n = int(s.arrays.num_output_tokens[slot])
+        assert not s.out_tokens[slot, n:].any()
+        assert s.out_tokens[slot, :len(req.output_token_ids)].tolist() == req.output_token_ids
+        if delivered is not None:
+            assert s.out_tokens[slot, :n].tolist() == delivered.get(req.req_id, [])
         assert s.kv.held[slot] == len(s.kv.pool.table(req.req_id))
 
 
@@ -38,12 +43,13 @@ def drive(cfg: SchedulerConfig, seed: int, n: int = 24) -> tuple[list, list, int
     the number of preemptions."""
     rng = random.Random(seed)
     s = Scheduler(cfg)
-    outs, updates, added = [], [], 0
+    outs, updates, added, delivered, reqs = [], [], 0, {}, {}
     while added < n or s.has_unfinished() or s.in_flight:
         if added < n and rng.random() < 0.5:
             plen = rng.randint(1, 6)
             s.add_request(RequestSpec(f"r{added}", tuple(rng.randrange(3, 50) for _ in range(plen)),
                                       rng.randint(1, 6), eos_token_ids=frozenset({EOS})))
+            reqs[f"r{added}"] = s._live[f"r{added}"]
             added += 1
         if added and rng.random() < 0.05:
             s.abort(f"r{rng.randrange(added)}")
@@ -57,8 +63,12 @@ def drive(cfg: SchedulerConfig, seed: int, n: int = 24) -> tuple[list, list, int
             res = StepResult(o.step, np.array(toks, dtype=np.int64).reshape(-1, 1),
                              o.is_final_chunk.astype(np.int32), np.zeros(o.num_rows, np.int32))
             updates.append([(u.req_id, u.token_ids, u.finish_reason) for u in s.on_step_result(res)])
-        check_views(s)
+            for rid, toks, _ in updates[-1]:
+                delivered.setdefault(rid, []).extend(toks)
+        check_views(s, delivered)
         s.kv.pool.check_invariants()
+    for rid, req in reqs.items():   # every request left its slot: its list has all its tokens
+        assert req.output_token_ids == delivered.get(rid, [])
     return outs, updates, s.num_preemptions
 
 
