@@ -88,8 +88,10 @@ class Scheduler(QueueOps, StepResults):
         self.slot_req: list[Request | None] = [None] * n  # [max_num_reqs] occupant
         # [max_num_reqs, max_model_len] the occupant's output token ids (its first
         # num_output_tokens; zeros elsewhere and in free rows): one indexed write per step
-        # instead of a list append per row; Request.output_token_ids gets them on vacate
-        self.out_tokens = np.zeros((n, config.max_model_len), dtype=np.int64)
+        # instead of a list append per row; Request.output_token_ids gets them on vacate.
+        # int32 as vLLM's token_ids_cpu (4 * max_num_seqs * max_model_len bytes, e.g. 8 MiB
+        # at 256 x 8,192; np.zeros maps untouched pages lazily)
+        self.out_tokens = np.zeros((n, config.max_model_len), dtype=np.int32)
         self._stop_ids: set[int] = set()   # every EOS / stop token id of any request added
         self.stop_ids_np = np.zeros(0, dtype=np.int64)  # [num_stop_ids] sorted _stop_ids
 
