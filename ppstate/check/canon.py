@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ppstate.check import renumber
+from ppstate.check import leftovers, renumber
 from ppstate.check.snapshot import dumps, fingerprint
 from ppstate.mirror import MIRROR_FIELDS
 
@@ -63,6 +63,7 @@ def _named(w) -> set[str]:
         names.update(out.req_ids)
     for rk in w.ranks:
         names.update(o for o in rk.owner if o is not None)
+    names.update(f.req_id for f in w.sched._freed)
     return names
 
 
@@ -157,6 +158,7 @@ def _renumber_epochs(w) -> None:
 def scrub(w) -> None:
     """Rewrite ``w`` into its canonical form (a world with the same future)."""
     _forget_old_steps(w)
+    leftovers.empty_run_steps(w)
     _forget_requests(w, _dead(w))
     _forget_freed_reasons(w)
     _forget_stats(w)
@@ -164,6 +166,7 @@ def scrub(w) -> None:
     _renumber_epochs(w)
     ops = renumber.ops_of(w)
     renumber.shift_steps(w, ops)
+    leftovers.settle_leftovers(w)
     renumber.trim_sampling_history(w)
     renumber.shift_comm(w, ops)
     renumber.renumber_generations(w)

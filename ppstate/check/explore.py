@@ -167,6 +167,7 @@ def _explore(cfg: CheckConfig, max_states: int, max_violations: int,
     root = World(cfg)
     root.step_bound = not canon
     root.settle()
+    root = loads(dumps(root))   # as every other state: restored from a pickle (snapshot.py)
     data, key = canonical(root) if canon else (dumps(root), digest(dumps(root)))
     seen: dict = {key: 0}
     edges = EdgeLog() if canon else None

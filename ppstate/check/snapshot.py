@@ -5,10 +5,13 @@ The pickle is the state's complete copy (frontier states travel as pickles, also
 64-bit hash of its pickle. Reducers keep the pickle small and fast:
 
 * objects that never change during a run are not copied: the scheduler's
-  :class:`~ppstate.budget.SchedulerConfig` (frozen) and the read-only parts of
+  :class:`~ppstate.budget.SchedulerConfig` and the checker's ``CheckConfig`` (frozen) and the
+  read-only parts of
   :class:`~ppstate.block_states.BlockStates` (its machine table, edge vectors and spec; only the
   per-block ``code`` array is state) travel as an index into a table of this process (filled
   before ``--jobs`` workers fork, so they share it);
+* a restored object names its attributes with interned strings, as a constructed one does (a
+  pickle memoizes strings by identity: equal states must pickle alike);
 * the request lifecycle machine (``transitions``) travels as its models and their states and is
   rebuilt only when the scheduler fires, adds or removes a request (:class:`LazyLifecycle`; most
   transitions fire no lifecycle edge);
@@ -48,7 +51,7 @@ def _register(obj: Any, value_key: Any, shared: Any) -> int:
     return index
 
 
-def share(obj: SchedulerConfig) -> None:
+def share(obj: Any) -> None:
     """Make ``obj`` travel by reference: pickles of this process (and of processes forked after
     this call) name it by index instead of copying it. Equal configurations get one index, so
     equal states of different runs pickle alike."""
@@ -60,7 +63,7 @@ def _shared(index: int) -> Any:
     return _SHARED[index]
 
 
-def _reduce_config(cfg: SchedulerConfig):
+def _reduce_config(cfg: Any):
     index = _SHARED_INDEX.get(id(cfg))
     if index is None:
         return cfg.__reduce_ex__(_PROTO)
@@ -86,14 +89,15 @@ def _reduce_block_states(bs: BlockStates):
     return _rebuild_block_states, (index, bs.code.tobytes())
 
 
-def _rebuild_request(state: dict) -> Request:
-    req = Request.__new__(Request)
-    req.__dict__.update(state)
-    return req
+def _new_request() -> Request:
+    return Request.__new__(Request)
 
 
 def _reduce_request(req: Request):
-    return _rebuild_request, ({k: v for k, v in vars(req).items() if not callable(v)},)
+    """The state goes through the unpickler's BUILD, which interns the attribute names: a
+    pickle memoizes strings by identity, so a restored request must name its attributes with the
+    same string objects as a constructed one, or equal states would pickle differently."""
+    return _new_request, (), {k: v for k, v in vars(req).items() if not callable(v)}
 
 
 class LazyLifecycle(Lifecycle):
@@ -144,6 +148,11 @@ _TABLE = copyreg.dispatch_table.copy()
 _TABLE.update({Lifecycle: _reduce_lifecycle, LazyLifecycle: _reduce_lifecycle,
                Request: _reduce_request, np.ndarray: _reduce_array,
                SchedulerConfig: _reduce_config, BlockStates: _reduce_block_states})
+
+
+def constant_type(cls: type) -> None:
+    """Let frozen objects of ``cls`` passed to :func:`share` travel by reference too."""
+    _TABLE[cls] = _reduce_config
 
 
 def dumps(obj: Any) -> bytes:
