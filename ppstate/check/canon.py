@@ -140,18 +140,22 @@ def _forget_free_slots(w) -> None:
 
 
 def _renumber_epochs(w) -> None:
+    """Admission epochs: the occupants' epochs by rank (1, 2, ...); an in-flight row whose epoch is
+    not its slot's occupant's now never matches again (a slot's epoch only changes to 0 or a
+    fresh, larger epoch): -1, which no slot has; a waiting request's (preempted) is rewritten on
+    admission: 0."""
     s = w.sched
-    values = {r.epoch for r in s._live.values() if getattr(r, "epoch", None) is not None}
-    for rows in s._in_flight_epochs:
-        values.update(rows)
-    rank = {v: i + 1 for i, v in enumerate(sorted(values))}
+    values = sorted({int(e) for e in s.slot_epoch if e})
+    rank = {v: i + 1 for i, v in enumerate(values)}
     for r in s._live.values():
-        if getattr(r, "epoch", None) is not None:
-            r.epoch = rank[r.epoch]
-            if r.slot >= 0:
-                s.slot_epoch[r.slot] = r.epoch   # the slot-indexed copy (0 on free slots)
-    for i, rows in enumerate(s._in_flight_epochs):
-        s._in_flight_epochs[i] = [rank[v] for v in rows]
+        r.epoch = rank[r.epoch] if r.slot >= 0 else 0
+    occupied = s.slot_epoch != 0
+    s.slot_epoch[occupied] = [rank[int(e)] for e in s.slot_epoch[occupied]]
+    for i, (out, rows) in enumerate(zip(s._in_flight, s._in_flight_epochs)):
+        current = [int(e) for e in s.slot_epoch[out.slots]] if len(rows) else []
+        s._in_flight_epochs[i] = np.array(
+            [rank.get(int(e), -1) if rank.get(int(e), -1) == c else -1
+             for e, c in zip(rows, current)], dtype=np.int64)
     s._admissions = len(values)
 
 

@@ -21,7 +21,12 @@ apart for several steps. docs/checker.md argues each rule; in short:
   validate the slot's counters. So what only its own future rows or a live client would read goes:
   its token ids in undelivered results and in deferred broadcast payloads become 0 (the rows'
   counts and rejected tokens stay: the mirrors apply them), its slots' per-request rank fields
-  (token history, seed, output cap, EOS flags, last prompt token) are cleared, and the monitor's
+  (token history, seed, output cap, EOS flags, last prompt token) are cleared, the slots' mirror
+  and device counters that no row changes again become 0 on both sides (prefill length,
+  ``max_seq_len``, prefill progress, blocks; ``num_computed_tokens`` too without speculative
+  tokens: only a rejection moves it; validation compares mirror with device, which a step that
+  made them differ already reported, and blocks with ``ceil(computed / block_size)``, 0 = 0),
+  and the monitor's
   records that only a future row or delivery reads (tokens delivered and sampled, max_tokens,
   ignore_eos, admission, sampling steps; a delivery to a closed request is a violation whatever it
   carries) are dropped. The finish reason becomes ``closed`` (read only in a message), its rows'
@@ -40,6 +45,7 @@ from __future__ import annotations
 import numpy as np
 
 from ppstate.check.renumber import _outputs
+from ppstate.mirror import MIRROR_FIELDS
 
 def _unrun(w) -> int:
     """The oldest step some rank has not run."""
@@ -88,6 +94,7 @@ def settled(w, outs: list) -> list[str]:
 
 
 def _erase_rows(w, by_step: dict, gone: set[str]) -> None:
+    fixed = [f for f in MIRROR_FIELDS if f != "num_computed_tokens" or not w.spec_tokens]
     for res in w.results:
         for i, rid in enumerate(by_step[res.step].req_ids):
             if rid in gone:
@@ -98,6 +105,8 @@ def _erase_rows(w, by_step: dict, gone: set[str]) -> None:
                 rk.history[s] = []
                 rk.output_cap[s] = rk.sample_seed[s] = rk.last_prompt[s] = 0
                 rk.ignore_eos[s] = rk.stopped[s] = False
+                for f in fixed:   # equal on mirror and device (validated) and never change again
+                    rk.mirror.array(f)[s] = rk.device[f][s] = 0
         if rk.handler is None:
             continue
         for e in rk.handler._fifo:
