@@ -20,12 +20,13 @@ from collections import deque
 from ppstate import mutants
 from ppstate.check.canon import canonical_key, scrub
 from ppstate.check.choices import choice_vectors
+from ppstate.check.expand import step_world
+from ppstate.check.judge import end_violations
 from ppstate.check.snapshot import digest, dumps, loads
 from ppstate.check.world import CheckConfig, World
 
 
 def _verdict(w: World) -> tuple:
-    from ppstate.check.explore import end_violations
     found = w.violations or end_violations(w)
     return tuple(sorted({v["invariant"] for v in found}))
 
@@ -40,10 +41,9 @@ def check_bisimulation(cfg: CheckConfig, max_states: int = 20_000) -> dict:
 
 def _successors(data: bytes) -> list[tuple[bytes, tuple]]:
     """``(child pickle, (child's canonical key, child's verdict))`` for every transition."""
-    from ppstate.check.explore import _step_world
     out = []
     for action in loads(data).actions():
-        for _, child in choice_vectors(lambda ch: _step_world(data, action, ch)):
+        for _, child in choice_vectors(lambda ch: step_world(data, action, ch)):
             if child is not None:
                 cdata = dumps(child)
                 out.append((cdata, (canonical_key(loads(cdata)), _verdict(child))))
