@@ -12,9 +12,9 @@ The pickle is the state's complete copy (frontier states travel as pickles, also
   before ``--jobs`` workers fork, so they share it);
 * a restored object names its attributes with interned strings, as a constructed one does (a
   pickle memoizes strings by identity: equal states must pickle alike);
-* the request lifecycle machine (``transitions``) travels as its models and their states and is
-  rebuilt only when the scheduler fires, adds or removes a request (:class:`LazyLifecycle`; most
-  transitions fire no lifecycle edge);
+* the request lifecycle machine (``transitions``) travels as its models (each request carries
+  its ``state``); a restored lifecycle fires through one machine per process
+  (:class:`LazyLifecycle`);
 * small 1-d numpy arrays travel as lists.
 """
 
@@ -24,6 +24,7 @@ import copyreg
 import hashlib
 import io
 import pickle
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -101,37 +102,53 @@ def _reduce_request(req: Request):
 
 
 class LazyLifecycle(Lifecycle):
-    """A :class:`Lifecycle` restored from a pickle: its ``transitions`` machine is built on first
-    use (``add``, ``remove``, ``fire``); until then the models wait in ``_pending``."""
+    """A :class:`Lifecycle` restored from a pickle. Building a ``transitions`` machine and adding
+    the models to it (which attaches some twenty trigger and ``is_<state>`` methods to each) cost
+    about a millisecond, more than the rest of most transitions, so a restored lifecycle fires
+    its edges through one machine per process (:func:`_machine`, built from the same spec) and
+    keeps its models itself (``_models``, admission order): a restored request gets the one
+    method :meth:`Lifecycle.fire` calls (``trigger``, the machine's own) on its first edge, and a
+    request added later goes through the machine's ``add_model`` as in the scheduler's own
+    lifecycle. The machine decides every edge (guards, destination, ``state``); ppstate calls
+    only ``add``, ``remove`` and ``fire``."""
 
-    def __getattr__(self, name: str) -> Any:
-        if name != "machine":
-            raise AttributeError(name)
-        machine = Lifecycle(self.spec).machine
-        for model, state in self.__dict__.pop("_pending"):
-            machine.add_model(model, initial=state)
-        self.machine = machine
-        return machine
+    def add(self, request) -> None:
+        machine = _machine()
+        machine.add_model(request, initial=self.spec.initial)
+        machine.remove_model(request)   # the machine holds no models: each world keeps its own
+        self._models.append(request)
+
+    def remove(self, request) -> None:
+        self._models.remove(request)
 
     def fire(self, request, trigger: str) -> str:
-        self.machine   # noqa: B018 - builds the machine (attaches the trigger methods)
+        if "trigger" not in request.__dict__:
+            request.trigger = partial(_machine()._get_trigger, request)
         return super().fire(request, trigger)
 
 
-def _rebuild_lifecycle(models: list[tuple[Request, str]]) -> Lifecycle:
+_MACHINE: list[Any] = []   # the process's lifecycle machine (no models)
+
+
+def _machine() -> Any:
+    if not _MACHINE:
+        _MACHINE.append(Lifecycle().machine)
+    return _MACHINE[0]
+
+
+def _rebuild_lifecycle(models: list[Request]) -> Lifecycle:
     if not _LIFECYCLE:
         _LIFECYCLE.update({k: v for k, v in vars(Lifecycle()).items() if k != "machine"})
     lc = LazyLifecycle.__new__(LazyLifecycle)
     lc.__dict__.update(_LIFECYCLE)
-    lc._pending = models
+    lc._models = models
     return lc
 
 
 def _reduce_lifecycle(lc: Lifecycle):
-    pending = lc.__dict__.get("_pending")
-    if pending is not None:
-        return _rebuild_lifecycle, ([(m, m.state) for m, _ in pending],)
-    return _rebuild_lifecycle, ([(m, m.state) for m in lc.machine.models],)
+    """The models in order; each one's ``state`` travels with the request itself."""
+    models = lc.__dict__.get("_models")
+    return _rebuild_lifecycle, (list(models if models is not None else lc.machine.models),)
 
 
 def _array(values: list, dtype: str) -> np.ndarray:
