@@ -145,17 +145,16 @@ def _renumber_epochs(w) -> None:
     fresh, larger epoch): -1, which no slot has; a waiting request's (preempted) is rewritten on
     admission: 0."""
     s = w.sched
-    values = sorted({int(e) for e in s.slot_epoch if e})
+    old = s.slot_epoch.copy()                                    # [max_num_reqs]
+    values = sorted(set(old.tolist()) - {0})
     rank = {v: i + 1 for i, v in enumerate(values)}
     for r in s._live.values():
         r.epoch = rank[r.epoch] if r.slot >= 0 else 0
-    occupied = s.slot_epoch != 0
-    s.slot_epoch[occupied] = [rank[int(e)] for e in s.slot_epoch[occupied]]
+    s.slot_epoch[:] = [rank.get(e, 0) for e in old.tolist()]
     for i, (out, rows) in enumerate(zip(s._in_flight, s._in_flight_epochs)):
-        current = [int(e) for e in s.slot_epoch[out.slots]] if len(rows) else []
-        s._in_flight_epochs[i] = np.array(
-            [rank.get(int(e), -1) if rank.get(int(e), -1) == c else -1
-             for e, c in zip(rows, current)], dtype=np.int64)
+        slots = out.slots.astype(np.int64)
+        fresh = (np.asarray(rows, dtype=np.int64) == old[slots]) & (old[slots] != 0)
+        s._in_flight_epochs[i] = np.where(fresh, s.slot_epoch[slots], -1).astype(np.int64)
     s._admissions = len(values)
 
 

@@ -24,6 +24,7 @@ import copyreg
 import hashlib
 import io
 import pickle
+import sys
 from functools import partial
 from typing import Any
 
@@ -155,9 +156,15 @@ def _array(values: list, dtype: str) -> np.ndarray:
     return np.array(values, dtype=dtype)
 
 
+_DTYPE_NAMES: dict[np.dtype, str] = {}   # one string object per dtype: memoized in a pickle
+
+
 def _reduce_array(a: np.ndarray):
     if a.ndim == 1 and a.size <= 64:
-        return _array, (a.tolist(), a.dtype.str)
+        name = _DTYPE_NAMES.get(a.dtype)
+        if name is None:
+            name = _DTYPE_NAMES[a.dtype] = sys.intern(a.dtype.str)
+        return _array, (a.tolist(), name)
     return a.__reduce_ex__(_PROTO)
 
 
