@@ -36,7 +36,9 @@ futures. docs/checker.md argues each rule; in short:
 * **A free slot's scheduler and rank arrays are forgotten** (``RequestArrays`` fields, the CPU
   mirror's and the device counters' per-slot values): admission rewrites each of them
   (``RequestArrays.reset``, ``CpuMirror.add_request``, ``CheckRank.apply_freed_new``) and only live
-  slots are read or validated. ``Request.order`` and its counter are read by nothing.
+  slots are read or validated. ``Request.order`` and its counter are read by nothing. When every
+  request arrived and none is live, no slot is allocated again and the scheduler's free list is
+  sorted (its order only decides which slot an admission gets).
 * **Steps, op indices, slot generations and KV block ids are renamed**
   (:mod:`ppstate.check.renumber`).
 
@@ -137,6 +139,10 @@ def _forget_free_slots(w) -> None:
     sched._order = 0
     for r in sched._live.values():
         r.order = 0
+    if not sched._live and w.arrived == w.cfg.num_requests:
+        # no slot can be allocated again (only a live waiting request is admitted): the free
+        # list's order, which decides which slot the next admission gets, is read by nothing
+        sched.slots._free.sort(reverse=True)
 
 
 def _renumber_epochs(w) -> None:
