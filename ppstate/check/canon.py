@@ -25,7 +25,8 @@ futures. docs/checker.md argues each rule; in short:
   ``on_issue`` (no admission check for a preemption), runs when the step is issued; ranks read a
   freed entry's slot and request id only.
 * **Write-only statistics are forgotten**: scheduler counters (prefill tokens, preemptions, spec
-  counters), the block pool's lookup counters; the monitor's post log is already cleared.
+  counters), the block pool's lookup counters; the monitor's post log is already cleared; the
+  ranks' op and choice log cursors (reset when a step starts or re-runs, before any read).
 * **A free slot's per-request rank fields are forgotten** (history, output cap, seed, EOS flags,
   last prompt token): :meth:`CheckRank.apply_freed_new` rewrites all of them on admission, and
   nothing reads them while the slot is free.
@@ -119,6 +120,8 @@ def _forget_stats(w) -> None:
     pool.query_tokens = pool.hit_tokens = 0
     w.monitor.inner.post_log.clear()   # the simulator's write-only log of broadcast decisions
     s.lanes = s.config.pp_size         # written by schedule() before any read
+    for rk in w.ranks:                 # log cursors: reset by begin_attempt before any read
+        rk._cursor = rk._choice_cursor = 0
 
 
 def _forget_free_slots(w) -> None:

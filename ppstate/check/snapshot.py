@@ -15,7 +15,7 @@ The pickle is the state's complete copy (frontier states travel as pickles, also
 * the request lifecycle machine (``transitions``) travels as its models (each request carries
   its ``state``); a restored lifecycle fires through one machine per process
   (:class:`LazyLifecycle`);
-* small 1-d numpy arrays travel as lists.
+* numpy arrays travel as bytes, dtype name and shape.
 """
 
 from __future__ import annotations
@@ -152,20 +152,23 @@ def _reduce_lifecycle(lc: Lifecycle):
     return _rebuild_lifecycle, (list(models if models is not None else lc.machine.models),)
 
 
-def _array(values: list, dtype: str) -> np.ndarray:
-    return np.array(values, dtype=dtype)
+def _array(data: bytes, dtype: str, shape: tuple) -> np.ndarray:
+    return np.frombuffer(data, dtype=dtype).reshape(shape).copy()
 
 
 _DTYPE_NAMES: dict[np.dtype, str] = {}   # one string object per dtype: memoized in a pickle
 
 
 def _reduce_array(a: np.ndarray):
-    if a.ndim == 1 and a.size <= 64:
-        name = _DTYPE_NAMES.get(a.dtype)
-        if name is None:
-            name = _DTYPE_NAMES[a.dtype] = sys.intern(a.dtype.str)
-        return _array, (a.tolist(), name)
-    return a.__reduce_ex__(_PROTO)
+    """An array travels as its bytes, dtype name and shape: numpy's own reduction names a dtype
+    object, which a constructed array shares with every array of its dtype and a restored one
+    does not (equal states would pickle differently)."""
+    if a.dtype.hasobject:
+        return a.__reduce_ex__(_PROTO)
+    name = _DTYPE_NAMES.get(a.dtype)
+    if name is None:
+        name = _DTYPE_NAMES[a.dtype] = sys.intern(a.dtype.str)
+    return _array, (a.tobytes(), name, a.shape)
 
 
 _TABLE = copyreg.dispatch_table.copy()
