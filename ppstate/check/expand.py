@@ -102,6 +102,14 @@ def children_cpu_seconds() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
+def peak_rss_mb() -> tuple[float, float]:
+    """Peak resident memory in MiB of this process and of the largest ended worker (Linux
+    reports ``ru_maxrss`` in KiB)."""
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    workers = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return round(own / 1024, 1), round(workers / 1024, 1)
+
+
 class Parents:
     """Parent link of every state but the root: the parent's id and the move (action, choices)
     that led here, as two arrays (12 bytes a state) and a table of the distinct moves."""

@@ -28,7 +28,7 @@ from ppstate import mutants
 from ppstate.check.canon import canonical
 from ppstate.check.cycles import EdgeLog
 from ppstate.check.choices import Chooser
-from ppstate.check.expand import Parents, children_cpu_seconds, levels
+from ppstate.check.expand import Parents, children_cpu_seconds, levels, peak_rss_mb
 from ppstate.check.judge import end_violations
 from ppstate.check.snapshot import digest, dumps, loads
 from ppstate.check.world import CheckConfig, World
@@ -44,6 +44,8 @@ class CheckResult:
     complete: bool = True
     seconds: float = 0.0       # wall
     cpu_seconds: float = 0.0   # CPU of this process and of its --jobs workers
+    peak_rss_mb: float = 0.0   # peak resident memory of this process (MiB)
+    peak_worker_rss_mb: float = 0.0   # of the largest --jobs worker (MiB; 0 with jobs 1)
     violations: list[dict] = field(default_factory=list)
     path: list[tuple] = field(default_factory=list)   # (action, choices) of the first violation
     counterexample: str | None = None
@@ -146,6 +148,7 @@ def _finish(res: CheckResult, cfg: CheckConfig, t0: tuple[float, float]) -> Chec
             res.violations = real
     res.seconds = round(time.perf_counter() - t0[0], 3)
     res.cpu_seconds = round(time.process_time() + children_cpu_seconds() - t0[1], 3)
+    res.peak_rss_mb, res.peak_worker_rss_mb = peak_rss_mb()
     return res
 
 
