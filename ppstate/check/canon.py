@@ -52,8 +52,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ppstate.check import leftovers, renumber
-from ppstate.check.snapshot import dumps, fingerprint
+from ppstate.check import leftovers, renumber, slot_labels
+from ppstate.check.snapshot import dumps, fingerprint, loads
 from ppstate.mirror import MIRROR_FIELDS
 
 
@@ -142,10 +142,15 @@ def _forget_free_slots(w) -> None:
     sched._order = 0
     for r in sched._live.values():
         r.order = 0
-    if not sched._live and w.arrived == w.cfg.num_requests:
-        # no slot can be allocated again (only a live waiting request is admitted): the free
-        # list's order, which decides which slot the next admission gets, is read by nothing
-        sched.slots._free.sort(reverse=True)
+    _sort_free_list(w)
+
+
+def _sort_free_list(w) -> None:
+    """No slot can be allocated again once every request arrived and none is live (only a live
+    waiting request is admitted): the free list's order, which decides which slot the next
+    admission gets, is read by nothing."""
+    if not w.sched._live and w.arrived == w.cfg.num_requests:
+        w.sched.slots._free.sort(reverse=True)
 
 
 def _renumber_epochs(w) -> None:
@@ -183,6 +188,22 @@ def scrub(w) -> None:
     renumber.shift_comm(w, ops)
     renumber.renumber_generations(w)
     renumber.rename_blocks(w)
+    orders = slot_labels.canonical_orders(w)
+    if len(orders) > 1:   # free slots with nothing to tell them apart but leftovers: the least
+        orders = [min(orders, key=lambda order: _labelled_key(w, order))]
+    _label(w, orders[0])
+
+
+def _label(w, order: list[int]) -> None:
+    slot_labels.relabel(w, order)
+    _sort_free_list(w)
+    leftovers.name_leftovers(w)
+
+
+def _labelled_key(w, order: list[int]) -> int:
+    c = loads(dumps(w))
+    _label(c, order)
+    return fingerprint(dumps(c))
 
 
 def canonical(w) -> tuple[bytes, int]:

@@ -151,12 +151,19 @@ def _rename(w, outs: list, names: dict[str, str]) -> None:
 
 
 def settle_leftovers(w) -> None:
-    """Erase and rename the settled leftovers of ``w`` (module docstring); call after the step
-    shift and :func:`empty_run_steps` (a run step no longer names its admissions and frees)."""
+    """Erase the settled leftovers of ``w`` (module docstring); call after the step shift and
+    :func:`empty_run_steps` (a run step no longer names its admissions and frees)."""
+    outs = sorted(_outputs(w), key=lambda o: o.step)
+    gone = set(settled(w, outs))
+    if gone:
+        _erase_rows(w, {o.step: o for o in outs}, gone)
+        _erase_records(w, gone)
+
+
+def name_leftovers(w) -> None:
+    """Rename the settled leftovers ``z0, z1, ...`` in first-seen order (after the slots got
+    their canonical labels: the ranks' owners are read in slot order)."""
     outs = sorted(_outputs(w), key=lambda o: o.step)
     gone = settled(w, outs)
-    if not gone:
-        return
-    _erase_rows(w, {o.step: o for o in outs}, set(gone))
-    _erase_records(w, set(gone))
-    _rename(w, outs, {rid: f"z{i}" for i, rid in enumerate(gone)})
+    if gone:
+        _rename(w, outs, {rid: f"z{i}" for i, rid in enumerate(gone)})
