@@ -4,10 +4,12 @@ Each frontier state is stored as its pickle; two states are the same when their 
 (:mod:`ppstate.check.canon`: each child is rewritten into its canonical form, with history that
 cannot influence the future forgotten and names renumbered, and exploration continues from that
 form; the key is a 64-bit fingerprint of its pickle. ``canon=False``: the world is kept as it
-ran and keyed by a digest of its whole pickle). With ``jobs`` > 1 each BFS level is
-expanded by worker processes and deduplicated here in frontier order. Breadth first, so the first violation found has a shortest
-path: its actions (with the choices taken inside each) are kept as parent links and replayed
-into a trace by :mod:`ppstate.check.counterexample`.
+ran and keyed by a digest of its whole pickle). States are expanded by
+:mod:`ppstate.check.expand`, with ``jobs`` > 1 a BFS level at a time by worker processes, and
+deduplicated here in frontier order. Breadth first, so the first violation found has a shortest
+path (the canonical form is a bisimulation, which keeps distances: docs/checker_canon.md): its
+actions (with the choices taken inside each) are kept as parent links and replayed into a trace
+by :mod:`ppstate.check.counterexample`.
 
 Judged in every state: the monitor's invariants (:mod:`ppstate.check.monitor`); deadlock (work
 left and nothing can move: no rank step, result or issue, which settling already tried); at the
