@@ -53,7 +53,7 @@ from __future__ import annotations
 import numpy as np
 
 from ppstate.check import leftovers, renumber, slot_labels
-from ppstate.check.snapshot import dumps, fingerprint, loads
+from ppstate.check.snapshot import dumps, fingerprint
 from ppstate.mirror import MIRROR_FIELDS
 
 
@@ -189,21 +189,26 @@ def scrub(w) -> None:
     renumber.renumber_generations(w)
     renumber.rename_blocks(w)
     orders = slot_labels.canonical_orders(w)
+    current = _label(w, orders[0], list(range(len(orders[0]))))
     if len(orders) > 1:   # free slots with nothing to tell them apart but leftovers: the least
-        orders = [min(orders, key=lambda order: _labelled_key(w, order))]
-    _label(w, orders[0])
+        best, best_key = current, fingerprint(dumps(w))
+        for order in orders[1:]:
+            current = _label(w, order, current)
+            key = fingerprint(dumps(w))
+            if key < best_key:
+                best, best_key = order, key
+        if best is not current:
+            _label(w, best, current)
 
 
-def _label(w, order: list[int]) -> None:
-    slot_labels.relabel(w, order)
+def _label(w, order: list[int], current: list[int]) -> list[int]:
+    """Relabel ``w``, labelled ``current`` now (new slot -> slot before scrubbing), as ``order``
+    (likewise), sort the free list and name the leftovers; returns ``order``."""
+    where = {orig: k for k, orig in enumerate(current)}
+    slot_labels.relabel(w, [where[orig] for orig in order])
     _sort_free_list(w)
     leftovers.name_leftovers(w)
-
-
-def _labelled_key(w, order: list[int]) -> int:
-    c = loads(dumps(w))
-    _label(c, order)
-    return fingerprint(dumps(c))
+    return order
 
 
 def canonical(w) -> tuple[bytes, int]:
