@@ -102,7 +102,7 @@ def test_settled_leftover_is_erased_and_renamed():
     s = worlds[1].clone()
     scrub(s)
     slot = s.ranks[0].owner.index("z0")   # which slot: the labelling with the least key
-    assert [sorted(rk.owner, key=str) for rk in s.ranks] == [["z0", None], ["z0", None]]
+    assert [sorted(rk.owner, key=str) for rk in s.ranks] == [[None, "z0"], [None, "z0"]]
     assert all(rk.owner[slot] == "z0" for rk in s.ranks)
     assert s.results[0].sampled_token_ids.tolist() == [[0]] and s.ranks[1].history[slot] == []
     assert s.monitor.inner.closed == {"z0": "closed"} and s.monitor.delivered == {}
