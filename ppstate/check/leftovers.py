@@ -13,8 +13,10 @@ apart for several steps. docs/checker.md argues each rule; in short:
   count, a deferred consume reads ``req_ids`` (the owner check) and the progress rule reads the
   rows' positions and lengths. Their ``new_requests``, ``freed`` and block-table deltas were read
   when the ranks ran the step: emptied.
-* **A leftover is settled** when no step some rank has not run yet names it (rows, admission or
-  free) and the client has seen it end (or its record is already forgotten). Its rows in the
+* **A leftover is settled** when no step some rank has not run yet has a row or the admission of
+  it (a free in such a step only compares its id with the slot's owner) and the client has seen it
+  end (or its record is already forgotten). Settled stays settled: the scheduler schedules no
+  row of a request it no longer holds. Its rows in the
   pipeline then stay where they are: the scheduler will not schedule it (it no longer holds it) and
   drops its results (``StepResults._live_rows``: the row's epoch no longer matches its slot's), and
   the ranks only free its slot, apply its deferred rows to that slot (owner check, counters) and
@@ -85,9 +87,8 @@ def settled(w, outs: list) -> list[str]:
     low, mon = _unrun(w), w.monitor
     busy = set()
     for out in outs:
-        if out.step >= low:
+        if out.step >= low:   # a free in an unrun step only compares the id with the owner
             busy.update(out.req_ids)
-            busy.update(f.req_id for f in out.freed)
             busy.update(n.req_id for n in out.new_requests)
     return [rid for rid in _first_seen(w, outs) if rid not in busy and
             (rid in mon.inner.closed or rid not in mon.delivered)]
@@ -138,6 +139,9 @@ def _rename(w, outs: list, names: dict[str, str]) -> None:
     for out in outs:
         if any(r in names for r in out.req_ids):
             object.__setattr__(out, "req_ids", tuple(get(r, r) for r in out.req_ids))
+        for f in out.freed:
+            if f.req_id in names:
+                object.__setattr__(f, "req_id", names[f.req_id])
     for f in w.sched._freed:
         if f.req_id in names:
             object.__setattr__(f, "req_id", names[f.req_id])
