@@ -13,6 +13,7 @@ import pytest
 from ppstate import mutants
 from ppstate.check import CheckConfig, explore
 from ppstate.check.__main__ import main as check_main
+from ppstate.check import slot_labels
 from ppstate.check.canon import _dead, canonical_key, scrub
 from ppstate.check.cycles import EdgeLog
 from ppstate.check.verify import check_bisimulation
@@ -107,6 +108,27 @@ def test_settled_leftover_is_erased_and_renamed():
     assert s.results[0].sampled_token_ids.tolist() == [[0]] and s.ranks[1].history[slot] == []
     assert s.monitor.inner.closed == {"z0": "closed"} and s.monitor.delivered == {}
     assert s.sched._in_flight_epochs[0].tolist() == [-1]   # never matches a slot again
+
+
+def test_slot_labels_are_names():
+    # both slots occupied, deferred rows queued for each: swapping the two slots everywhere
+    # (slot_labels.relabel) gives a world with the same canonical key, after every delivery
+    cfg = CheckConfig(pp_size=2, num_requests=3, prompt_len=(1, 3), max_tokens=(1, 3),
+                      abort_anywhere=True)
+    w = World(cfg)
+    w.settle()
+    assert w.apply(("arrive", 3, 3), Chooser()) and w.apply(("arrive", 1, 2), Chooser())
+    while "r1" not in w.ranks[0].owner:
+        assert w.apply(("deliver",), Chooser())
+    assert w.ranks[0].owner == ["r0", "r1"] and len(w.ranks[0].handler._fifo) == 2
+    while True:
+        swapped = w.clone()
+        slot_labels.relabel(swapped, [1, 0])
+        assert swapped.ranks[1].owner == ["r1", "r0"]
+        assert canonical_key(w.clone()) == canonical_key(swapped)
+        if not w.results:
+            break
+        assert w.apply(("deliver",), Chooser())
 
 
 def test_cycle_check_finds_a_loop_of_engine_moves():
