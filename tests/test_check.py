@@ -124,7 +124,7 @@ def test_slot_labels_are_names():
     while True:
         swapped = w.clone()
         slot_labels.relabel(swapped, [1, 0])
-        assert swapped.ranks[1].owner == ["r1", "r0"]
+        assert swapped.ranks[1].owner == w.ranks[1].owner[::-1]
         assert canonical_key(w.clone()) == canonical_key(swapped)
         if not w.results:
             break
