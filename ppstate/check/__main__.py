@@ -133,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
            "depth": max(r["depth"] for r in runs), "complete": all(r["complete"] for r in runs),
            "seconds": round(sum(r["seconds"] for r in runs), 3),
            "cpu_seconds": round(sum(r["cpu_seconds"] for r in runs), 3),
+           "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
+           "peak_worker_rss_mb": max(r["peak_worker_rss_mb"] for r in runs),
            "violations": violations, "num_violations": len(violations),
            "counterexample": counterexample, "runs": runs}
     if ns.json:

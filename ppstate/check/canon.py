@@ -25,7 +25,8 @@ futures. docs/checker.md argues each rule; in short:
   ``on_issue`` (no admission check for a preemption), runs when the step is issued; ranks read a
   freed entry's slot and request id only.
 * **Write-only statistics are forgotten**: scheduler counters (prefill tokens, preemptions, spec
-  counters), the block pool's lookup counters; the monitor's post log is already cleared.
+  counters), the block pool's lookup counters; the monitor's post log is already cleared; the
+  ranks' op and choice log cursors (reset when a step starts or re-runs, before any read).
 * **A free slot's per-request rank fields are forgotten** (history, output cap, seed, EOS flags,
   last prompt token): :meth:`CheckRank.apply_freed_new` rewrites all of them on admission, and
   nothing reads them while the slot is free.
@@ -36,7 +37,9 @@ futures. docs/checker.md argues each rule; in short:
 * **A free slot's scheduler and rank arrays are forgotten** (``RequestArrays`` fields, the CPU
   mirror's and the device counters' per-slot values): admission rewrites each of them
   (``RequestArrays.reset``, ``CpuMirror.add_request``, ``CheckRank.apply_freed_new``) and only live
-  slots are read or validated. ``Request.order`` and its counter are read by nothing.
+  slots are read or validated. ``Request.order`` and its counter are read by nothing. When every
+  request arrived and none is live, no slot is allocated again and the scheduler's free list is
+  sorted (its order only decides which slot an admission gets).
 * **Steps, op indices, slot generations and KV block ids are renamed**
   (:mod:`ppstate.check.renumber`).
 
@@ -49,7 +52,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ppstate.check import renumber
+from ppstate.check import leftovers, renumber, slot_labels
 from ppstate.check.snapshot import dumps, fingerprint
 from ppstate.mirror import MIRROR_FIELDS
 
@@ -63,6 +66,7 @@ def _named(w) -> set[str]:
         names.update(out.req_ids)
     for rk in w.ranks:
         names.update(o for o in rk.owner if o is not None)
+    names.update(f.req_id for f in w.sched._freed)
     return names
 
 
@@ -116,6 +120,8 @@ def _forget_stats(w) -> None:
     pool.query_tokens = pool.hit_tokens = 0
     w.monitor.inner.post_log.clear()   # the simulator's write-only log of broadcast decisions
     s.lanes = s.config.pp_size         # written by schedule() before any read
+    for rk in w.ranks:                 # log cursors: reset by begin_attempt before any read
+        rk._cursor = rk._choice_cursor = 0
 
 
 def _forget_free_slots(w) -> None:
@@ -136,27 +142,40 @@ def _forget_free_slots(w) -> None:
     sched._order = 0
     for r in sched._live.values():
         r.order = 0
+    _sort_free_list(w)
+
+
+def _sort_free_list(w) -> None:
+    """No slot can be allocated again once every request arrived and none is live (only a live
+    waiting request is admitted): the free list's order, which decides which slot the next
+    admission gets, is read by nothing."""
+    if not w.sched._live and w.arrived == w.cfg.num_requests:
+        w.sched.slots._free.sort(reverse=True)
 
 
 def _renumber_epochs(w) -> None:
+    """Admission epochs: the occupants' epochs by rank (1, 2, ...); an in-flight row whose epoch is
+    not its slot's occupant's now never matches again (a slot's epoch only changes to 0 or a
+    fresh, larger epoch): -1, which no slot has; a waiting request's (preempted) is rewritten on
+    admission: 0."""
     s = w.sched
-    values = {r.epoch for r in s._live.values() if getattr(r, "epoch", None) is not None}
-    for rows in s._in_flight_epochs:
-        values.update(rows)
-    rank = {v: i + 1 for i, v in enumerate(sorted(values))}
+    old = s.slot_epoch.copy()                                    # [max_num_reqs]
+    values = sorted(set(old.tolist()) - {0})
+    rank = {v: i + 1 for i, v in enumerate(values)}
     for r in s._live.values():
-        if getattr(r, "epoch", None) is not None:
-            r.epoch = rank[r.epoch]
-            if r.slot >= 0:
-                s.slot_epoch[r.slot] = r.epoch   # the slot-indexed copy (0 on free slots)
-    for i, rows in enumerate(s._in_flight_epochs):
-        s._in_flight_epochs[i] = [rank[v] for v in rows]
+        r.epoch = rank[r.epoch] if r.slot >= 0 else 0
+    s.slot_epoch[:] = [rank.get(e, 0) for e in old.tolist()]
+    for i, (out, rows) in enumerate(zip(s._in_flight, s._in_flight_epochs)):
+        slots = out.slots.astype(np.int64)
+        fresh = (np.asarray(rows, dtype=np.int64) == old[slots]) & (old[slots] != 0)
+        s._in_flight_epochs[i] = np.where(fresh, s.slot_epoch[slots], -1).astype(np.int64)
     s._admissions = len(values)
 
 
 def scrub(w) -> None:
     """Rewrite ``w`` into its canonical form (a world with the same future)."""
     _forget_old_steps(w)
+    leftovers.empty_run_steps(w)
     _forget_requests(w, _dead(w))
     _forget_freed_reasons(w)
     _forget_stats(w)
@@ -164,10 +183,32 @@ def scrub(w) -> None:
     _renumber_epochs(w)
     ops = renumber.ops_of(w)
     renumber.shift_steps(w, ops)
+    leftovers.settle_leftovers(w)
     renumber.trim_sampling_history(w)
     renumber.shift_comm(w, ops)
     renumber.renumber_generations(w)
     renumber.rename_blocks(w)
+    orders = slot_labels.canonical_orders(w)
+    current = _label(w, orders[0], list(range(len(orders[0]))))
+    if len(orders) > 1:   # free slots with nothing to tell them apart but leftovers: the least
+        best, best_key = current, fingerprint(dumps(w))
+        for order in orders[1:]:
+            current = _label(w, order, current)
+            key = fingerprint(dumps(w))
+            if key < best_key:
+                best, best_key = order, key
+        if best is not current:
+            _label(w, best, current)
+
+
+def _label(w, order: list[int], current: list[int]) -> list[int]:
+    """Relabel ``w``, labelled ``current`` now (new slot -> slot before scrubbing), as ``order``
+    (likewise), sort the free list and name the leftovers; returns ``order``."""
+    where = {orig: k for k, orig in enumerate(current)}
+    slot_labels.relabel(w, [where[orig] for orig in order])
+    _sort_free_list(w)
+    leftovers.name_leftovers(w)
+    return order
 
 
 def canonical(w) -> tuple[bytes, int]:

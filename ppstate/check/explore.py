@@ -4,10 +4,12 @@ Each frontier state is stored as its pickle; two states are the same when their 
 (:mod:`ppstate.check.canon`: each child is rewritten into its canonical form, with history that
 cannot influence the future forgotten and names renumbered, and exploration continues from that
 form; the key is a 64-bit fingerprint of its pickle. ``canon=False``: the world is kept as it
-ran and keyed by a digest of its whole pickle). With ``jobs`` > 1 each BFS level is
-expanded by worker processes and deduplicated here in frontier order. Breadth first, so the first violation found has a shortest
-path: its actions (with the choices taken inside each) are kept as parent links and replayed
-into a trace by :mod:`ppstate.check.counterexample`.
+ran and keyed by a digest of its whole pickle). States are expanded by
+:mod:`ppstate.check.expand`, with ``jobs`` > 1 a BFS level at a time by worker processes, and
+deduplicated here in frontier order. Breadth first, so the first violation found has a shortest
+path (the canonical form is a bisimulation, which keeps distances: docs/checker_canon.md): its
+actions (with the choices taken inside each) are kept as parent links and replayed into a trace
+by :mod:`ppstate.check.counterexample`.
 
 Judged in every state: the monitor's invariants (:mod:`ppstate.check.monitor`); deadlock (work
 left and nothing can move: no rank step, result or issue, which settling already tried); at the
@@ -18,10 +20,8 @@ Without them the absolute step bound of :class:`~ppstate.check.world.World` stan
 
 from __future__ import annotations
 
-import multiprocessing
 import time
 import zlib
-from collections.abc import Iterator
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TextIO
@@ -29,7 +29,9 @@ from typing import TextIO
 from ppstate import mutants
 from ppstate.check.canon import canonical
 from ppstate.check.cycles import EdgeLog
-from ppstate.check.choices import Chooser, choice_vectors
+from ppstate.check.choices import Chooser
+from ppstate.check.expand import Parents, children_cpu_seconds, levels, peak_rss_mb
+from ppstate.check.judge import end_violations
 from ppstate.check.snapshot import digest, dumps, loads
 from ppstate.check.world import CheckConfig, World
 
@@ -43,7 +45,9 @@ class CheckResult:
     depth: int = 0
     complete: bool = True
     seconds: float = 0.0       # wall
-    cpu_seconds: float = 0.0   # CPU of this process (with jobs > 1 the workers' CPU is not in it)
+    cpu_seconds: float = 0.0   # CPU of this process and of its --jobs workers
+    peak_rss_mb: float = 0.0   # peak resident memory of this process (MiB)
+    peak_worker_rss_mb: float = 0.0   # of the largest --jobs worker (MiB; 0 with jobs 1)
     violations: list[dict] = field(default_factory=list)
     path: list[tuple] = field(default_factory=list)   # (action, choices) of the first violation
     counterexample: str | None = None
@@ -53,51 +57,6 @@ class CheckResult:
         d["path"] = [[list(a), list(c)] for a, c in self.path]
         d["num_violations"] = len(self.violations)
         return d
-
-
-def _step_world(data: bytes, action: tuple, chooser: Chooser) -> World | None:
-    w: World = loads(data)
-    return w if w.apply(action, chooser) else None
-
-
-def system_can_move(w: World) -> bool:
-    """Can the engine or a rank move without the environment (arrival, abort)? A settled world
-    without ``--async`` / ``--no-por`` already ran every rank step and issue it could."""
-    cfg = w.cfg
-    if w.results:
-        return True
-    if cfg.por and not cfg.async_engine:
-        return False
-    if w.clone()._issue():
-        return True
-    return not cfg.por and any(w._runnable(r) and _try_rank(w, r) for r in range(w.pp_size))
-
-
-def _try_rank(w: World, r: int) -> bool:
-    c = w.clone()
-    c.chooser = Chooser()
-    return c._attempt(r)
-
-
-def end_violations(w: World) -> list[dict]:
-    """Deadlock and end-of-run checks of a settled state without violations."""
-    if w.unfinished():
-        if not system_can_move(w):
-            return [{"invariant": 6, "step": w.sched.next_step, "rank": None,
-                     "message": w.describe_stuck()}]
-        return []
-    if w.arrived == w.cfg.num_requests:
-        left = w.comm.pending()
-        if left:
-            return [{"invariant": 1, "step": left[0].step, "rank": left[0].rank,
-                     "message": "run ended with unmatched ops: " +
-                     "; ".join(f"rank {o.rank} {o.describe()}" for o in left)}]
-        # every arrived request has a record until it is closed and forgotten (canon.py)
-        open_reqs = [rid for rid in w.monitor.delivered if rid not in w.monitor.inner.closed]
-        if open_reqs:
-            return [{"invariant": 3, "step": w.sched.next_step, "rank": None,
-                     "message": f"run ended, the client never saw {open_reqs} finish"}]
-    return []
 
 
 def explore(cfg: CheckConfig, max_states: int = 2_000_000, max_violations: int = 1,
@@ -120,61 +79,22 @@ def explore(cfg: CheckConfig, max_states: int = 2_000_000, max_violations: int =
         return _explore(cfg, max_states, max_violations, canon, jobs, progress)
 
 
-def _expand(item: tuple[bytes, bool]) -> list[tuple]:
-    """Every successor of one pickled state: ``(action, choices, pickle, key, violations)``
-    (pickles zlib-compressed: a frontier level can hold hundreds of thousands)."""
-    packed, canon = item
-    data = zlib.decompress(packed)
-    w: World = loads(data)
-    succ = []
-    for action in w.actions():
-        for choices, child in choice_vectors(lambda ch: _step_world(data, action, ch)):
-            if child is None:
-                continue
-            found = child.violations or end_violations(child)
-            if canon:
-                cdata, key = canonical(child)
-            else:
-                cdata = dumps(child)
-                key = digest(cdata)
-            succ.append((action, choices, zlib.compress(cdata, 1), key, found))
-    return succ
-
-
-def _levels(frontier: deque, canon: bool, jobs: int) -> Iterator[tuple[tuple, list]]:
-    """(frontier entry, its successors) in BFS order; ``jobs`` > 1: a level at a time, expanded
-    by a pool of worker processes (forked, so a switched-on mutant stays on in them)."""
-    if jobs <= 1:
-        while frontier:
-            entry = frontier.popleft()
-            yield entry, _expand((entry[2], canon))
-        return
-    ctx = multiprocessing.get_context("fork")
-    with ctx.Pool(jobs) as pool:
-        while frontier:
-            level = list(frontier)
-            frontier.clear()
-            size = max(1, min(64, len(level) // (4 * jobs)))
-            for entry, succ in zip(level, pool.imap(_expand, [(e[2], canon) for e in level],
-                                                    chunksize=size)):
-                yield entry, succ
-
-
 def _explore(cfg: CheckConfig, max_states: int, max_violations: int,
              canon: bool, jobs: int, progress: TextIO | None) -> CheckResult:
-    t0 = (time.perf_counter(), time.process_time())
+    t0 = (time.perf_counter(), time.process_time() + children_cpu_seconds())
     res = CheckResult(config=cfg.as_dict())
     root = World(cfg)
     root.step_bound = not canon
     root.settle()
+    root = loads(dumps(root))   # as every other state: restored from a pickle (snapshot.py)
     data, key = canonical(root) if canon else (dumps(root), digest(dumps(root)))
     seen: dict = {key: 0}
     edges = EdgeLog() if canon else None
-    parents: dict[int, tuple[int, tuple, tuple]] = {}
+    parents = Parents()
     frontier: deque[tuple[int, int, bytes]] = deque([(0, 0, zlib.compress(data, 1))])
     res.states, next_id = 1, 1
     level = 0
-    for (nid, depth, _), succ in _levels(frontier, canon, jobs):
+    for (nid, depth, _), succ in levels(frontier, canon, jobs, seen):
         if progress is not None and depth != level:
             level = depth
             print(f"pp={cfg.pp_size} level={depth} states={res.states} "
@@ -186,16 +106,18 @@ def _explore(cfg: CheckConfig, max_states: int, max_violations: int,
             if cid is None:
                 cid, next_id = next_id, next_id + 1
                 seen[d] = cid
-                parents[cid] = (nid, action, choices)
+                parents.add(cid, nid, action, choices)
                 res.states += 1
                 res.depth = max(res.depth, depth + 1)
                 if found:
                     if not res.violations:
-                        res.path = _path(parents, cid)
+                        res.path = parents.path(cid)
                     res.violations += found
                     if len({v["message"] for v in res.violations}) >= max_violations:
                         return _finish(res, cfg, t0)
                     continue
+                if cdata is None:   # expand.py: the pickle comes with the first sighting
+                    raise RuntimeError(f"state {d:x} is new but came without its pickle")
                 frontier.append((cid, depth + 1, cdata))
             if edges is not None and action[0] in EdgeLog.ENGINE_MOVES:
                 edges.add(nid, cid, action, choices)
@@ -205,7 +127,7 @@ def _explore(cfg: CheckConfig, max_states: int, max_violations: int,
     if edges is not None and not res.violations:
         cycle = edges.find_cycle()
         if cycle is not None:
-            res.path = _path(parents, cycle[0]) + cycle[1]
+            res.path = parents.path(cycle[0]) + cycle[1]
             res.violations = [{"invariant": 6, "step": None, "rank": None,
                                "message": f"no progress: a cycle of {len(cycle[1])} engine moves "
                                           f"(results, issues, rank steps) returns to the same "
@@ -227,17 +149,9 @@ def _finish(res: CheckResult, cfg: CheckConfig, t0: tuple[float, float]) -> Chec
         if real:
             res.violations = real
     res.seconds = round(time.perf_counter() - t0[0], 3)
-    res.cpu_seconds = round(time.process_time() - t0[1], 3)
+    res.cpu_seconds = round(time.process_time() + children_cpu_seconds() - t0[1], 3)
+    res.peak_rss_mb, res.peak_worker_rss_mb = peak_rss_mb()
     return res
-
-
-def _path(parents: dict[int, tuple[int, tuple, tuple]], nid: int) -> list[tuple]:
-    path = []
-    while nid in parents:
-        pid, action, choices = parents[nid]
-        path.append((action, choices))
-        nid = pid
-    return path[::-1]
 
 
 def replay_path(cfg: CheckConfig, path: list[tuple], record: bool = True,

@@ -30,6 +30,7 @@ rule; in short:
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict, deque
 
 import numpy as np
@@ -178,8 +179,15 @@ def shift_comm(w, ops: list) -> None:
             for op in ops:
                 if op.kind == "bcast" and op.group == g:
                     op.index -= base
-    comm.p2p_count = dict(sorted(comm.p2p_count.items()))
-    comm.coll_count = dict(sorted(comm.coll_count.items()))
+    # group and kind names: the literals' (interned) string objects, as in ops issued by the code
+    # (a pickle memoizes strings by identity: a restored copy would pickle differently)
+    intern = sys.intern
+    for op in ops:
+        op.group, op.kind = intern(op.group), intern(op.kind)
+    comm.queues = {(intern(g), r): q for (g, r), q in comm.queues.items()}
+    comm.p2p_count = {(intern(g), s, d, intern(k)): n
+                      for (g, s, d, k), n in sorted(comm.p2p_count.items())}
+    comm.coll_count = {(intern(g), r): n for (g, r), n in sorted(comm.coll_count.items())}
 
 
 # ------------------------------------------------------------------------------ generations

@@ -93,6 +93,9 @@ class CheckConfig:
         return asdict(self)
 
 
+snapshot.constant_type(CheckConfig)
+
+
 class World:
     """One explored state (see the module docstring). ``record``: keep every event (traces)."""
 
@@ -101,7 +104,8 @@ class World:
         self.spec_tokens, self.block_size = cfg.spec_tokens, cfg.block_size
         self.sched_sink = RecordingSink() if record else NULL_SINK
         self.sched = Scheduler(cfg.scheduler_config(), sink=self.sched_sink)
-        snapshot.share(self.sched.config)   # constant: pickles name it (snapshot.py)
+        snapshot.share(self.sched.config)   # constants: pickles name them (snapshot.py)
+        snapshot.share(cfg)
         self.monitor = Monitor(self.sched, self)
         self.comm = Comm(cfg.pp_size)
         overlapped = cfg.mode == "overlapped"
