@@ -10,9 +10,11 @@ the typed pydantic models of every kind, the run header and the reader live in
 from __future__ import annotations
 
 import json
+from collections import deque
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, BinaryIO, Callable
 
+import msgspec
 from pydantic import BaseModel, Field
 
 
@@ -44,6 +46,12 @@ class EventSink:
 
     def emit(self, kind: str, step: int = -1, rank: int | None = None, **data: Any) -> None:
         """Record one event (no-op here)."""
+
+    def emit_when(self, ready: Callable[[], bool], kind: str, step: int, rank: int | None,
+                  fields: Callable[[], dict[str, Any]]) -> None:
+        """Record an event whose fields are known only once ``ready()`` (e.g. a device-to-host
+        copy landed); it keeps its place in the order. Here: ``fields()`` now (may block)."""
+        self.emit(kind, step, rank, **fields())
 
     def close(self) -> None:
         """Flush and release resources."""
@@ -95,18 +103,54 @@ class JsonlSink(EventSink):
         self.path = Path(path)
         self.trace_prompts = trace_prompts
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh: TextIO = self.path.open("x", encoding="utf-8", buffering=1 << 16)
+        self._fh: BinaryIO = self.path.open("xb", buffering=1 << 16)
+        # msgspec's encoder: the same compact JSON as json.dumps(separators=(",", ":")) (UTF-8
+        # instead of \u escapes), 5-10x faster on the schedule and tokens events of a big step
+        self._encode = msgspec.json.Encoder().encode
+
+        # events held behind a deferred one (emit_when) whose fields are not ready yet:
+        # encoded lines (bytes) and (ready, kind, step, rank, fields) entries, in emit order
+        self._held: deque = deque()
 
     def emit(self, kind: str, step: int = -1, rank: int | None = None, **data: Any) -> None:
-        self._fh.write(json.dumps({"kind": kind, "step": step, "rank": rank, **data},
-                                  separators=(",", ":")) + "\n")
+        line = self._encode({"kind": kind, "step": step, "rank": rank, **data})
+        if self._held:
+            self._held.append(line)
+            self._drain(block=False)
+        else:
+            self._fh.write(line)
+            self._fh.write(b"\n")
+
+    def emit_when(self, ready: Callable[[], bool], kind: str, step: int, rank: int | None,
+                  fields: Callable[[], dict[str, Any]]) -> None:
+        """Hold the event (and every later one) until ``ready()``; written at a later emit that
+        finds it ready, or at :meth:`flush` / :meth:`close`, which call ``fields()`` regardless
+        (it may block then). So a rank records the sampled ids without waiting for the device
+        in the step (docs/trace_format.md: the file order is the emit order)."""
+        self._held.append((ready, kind, step, rank, fields))
+        self._drain(block=False)
+
+    def _drain(self, block: bool) -> None:
+        held, fh = self._held, self._fh
+        while held:
+            head = held[0]
+            if type(head) is not bytes:
+                ready, kind, step, rank, fields = head
+                if not block and not ready():
+                    return
+                head = self._encode({"kind": kind, "step": step, "rank": rank, **fields()})
+            fh.write(head)
+            fh.write(b"\n")
+            held.popleft()
 
     def flush(self) -> None:
-        """Push buffered events to the file."""
+        """Write the held events (waiting for their fields) and push buffered ones to the file."""
+        self._drain(block=True)
         self._fh.flush()
 
     def close(self) -> None:
         if not self._fh.closed:
+            self._drain(block=True)
             self._fh.close()
 
 

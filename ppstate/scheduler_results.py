@@ -113,7 +113,8 @@ class StepResults:
             updates = self._apply_rows(out, result, epochs, drafts)
         if self.sink.enabled:
             self.sink.emit("tokens", step=self._next_step, of_step=result.step,
-                           updates=[vars(u) for u in updates])
+                           updates=updates.as_dicts() if isinstance(updates, StepUpdates)
+                           else [vars(u) for u in updates])
         return updates
 
     def _live_rows(self, out: SchedulerOutput, result: StepResult,

@@ -65,6 +65,13 @@ class StepUpdates(Sequence[TokenUpdate]):
         get = self.finish_reasons.get
         return (TokenUpdate(r, [t], get(i)) for i, (r, t) in enumerate(zip(self.req_ids, self.token_ids)))
 
+    def as_dicts(self) -> list[dict]:
+        """The updates as the trace records them (``vars`` of each :class:`TokenUpdate`, same
+        keys and order), built from the columns without making the updates."""
+        get = self.finish_reasons.get
+        return [{"req_id": r, "token_ids": [t], "finish_reason": get(i)}
+                for i, (r, t) in enumerate(zip(self.req_ids, self.token_ids))]
+
     @property
     def num_tokens(self) -> int:
         """Tokens delivered (one per update), without making the updates."""

@@ -40,6 +40,7 @@ class ControlPlane:
                               max_prefill_chunk=64, max_model_len=max_model_len)
         sinks = [NULL_SINK] * (pp_size + 1)
         if trace_dir is not None:  # the engine's and every rank's event file, as --trace-dir does
+            Path(trace_dir).mkdir(parents=True, exist_ok=True)
             run = Path(tempfile.mkdtemp(prefix="sched-", dir=trace_dir))
             sinks = [JsonlSink(run / "engine.jsonl")] + [JsonlSink(run / f"rank{r}.jsonl")
                                                          for r in range(pp_size)]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -37,6 +38,14 @@ from runtime.worker.progress import Progress
 from runtime.worker.sampler import TokenHistory, sample
 from runtime.worker.step_inputs import build_fast_meta
 from runtime.worker.spec_verify import SpecDecoder, logprob_rows as spec_logprob_rows
+
+
+def _sampled_fields(req_ids: list[str], copy) -> dict:
+    """The ``sampled`` event's fields once ``copy`` (the step's sampled-id payload on its way to
+    pinned host memory) has landed."""
+    h = SampledPayload(copy.wait())
+    return {"req_ids": req_ids, "token_ids": h.token_ids.tolist(),
+            "num_sampled": h.num_sampled.tolist()}
 
 
 class _PendingRecv:
@@ -319,10 +328,9 @@ class StageRunner:
             return PendingResult.completed(
                 StepResult(out.step, np.zeros((0, w), dtype=np.int64), z, z.copy()))
         copy = self.host_copy.start(payload.buf)    # non_blocking into pinned memory + an event
-        if self.sink.enabled:   # tracing: the ``sampled`` event keeps its place in the step's
-            h = SampledPayload(copy.wait())     # event order (a host wait, only when tracing)
-            self.sink.emit("sampled", step=out.step, rank=self.g.rank, req_ids=list(out.req_ids),
-                           token_ids=h.token_ids.tolist(), num_sampled=h.num_sampled.tolist())
+        if self.sink.enabled:   # tracing: the ``sampled`` event keeps its place in the order; the
+            self.sink.emit_when(copy.ready, "sampled", out.step, self.g.rank,  # sink holds it
+                                partial(_sampled_fields, list(out.req_ids), copy))  # (no wait)
         return PendingResult(out.step, w, copy, self._logprobs, self.timing.busy_s)
 
     # ---- mirrors and trace -------------------------------------------------------------------
