@@ -73,3 +73,33 @@ def test_block_count_short_of_computed_tokens_is_caught(device):
     e = info.value
     assert (e.rank, e.step, e.slot, e.req_id) == (1, 1, 6, "r6") and e.field.startswith("num_blocks")
     assert (e.cpu, e.device) == (1, 2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_traced_checks_keep_their_place_and_record_the_verdict(device, tmp_path):
+    """Tracing: each snapshot's mirror.check lands where the synchronous check would put it (before
+    the next step's events), with the comparison's verdict; a divergence is recorded as ok=false
+    with the message the raised MirrorDivergence carries."""
+    from ppstate.events import JsonlSink, read_jsonl
+    path = tmp_path / "rank1.jsonl"
+    sink = JsonlSink(path)
+    st = _state(device)
+    chk = AsyncMirrorCheck(st, sink=sink, rank=1)
+    for step in range(3):
+        sink.emit("rank.step", step=step, rank=1, num_rows=3)
+        _step(st)
+        chk.snapshot(step)
+    st.corrupt(3, "num_computed_tokens", 7)
+    sink.emit("rank.step", step=3, rank=1, num_rows=3)
+    with pytest.raises(MirrorDivergence) as info:
+        chk.snapshot(3)
+        chk.poll(block=True)
+    sink.close()
+    events = read_jsonl(path)
+    assert [(e["kind"], e["step"]) for e in events] == [
+        (k, s) for s in range(4) for k in ("rank.step", "mirror.check")]
+    checks = [e for e in events if e["kind"] == "mirror.check"]
+    assert [c["slots"] for c in checks] == [[1, 3, 6]] * 4
+    assert [c["num_computed_tokens"] for c in checks[:3]] == [[2, 1, 3], [4, 2, 6], [6, 3, 9]]
+    assert [c["ok"] for c in checks] == [True, True, True, False]
+    assert checks[3]["message"] == str(info.value) and "num_computed_tokens" in checks[3]["message"]

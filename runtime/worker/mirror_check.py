@@ -11,6 +11,11 @@ A divergence raises :class:`~ppstate.errors.MirrorDivergence` naming rank, step,
 field and both values (via ``CpuMirror.validate``), exactly as the synchronous check does.
 
 On the CPU (no events) the copy is synchronous and the comparison immediate.
+
+When tracing, each snapshot records its ``mirror.check`` event at the place the synchronous check
+would (``JsonlSink.emit_when``: the sink holds it, and the rank's later events, until the
+comparison has run), with the verdict of that comparison, so a GPU run's trace replays like a
+CPU run's (docs/trace_format.md).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ppstate.errors import MirrorDivergence
+from ppstate.events import NULL_SINK, EventSink
 from ppstate.mirror import MIRROR_FIELDS, CpuMirror
 
 
@@ -30,6 +37,7 @@ class _Pending:
     live: np.ndarray               # [num_live] slots compared
     owners: list                   # [max_num_reqs] req ids at snapshot time
     event: object | None
+    verdict: tuple[bool, str | None] | None = None   # (ok, message) once compared
 
 
 class AsyncMirrorCheck:
@@ -38,10 +46,11 @@ class AsyncMirrorCheck:
     Args:
         state: the rank's DeviceState (device tensors ``[max_num_reqs]`` int64, ``mirror``,
             ``owner``, ``live_slots()``, ``block_size``).
+        sink: where ``mirror.check`` events go when it is enabled (tracing); rank: their rank.
     """
 
-    def __init__(self, state) -> None:
-        self.state = state
+    def __init__(self, state, sink: EventSink = NULL_SINK, rank: int | None = None) -> None:
+        self.state, self.sink, self.rank = state, sink, rank
         m = state.mirror.num_computed_tokens_np.shape[0]
         f = len(MIRROR_FIELDS)
         pin = state.device.type == "cuda"
@@ -63,6 +72,9 @@ class AsyncMirrorCheck:
         self.poll(block=True)
         live = self.state.live_slots()
         if live.size == 0:
+            if self.sink.enabled:   # nothing to compare, recorded as the synchronous check does
+                self.sink.emit("mirror.check", step=step, rank=self.rank, slots=[],
+                               num_computed_tokens=[], ok=True, message=None)
             return
         k = step % 2
         dev = torch.stack([getattr(self.state, f) for f in MIRROR_FIELDS])   # [F, max_num_reqs]
@@ -73,9 +85,26 @@ class AsyncMirrorCheck:
             event.record()
         mirror = self.state.mirror
         np.stack([mirror.array(f) for f in MIRROR_FIELDS], out=self.expected[k])
-        self.pending.append(_Pending(step, k, live, list(self.state.owner), event))
+        p = _Pending(step, k, live, list(self.state.owner), event)
+        self.pending.append(p)
+        if self.sink.enabled:
+            values = self.expected[k][self._nct, live].tolist()
+            self.sink.emit_when(lambda: p.verdict is not None, "mirror.check", step, self.rank,
+                                lambda: self._check_fields(p, values))
         if event is None:
             self.poll(block=True)
+
+    def _check_fields(self, p: _Pending, values: list[int]) -> dict:
+        """The ``mirror.check`` event's fields of ``p`` (compared now if it was not yet: the
+        sink's flush / close; a divergence found then is recorded, raised by the next poll)."""
+        if p.verdict is None:
+            try:
+                self.poll(block=True)
+            except MirrorDivergence:
+                pass
+        ok, message = p.verdict if p.verdict is not None else (True, None)
+        return {"slots": p.live.tolist(), "num_computed_tokens": values, "ok": ok,
+                "message": message}
 
     def poll(self, block: bool = False) -> None:
         """Compare every pending snapshot whose copy has completed (all of them with ``block``)."""
@@ -94,7 +123,12 @@ class AsyncMirrorCheck:
             if not (np.array_equal(e, dev[:, p.live])
                     and (held >= -(-computed // bs)).all()
                     and (held <= -(-(computed + slack) // bs)).all()):
-                self._raise(p, dev, exp)
+                try:
+                    self._raise(p, dev, exp)
+                except MirrorDivergence as exc:
+                    p.verdict = (False, str(exc))
+                    raise
+            p.verdict = (True, None)
 
     def _raise(self, p: _Pending, dev: np.ndarray, exp: np.ndarray) -> None:
         """The first divergence of ``p``, as ``CpuMirror.validate`` / ``validate_blocks`` name it."""

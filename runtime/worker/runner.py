@@ -108,7 +108,8 @@ class StageRunner:
         self.g, self.stage, self.state = groups, stage, state
         self.progress = progress if progress is not None else Progress(groups.rank, hook=None)
         self.fast, self.graphs = fast, graphs
-        self.mirror_check = AsyncMirrorCheck(state) if state.device.type == "cuda" else None
+        self.mirror_check = (AsyncMirrorCheck(state, sink, groups.rank)
+                             if state.device.type == "cuda" else None)
         self.overlapped, self.validate_every, self.sink = overlapped, validate_every, sink
         self.device = state.device
         self.width = state.width
