@@ -10,6 +10,7 @@ the typed pydantic models of every kind, the run header and the reader live in
 from __future__ import annotations
 
 import json
+import time
 from collections import deque
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
@@ -116,7 +117,7 @@ class JsonlSink(EventSink):
         line = self._encode({"kind": kind, "step": step, "rank": rank, **data})
         if self._held:
             self._held.append(line)
-            self._drain(block=False)
+            self._drain()
         else:
             self._fh.write(line)
             self._fh.write(b"\n")
@@ -124,33 +125,43 @@ class JsonlSink(EventSink):
     def emit_when(self, ready: Callable[[], bool], kind: str, step: int, rank: int | None,
                   fields: Callable[[], dict[str, Any]]) -> None:
         """Hold the event (and every later one) until ``ready()``; written at a later emit that
-        finds it ready, or at :meth:`flush` / :meth:`close`, which call ``fields()`` regardless
-        (it may block then). So a rank records the sampled ids without waiting for the device
-        in the step (docs/trace_format.md: the file order is the emit order)."""
+        finds it ready, or at :meth:`flush` / :meth:`close`, which wait up to
+        :attr:`HOLD_TIMEOUT_S` for it. So a rank records the sampled ids without waiting for the
+        device in the step (docs/trace_format.md: the file order is the emit order)."""
         self._held.append((ready, kind, step, rank, fields))
-        self._drain(block=False)
+        self._drain()
 
-    def _drain(self, block: bool) -> None:
+    #: seconds flush / close wait for a held event (a device stuck behind a hung collective never
+    #: completes the step: its event and the later ones are then dropped, the trace ends before it)
+    HOLD_TIMEOUT_S = 5.0
+
+    def _drain(self, wait_s: float = 0.0) -> None:
         held, fh = self._held, self._fh
+        deadline = time.monotonic() + wait_s
         while held:
             head = held[0]
             if type(head) is not bytes:
                 ready, kind, step, rank, fields = head
-                if not block and not ready():
-                    return
+                while not ready():
+                    if time.monotonic() >= deadline:
+                        if wait_s:
+                            held.clear()
+                        return
+                    time.sleep(0.001)
                 head = self._encode({"kind": kind, "step": step, "rank": rank, **fields()})
             fh.write(head)
             fh.write(b"\n")
             held.popleft()
 
     def flush(self) -> None:
-        """Write the held events (waiting for their fields) and push buffered ones to the file."""
-        self._drain(block=True)
+        """Write the held events (waiting for them, :attr:`HOLD_TIMEOUT_S`) and push buffered
+        ones to the file."""
+        self._drain(self.HOLD_TIMEOUT_S)
         self._fh.flush()
 
     def close(self) -> None:
         if not self._fh.closed:
-            self._drain(block=True)
+            self._drain(self.HOLD_TIMEOUT_S)
             self._fh.close()
 
 

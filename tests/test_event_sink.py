@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from ppstate.events import JsonlSink, RecordingSink, read_jsonl
 
 
@@ -40,11 +42,27 @@ def test_deferred_event_holds_later_ones_until_ready(tmp_path):
     assert [(e["kind"], e["step"]) for e in events] == [
         ("rank.step", 0), ("sampled", 0), ("mirror.check", 0), ("rank.step", 1), ("rank.step", 2)]
     assert events[1]["token_ids"] == [7, 8] and calls == [True]
-    # close writes a held event whose copy has not landed (its fields() may block then)
-    sink.emit_when(lambda: False, "sampled", 2, 1, lambda: {"token_ids": []})
+    # close waits for a held event whose copy lands meanwhile (ready on the third poll) ...
+    polls = iter([False, False, True])
+    sink.emit_when(lambda: next(polls), "sampled", 2, 1, lambda: {"token_ids": [9]})
     sink.emit("timing", step=2, rank=1)
     sink.close()
-    assert [e["kind"] for e in read_jsonl(path)][-2:] == ["sampled", "timing"]
+    events = read_jsonl(path)
+    assert [e["kind"] for e in events][-2:] == ["sampled", "timing"]
+    assert events[-2]["token_ids"] == [9]
+
+
+def test_close_drops_what_a_stuck_device_never_completes(tmp_path, monkeypatch):
+    # ... and gives up on one that never lands (a device stuck behind a hung collective): the
+    # trace then ends with the last event before it, instead of close hanging
+    monkeypatch.setattr(JsonlSink, "HOLD_TIMEOUT_S", 0.05)
+    path = tmp_path / "rank0.jsonl"
+    sink = JsonlSink(path)
+    sink.emit("rank.step", step=7, rank=0, num_rows=1)
+    sink.emit_when(lambda: False, "sampled", 7, 0, lambda: pytest.fail("fields of a stuck copy"))
+    sink.emit("timing", step=7, rank=0)
+    sink.close()
+    assert [(e["kind"], e["step"]) for e in read_jsonl(path)] == [("rank.step", 7)]
 
 
 def test_in_memory_sinks_record_a_deferred_event_at_once():

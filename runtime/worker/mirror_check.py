@@ -60,6 +60,7 @@ class AsyncMirrorCheck:
         self._nct = MIRROR_FIELDS.index("num_computed_tokens")
         self._nb = MIRROR_FIELDS.index("num_blocks")
         self.pending: list[_Pending] = []
+        self._error: MirrorDivergence | None = None   # found while recording, raised next
         self.checked_steps = 0
 
     def snapshot(self, step: int) -> None:
@@ -89,46 +90,62 @@ class AsyncMirrorCheck:
         self.pending.append(p)
         if self.sink.enabled:
             values = self.expected[k][self._nct, live].tolist()
-            self.sink.emit_when(lambda: p.verdict is not None, "mirror.check", step, self.rank,
+            self.sink.emit_when(lambda: p.verdict is not None or p.event is None
+                                or p.event.query(), "mirror.check", step, self.rank,
                                 lambda: self._check_fields(p, values))
         if event is None:
             self.poll(block=True)
 
     def _check_fields(self, p: _Pending, values: list[int]) -> dict:
-        """The ``mirror.check`` event's fields of ``p`` (compared now if it was not yet: the
-        sink's flush / close; a divergence found then is recorded, raised by the next poll)."""
+        """The ``mirror.check`` event's fields of ``p``, compared now if its copy landed but no poll
+        ran yet (a divergence found here is recorded and raised by the snapshot or poll that
+        follows, as the check's own order has it: the comparisons run in snapshot order)."""
         if p.verdict is None:
             try:
-                self.poll(block=True)
-            except MirrorDivergence:
-                pass
+                self.poll(until=p)
+            except MirrorDivergence as exc:   # raised by the next snapshot / poll, not here
+                self._error = exc
         ok, message = p.verdict if p.verdict is not None else (True, None)
         return {"slots": p.live.tolist(), "num_computed_tokens": values, "ok": ok,
                 "message": message}
 
-    def poll(self, block: bool = False) -> None:
-        """Compare every pending snapshot whose copy has completed (all of them with ``block``)."""
+    def poll(self, block: bool = False, until: _Pending | None = None) -> None:
+        """Compare every pending snapshot whose copy has completed (all of them with ``block``;
+        with ``until``, only the snapshots up to that one, whose copy has landed).
+
+        Raises:
+            MirrorDivergence: the first divergence found (also one found earlier while the
+                trace recorded a check, :meth:`_check_fields`).
+        """
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
         while self.pending:
             p = self.pending[0]
             if p.event is not None:
-                if not block and not p.event.query():
+                if not block and until is None and not p.event.query():
                     return
                 p.event.synchronize()
             self.pending.pop(0)
-            self.checked_steps += 1
-            dev, exp = self.host[p.buf].numpy(), self.expected[p.buf]
-            e = exp[:, p.live]                                             # [F, num_live]
-            bs, slack = self.state.block_size, 2 * (self.state.width - 1)  # spec drafts' blocks
-            held, computed = e[self._nb], e[self._nct]
-            if not (np.array_equal(e, dev[:, p.live])
-                    and (held >= -(-computed // bs)).all()
-                    and (held <= -(-(computed + slack) // bs)).all()):
-                try:
-                    self._raise(p, dev, exp)
-                except MirrorDivergence as exc:
-                    p.verdict = (False, str(exc))
-                    raise
-            p.verdict = (True, None)
+            self._compare(p)
+            if p is until:
+                return
+
+    def _compare(self, p: _Pending) -> None:
+        self.checked_steps += 1
+        dev, exp = self.host[p.buf].numpy(), self.expected[p.buf]
+        e = exp[:, p.live]                                             # [F, num_live]
+        bs, slack = self.state.block_size, 2 * (self.state.width - 1)  # spec drafts' blocks
+        held, computed = e[self._nb], e[self._nct]
+        if not (np.array_equal(e, dev[:, p.live])
+                and (held >= -(-computed // bs)).all()
+                and (held <= -(-(computed + slack) // bs)).all()):
+            try:
+                self._raise(p, dev, exp)
+            except MirrorDivergence as exc:
+                p.verdict = (False, str(exc))
+                raise
+        p.verdict = (True, None)
 
     def _raise(self, p: _Pending, dev: np.ndarray, exp: np.ndarray) -> None:
         """The first divergence of ``p``, as ``CpuMirror.validate`` / ``validate_blocks`` name it."""

@@ -14,9 +14,18 @@ import numpy as np
 import torch
 
 from ppstate.batch import StepResult
+from ppstate.payload import SampledPayload
 from runtime.step_logprobs import StepLogprobs
 from runtime.worker.sampler import SamplerOutput
 from runtime.worker.host_copy import PendingCopy
+
+
+def sampled_fields(req_ids: list[str], copy: PendingCopy) -> dict:
+    """The trace's ``sampled`` event fields (docs/trace_format.md) once ``copy`` (a step's payload
+    ``[num_rows, width + 2]`` on its way to pinned host memory) has landed; waits for it."""
+    h = SampledPayload(copy.wait())
+    return {"req_ids": req_ids, "token_ids": h.token_ids.tolist(),
+            "num_sampled": h.num_sampled.tolist()}
 
 
 class PendingResult:

@@ -33,19 +33,12 @@ from runtime.worker.device_state import DeviceState
 from runtime.worker.groups import PPGroups
 from runtime.worker.host_copy import HostCopy, to_device
 from runtime.worker.mirror_check import AsyncMirrorCheck
-from runtime.worker.pending_result import LogprobRows, PendingResult, ReadyLogprobs
+from runtime.worker.pending_result import (LogprobRows, PendingResult, ReadyLogprobs,
+                                            sampled_fields)
 from runtime.worker.progress import Progress
 from runtime.worker.sampler import TokenHistory, sample
 from runtime.worker.step_inputs import build_fast_meta
 from runtime.worker.spec_verify import SpecDecoder, logprob_rows as spec_logprob_rows
-
-
-def _sampled_fields(req_ids: list[str], copy) -> dict:
-    """The ``sampled`` event's fields once ``copy`` (the step's sampled-id payload on its way to
-    pinned host memory) has landed."""
-    h = SampledPayload(copy.wait())
-    return {"req_ids": req_ids, "token_ids": h.token_ids.tolist(),
-            "num_sampled": h.num_sampled.tolist()}
 
 
 class _PendingRecv:
@@ -331,7 +324,7 @@ class StageRunner:
         copy = self.host_copy.start(payload.buf)    # non_blocking into pinned memory + an event
         if self.sink.enabled:   # tracing: the ``sampled`` event keeps its place in the order; the
             self.sink.emit_when(copy.ready, "sampled", out.step, self.g.rank,  # sink holds it
-                                partial(_sampled_fields, list(out.req_ids), copy))  # (no wait)
+                                partial(sampled_fields, list(out.req_ids), copy))  # (no wait)
         return PendingResult(out.step, w, copy, self._logprobs, self.timing.busy_s)
 
     # ---- mirrors and trace -------------------------------------------------------------------
