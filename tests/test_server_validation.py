@@ -78,6 +78,7 @@ def malformed_cases(max_model_len: int) -> list[tuple[str, object, str | None, s
         (COMP, {"prompt": ""}, "prompt", "invalid_value"),
         (COMP, {"prompt": 42}, "prompt", "invalid_value"),
         (COMP, {"prompt": ["a", "b"]}, "prompt", "invalid_value"),
+        (COMP, {"prompt": [1, "a"]}, "prompt", "invalid_value"),   # neither ids nor a batch
         (COMP, {"prompt": [1, 2, 999999]}, "prompt", "invalid_value"),
         (COMP, {"prompt": long_prompt}, "prompt", "context_length_exceeded"),
         (CHAT, {"messages": []}, "messages", "invalid_value"),

@@ -137,6 +137,9 @@ class CompletionRequest(GenerationRequest):
             if any(not 0 <= t <= INT64_MAX for t in v):
                 raise ValueError("token ids must be >= 0 (and below the vocabulary size)")
             return v
+        if not all(isinstance(p, (str, list)) for p in v):  # e.g. [1, "a"]: neither form
+            raise ValueError("the prompt must be a string, a list of token ids (integers) or a "
+                             "batch of one string / token-id list")
         if len(v) != 1:
             raise ValueError(f"batches of {len(v)} prompts are not supported; send one prompt")
         return cls._check_prompt(v[0])
