@@ -128,12 +128,7 @@ def _forget_free_slots(w) -> None:
     for rk in w.ranks:
         for s, owner in enumerate(rk.owner):
             if owner is None:
-                rk.history[s] = []
-                rk.output_cap[s] = rk.sample_seed[s] = rk.last_prompt[s] = 0
-                rk.ignore_eos[s] = rk.stopped[s] = False
-                for f in MIRROR_FIELDS:
-                    rk.mirror.array(f)[s] = 0
-                    rk.device[f][s] = 0
+                leftovers.clear_rank_slot(rk, s, MIRROR_FIELDS)
     sched = w.sched
     free = np.array([s for s, o in enumerate(sched.slots.owner) if o is None], dtype=np.int64)
     if free.size:

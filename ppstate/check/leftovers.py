@@ -102,12 +102,8 @@ def _erase_rows(w, by_step: dict, gone: set[str]) -> None:
                 res.sampled_token_ids[i, :] = 0
     for rk in w.ranks:
         for s, rid in enumerate(rk.owner):
-            if rid in gone:
-                rk.history[s] = []
-                rk.output_cap[s] = rk.sample_seed[s] = rk.last_prompt[s] = 0
-                rk.ignore_eos[s] = rk.stopped[s] = False
-                for f in fixed:   # equal on mirror and device (validated) and never change again
-                    rk.mirror.array(f)[s] = rk.device[f][s] = 0
+            if rid in gone:   # fixed: equal on mirror and device (validated), never change again
+                clear_rank_slot(rk, s, fixed)
         if rk.handler is None:
             continue
         for e in rk.handler._fifo:
@@ -171,3 +167,13 @@ def name_leftovers(w) -> None:
     gone = settled(w, outs)
     if gone:
         _rename(w, outs, {rid: f"z{i}" for i, rid in enumerate(gone)})
+
+
+def clear_rank_slot(rk, s: int, fields) -> None:
+    """Zero rank ``rk``'s per-request values of slot ``s`` (token history, output cap, seed, last
+    prompt token, EOS flags) and ``fields`` of its CPU mirror and device counters."""
+    rk.history[s] = []
+    rk.output_cap[s] = rk.sample_seed[s] = rk.last_prompt[s] = 0
+    rk.ignore_eos[s] = rk.stopped[s] = False
+    for f in fields:
+        rk.mirror.array(f)[s] = rk.device[f][s] = 0
