@@ -134,6 +134,8 @@ async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.soc
     engine: Any = None
 
     def on_signal() -> None:
+        if not server.should_exit:   # the first signal; a second one forces the exit
+            print("shutting down: ending open streams, stopping the workers ...", flush=True)
         server.force_exit = server.should_exit
         server.should_exit = True
         if engine is None:

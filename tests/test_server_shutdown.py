@@ -100,6 +100,7 @@ def test_loading_health_then_sigterm_with_open_stream():
         assert two.wait(120)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
+        assert "shutting down: ending open streams" in proc.stdout.read()   # says why it stops
         reader.join(60)
     finally:
         if proc.poll() is None:
