@@ -21,6 +21,17 @@ from array import array
 import numpy as np
 
 
+
+def move_code(codes: dict[tuple, int], moves: list[tuple], action: tuple, choices: tuple) -> int:
+    """The small integer naming move ``(action, choices)`` in the table ``codes`` / ``moves``
+    (appended on first sight), so that per-edge logs store 4 bytes instead of the tuples."""
+    move = (tuple(action), tuple(choices))
+    code = codes.get(move)
+    if code is None:
+        code = codes[move] = len(moves)
+        moves.append(move)
+    return code
+
 class EdgeLog:
     """Engine-move edges ``src -> dst`` (state ids) with the action taken."""
 
@@ -35,14 +46,9 @@ class EdgeLog:
         return len(self.src)
 
     def add(self, src: int, dst: int, action: tuple, choices: tuple) -> None:
-        move = (tuple(action), tuple(choices))
-        c = self._codes.get(move)
-        if c is None:
-            c = self._codes[move] = len(self._moves)
-            self._moves.append(move)
         self.src.append(src)
         self.dst.append(dst)
-        self.code.append(c)
+        self.code.append(move_code(self._codes, self._moves, action, choices))
 
     def find_cycle(self) -> tuple[int, list[tuple]] | None:
         """A cycle as ``(first state id, [(action, choices), ...])``, or None."""

@@ -25,6 +25,7 @@ from collections.abc import Container, Iterator
 
 from ppstate.check.canon import canonical
 from ppstate.check.choices import Chooser, choice_vectors
+from ppstate.check.cycles import move_code
 from ppstate.check.judge import end_violations
 from ppstate.check.snapshot import digest, dumps, loads
 from ppstate.check.world import World
@@ -123,13 +124,8 @@ class Parents:
     def add(self, nid: int, parent: int, action: tuple, choices: tuple) -> None:
         """Record state ``nid`` (the next id: ids are handed out in order)."""
         assert nid == len(self.parent), (nid, len(self.parent))
-        move = (tuple(action), tuple(choices))
-        code = self._codes.get(move)
-        if code is None:
-            code = self._codes[move] = len(self._moves)
-            self._moves.append(move)
         self.parent.append(parent)
-        self.move.append(code)
+        self.move.append(move_code(self._codes, self._moves, action, choices))
 
     def path(self, nid: int) -> list[tuple]:
         """The moves from the root to state ``nid``."""
