@@ -4,7 +4,7 @@
 
 ``python benchmarks/readme_table.py`` rewrites the block between the two marker comments in
 README.md; ``--check`` exits 1 when the block differs from what the results say
-(tests/test_bench_readme.py runs the check). A metric found in several files is taken from the
+(tests/runtime/test_bench_readme.py runs the check). A metric found in several files is taken from the
 newest (by the file's ``date``).
 """
 

@@ -8,9 +8,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 mkdir -p "$out"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout 200 python3 -m pytest -p no:cacheprovider -q -rs -k "not interpreter" \
-    tests/test_attention_kernels.py tests/test_gpu_fast_path.py tests/test_gpu_mirror_check.py \
-    tests/test_post_update.py tests/test_gpu_engine.py tests/test_sampling_state.py \
-    tests/test_step_inputs.py > "$out/tests.log" 2>&1
+    tests/runtime/test_attention_kernels.py tests/gpu/test_gpu_fast_path.py \
+    tests/gpu/test_gpu_mirror_check.py tests/runtime/test_post_update.py tests/gpu/test_gpu_engine.py \
+    tests/runtime/test_sampling_state.py tests/runtime/test_step_inputs.py > "$out/tests.log" 2>&1
   tail -4 "$out/tests.log"
 fi
 folder=/tmp/smollm2-random

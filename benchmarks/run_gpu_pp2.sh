@@ -7,8 +7,8 @@ out=${1:?outdir}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 mkdir -p "$out"
 timeout 200 python3 -m pytest -p no:cacheprovider -q -rs \
-  "tests/test_gpu_fast_path.py::test_pp2_nccl_sync_equals_pp1_and_overlapped_close_and_broadcast_order" \
-  "tests/test_gpu_engine.py::test_engine_greedy_equals_transformers[2-False]" > "$out/tests.log" 2>&1
+  "tests/gpu/test_gpu_fast_path.py::test_pp2_nccl_sync_equals_pp1_and_overlapped_close_and_broadcast_order" \
+  "tests/gpu/test_gpu_engine.py::test_engine_greedy_equals_transformers[2-False]" > "$out/tests.log" 2>&1
 tail -4 "$out/tests.log"
 folder=/tmp/smollm2-random
 [ -d $folder ] || python3 -m runtime.bench gpu --shapes smollm2-135m --make-folder $folder > /dev/null 2>&1

@@ -1,7 +1,7 @@
 """Mermaid ``stateDiagram-v2`` diagrams generated from the ``specs/*.yaml`` machine tables.
 
 Run ``python -m ppstate.diagrams`` (or ``make diagrams``) to rewrite ``specs/<name>.mmd`` next to
-each table; ``--check`` only reports stale diagrams (exit status 1). tests/test_diagrams.py fails
+each table; ``--check`` only reports stale diagrams (exit status 1). tests/tools/test_diagrams.py fails
 when a committed diagram differs from what the tables generate.
 
 Output is deterministic: ``[*] --> initial`` first, then the edges grouped by source state in the

@@ -5,8 +5,8 @@
 flag's type, choices and default come from that field (its annotation and ``EngineConfig()``),
 its help from the field's ``description`` or, for scheduler fields, from the table. The argparse
 flags (:func:`add_engine_flags`) and the docs table (:func:`markdown_table`, in docs/config.md;
-``python -m runtime.cli_common --write-docs`` rewrites it, tests/test_cli_flags.py fails on drift)
-are both generated from it.
+``python -m runtime.cli_common --write-docs`` rewrites it, tests/runtime/test_cli_flags.py fails on
+drift) are both generated from it.
 """
 
 from __future__ import annotations

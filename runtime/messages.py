@@ -19,7 +19,7 @@ import numpy as np
 
 from ppstate.batch import FreedSlot, NewRequest, SchedulerOutput, StepResult
 from ppstate.errors import PPStateError
-from runtime.step_logprobs import StepLogprobs
+from runtime.sampling.step_logprobs import StepLogprobs
 
 
 class TransportError(PPStateError):
@@ -55,7 +55,7 @@ class NdArray(msgspec.Struct, array_like=True, frozen=True):
 
 
 class LogprobArrays(msgspec.Struct, array_like=True):
-    """:class:`~runtime.step_logprobs.StepLogprobs` on the wire (each field an NdArray)."""
+    """:class:`~runtime.sampling.step_logprobs.StepLogprobs` on the wire (each field an NdArray)."""
     rows: NdArray
     logprobs: NdArray
     ks: NdArray
@@ -119,8 +119,9 @@ class ResultMsg(_Msg, tag="result"):
         busy_s: seconds this rank spent computing the step (forward, sampling), not waiting.
         logprobs: optional msgpack-able payload (numpy scalars/arrays become Python numbers/lists):
             per-row lists (speculative decoding's verify).
-        logprob_arrays: the step's logprobs as arrays (:class:`~runtime.step_logprobs.StepLogprobs`,
-            the sampler's payload); at most one of ``logprobs`` / ``logprob_arrays`` is set.
+        logprob_arrays: the step's logprobs as arrays
+            (:class:`~runtime.sampling.step_logprobs.StepLogprobs`, the sampler's payload); at most
+            one of ``logprobs`` / ``logprob_arrays`` is set.
     """
     step: int
     rank: int

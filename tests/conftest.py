@@ -1,15 +1,30 @@
-"""Shared pytest fixtures.
+"""Shared pytest fixtures, and the tests' layout.
 
-Model fixtures (tests/test_model_*.py): the default GGUF's config and all its tensors are read once
-per session; stages of any layer range are then built from that dict without re-reading the file.
+Tests are grouped by layer: ``core/`` (the ppstate core: machines, scheduler, PPHandler,
+mirrors, specs), ``tools/`` (simulator, model checker, trace, replay, diagrams, the testing plugin,
+packaging), ``runtime/`` (model, kernels, sampling, worker, engine, benchmarks), ``server/`` (the
+HTTP server) and ``gpu/`` (the CUDA paths; skipped or CPU-only without a GPU). The helpers they share
+(``engine_harness``, ``app_harness``, ``inproc_pipeline``, ``reference``) live in ``helpers/``,
+which is put on ``sys.path`` here, so a test imports them by module name wherever it sits
+(``from engine_harness import EngineThread``).
+
+Model fixtures (tests/runtime/test_model_*.py): the default GGUF's config and all its tensors are
+read once per session; stages of any layer range are then built from that dict without re-reading
+the file.
 """
 
 from __future__ import annotations
 
+import sys
 from importlib.metadata import entry_points
+from pathlib import Path
 
 import pytest
 import torch
+
+HELPERS = str(Path(__file__).resolve().parent / "helpers")
+if HELPERS not in sys.path:
+    sys.path.insert(0, HELPERS)
 
 # The ppstate pytest plugin (sim_pipeline, pp_engine, --ppstate-trace-dir) is loaded through its
 # pytest11 entry point once the package is installed; a checkout used through PYTHONPATH without
@@ -45,7 +60,8 @@ def make_stages(model_weights):
 @pytest.fixture(scope="session")
 def served_engine():
     """One real engine (PP=2 worker processes, default model) with the server app in process,
-    shared by tests/test_server_isolation.py and tests/test_server_features.py (see app_harness)."""
+    shared by tests/server/test_server_isolation.py and tests/server/test_server_features.py (see
+    app_harness)."""
     from app_harness import AppEngine
     from runtime.config import EngineConfig
     eng = AppEngine(EngineConfig(pp_size=2, max_model_len=160, max_num_seqs=8, max_prefill_chunk=64,

@@ -14,7 +14,7 @@ rule says. Finally the explorer's own search (:func:`~ppstate.check.expand.expan
 canonical root, continuing from canonical forms) must reach exactly the canonical keys of the
 reachable whole states: no class missed, and no state that is not the canonical form of a
 reachable one (such a state would be a pickle of the same future that differs, e.g. in which
-equal strings are one object, and would only inflate the count). ``tests/test_check.py`` runs it.
+equal strings are one object, and would only inflate the count). ``tests/tools/test_check.py`` runs it.
 """
 
 from __future__ import annotations

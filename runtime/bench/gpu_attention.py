@@ -13,7 +13,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from runtime.worker.kernels.attention import choose_num_splits, paged_attention
+from runtime.model.kernels.attention import choose_num_splits, paged_attention
 
 
 def case(rows: int, ctx: int, h: int, kvh: int, d: int, dev) -> dict:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from runtime.worker.kernels.attention import choose_num_splits
+from runtime.model.kernels.attention import choose_num_splits
 from runtime.model.paged_stage import PagedMeta, PagedStage
 from runtime.worker.cuda_graphs import DecodeGraphs
 

@@ -9,8 +9,8 @@ from ppstate.budget import SchedulerConfig
 from runtime.engine.errors import RequestRejected
 from runtime.engine.faults import request_scope
 from runtime.messages import NewRequestMsg, new_request_round_trip
+from runtime.sampling.batch import SamplingBatch
 from runtime.sampling_params import SamplingParams
-from runtime.worker.sampler import SamplingBatch
 
 
 def check_prompt(ids: list[int], vocab_size: int, config: SchedulerConfig) -> None:

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ppstate.step_updates import StepUpdates
-from runtime.step_logprobs import StepLogprobs
+from runtime.sampling.step_logprobs import StepLogprobs
 
 
 @dataclass
@@ -50,7 +50,7 @@ class RequestOutput:
 def logprob_index(result, rows: tuple[str, ...]) -> dict[str, int] | None:
     """Request id -> index of its entry in ``result.logprobs``; None when the step carries none.
 
-    For :class:`~runtime.step_logprobs.StepLogprobs` only the requests that asked for logprobs
+    For :class:`~runtime.sampling.step_logprobs.StepLogprobs` only the requests that asked for logprobs
     are indexed (O(entries), not O(rows)); for per-row lists (speculative decoding) the index is
     the step row.
 
@@ -72,7 +72,7 @@ def logprobs_for(result, index: dict[str, int] | None, req_id: str,
 
     Args:
         result: the last rank's ``StepResult``; ``result.logprobs`` is a
-            :class:`~runtime.step_logprobs.StepLogprobs`, or (speculative decoding,
+            :class:`~runtime.sampling.step_logprobs.StepLogprobs`, or (speculative decoding,
             ``--spec-tokens``) one entry per batch row: None, or a list of ``(logprob, {token id:
             logprob})``, one per emitted token.
         index: :func:`logprob_index` of the step (None: the step carries no logprobs).

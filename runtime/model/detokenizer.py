@@ -11,7 +11,7 @@ text is the lossy UTF-8 decode of its tokens' bytes joined, so when the prefix w
 U+FFFD (its bytes are valid UTF-8) and the new token's own text has none, the window decode is the
 prefix text followed by the token's text and the difference is the token's text, looked up from a
 cache (:meth:`Tokenizer.clean_token_texts`). Every other case decodes as above; both give the same
-text (tests/test_detokenizer_fast.py compares them over random token sequences).
+text (tests/runtime/test_detokenizer_fast.py compares them over random token sequences).
 
 Stop strings: the text is cut before the first occurrence of any stop string, which is never
 emitted; a tail of the text that could still become a stop string is held back (at most

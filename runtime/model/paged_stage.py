@@ -1,6 +1,7 @@
 """GPU fast path of one pipeline stage: the stage's layers over a paged KV cache with the Triton
-attention kernels (:mod:`runtime.worker.kernels.attention`), written so a decode step can be captured in a
-CUDA graph (no host sync, no data-dependent shapes; every size is fixed by the step's row count).
+attention kernels (:mod:`runtime.model.kernels.attention`), written so a decode step can be captured
+in a CUDA graph (no host sync, no data-dependent shapes; every size is fixed by the step's row
+count).
 
 It reuses a :class:`~runtime.model.stage.StageModel`'s parameters (embedding, fused QKV / gate-up,
 norms, LM head) and the same numerics as ``runtime.model.layers`` (fp32 RMSNorm, half-split RoPE,
@@ -20,8 +21,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from runtime.worker.kernels.attention import choose_num_splits, paged_attention
-from runtime.worker.kernels.fused import add_rms_norm, rope_write_kv, silu_mul
+from runtime.model.kernels.attention import choose_num_splits, paged_attention
+from runtime.model.kernels.fused import add_rms_norm, rope_write_kv, silu_mul
 from runtime.model.layers import rms_norm, rope_inv_freq, rope_tables
 from runtime.model.stage import StageModel
 

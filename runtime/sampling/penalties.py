@@ -16,12 +16,10 @@ Counts come from the token history each slot keeps on the last pipeline stage
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from runtime.worker.sampler import SamplingBatch
+from runtime.sampling.batch import SamplingBatch
 
 
 @dataclass

@@ -3,19 +3,20 @@
 Written once per request at admission (:meth:`SamplingState.admit`), read every step by
 :meth:`SamplingState.batch`, which gathers the step's rows by their slots (``idx_mapping``) on the
 device: one ``index_select`` per packed table, no per-row Python. The per-step branch choices of
-:func:`runtime.worker.sampler.sample` (which rows are greedy, cut by top-k / top-p, penalised; the
+:func:`runtime.sampling.sampler.sample` (which rows are greedy, cut by top-k / top-p, penalised; the
 largest top-k; logprob counts) are made over host copies of the same arrays with vectorised numpy,
 so choosing a code path never reads the device.
 
 The host copies keep the request's values exactly (float64, as the request gave them); the device
 tables hold them in the dtypes the sampler computes with (fp32; int64), so tokens are identical to
-the per-row :meth:`runtime.worker.sampler.SamplingBatch.build` (tests/test_sampling_state.py).
+the per-row :meth:`runtime.sampling.batch.SamplingBatch.build`
+(tests/runtime/test_sampling_state.py).
 
 Seeded rows draw their uniform on the device with the same splitmix64 hash as
-:func:`runtime.worker.sampler.seeded_uniform` (int64 arithmetic wraps like uint64; shifts are made logical
-with a mask), so a seeded request's tokens do not depend on the device, its batch or earlier steps.
-Unseeded rows take one batched draw from the device's default generator (on the CPU: torch's global
-generator, the same draw as before).
+:func:`runtime.sampling.batch.seeded_uniform` (int64 arithmetic wraps like uint64; shifts are made
+logical with a mask), so a seeded request's tokens do not depend on the device, its batch or earlier
+steps. Unseeded rows take one batched draw from the device's default generator (on the CPU: torch's
+global generator, the same draw as before).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from runtime.worker.sampler import SamplingBatch
-from runtime.worker.host_copy import to_device
+from runtime.host_copy import to_device
+from runtime.sampling.batch import SamplingBatch
 
 # Packed device tables: fp32 columns and int64 columns.
 _TEMPERATURE, _TOP_P, _PRESENCE, _FREQUENCY, _REPETITION = range(5)
@@ -56,7 +57,7 @@ def _splitmix64_t(z: torch.Tensor) -> torch.Tensor:
 
 
 def seeded_uniform_t(seed: torch.Tensor, output_index: torch.Tensor) -> torch.Tensor:
-    """:func:`runtime.worker.sampler.seeded_uniform` over tensors, on their device.
+    """:func:`runtime.sampling.batch.seeded_uniform` over tensors, on their device.
 
     Args: seed, output_index: ``[N]`` int64 (seeds in ``[0, 2**63)``, indices >= 0).
     Returns: ``[N]`` fp64 in ``[0, 1)``, bit-identical to the Python function.

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from ppstate.spec_decode import propose_ngram, verify_rows
-from runtime.worker.sampler import TokenHistory, sample
+from runtime.sampling.penalties import TokenHistory
+from runtime.sampling.sampler import sample
 
 
 @dataclass

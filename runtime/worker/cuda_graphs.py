@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.worker.kernels.attention import choose_num_splits
+from runtime.model.kernels.attention import choose_num_splits
 from runtime.model.paged_stage import PagedMeta, PagedStage
 
 

@@ -15,10 +15,10 @@ import torch
 
 from ppstate.batch import NewRequest
 from ppstate.mirror import MIRROR_FIELDS, CpuMirror
+from runtime.host_copy import to_device
+from runtime.sampling.sampling_state import SamplingState
 from runtime.sampling_params import SamplingParams
-from runtime.worker.host_copy import to_device
 from runtime.worker.kernels.post_update import post_update_computed, post_update_sampled
-from runtime.worker.sampling_state import SamplingState
 
 
 class DeviceState:

@@ -94,7 +94,7 @@ class _Worker:
             if fast is not None:
                 raise ValueError("--spec-tokens: speculative decoding runs on the CPU reference "
                                  "path only (the CUDA fast path does not verify drafts yet)")
-            from runtime.worker.spec_verify import SpecDecoder
+            from runtime.sampling.spec_verify import SpecDecoder
             spec = SpecDecoder(k, cfg.spec_ngram, self.groups.is_first, self.groups.is_last)
         self.runner = StageRunner(self.groups, stage, state, cfg.scheduler.mode == "overlapped",
                                   cfg.validate_every, sink, fast=fast, graphs=graphs,

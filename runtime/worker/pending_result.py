@@ -15,9 +15,9 @@ import torch
 
 from ppstate.batch import StepResult
 from ppstate.payload import SampledPayload
-from runtime.step_logprobs import StepLogprobs
-from runtime.worker.sampler import SamplerOutput
-from runtime.worker.host_copy import PendingCopy
+from runtime.host_copy import PendingCopy
+from runtime.sampling.sampler import SamplerOutput
+from runtime.sampling.step_logprobs import StepLogprobs
 
 
 def sampled_fields(req_ids: list[str], copy: PendingCopy) -> dict:

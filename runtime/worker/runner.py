@@ -26,19 +26,20 @@ from ppstate.events import NULL_SINK, EventSink
 from ppstate.payload import SampledPayload
 from ppstate.pp_handler import ConsumedEntry, PPHandler
 from ppstate.rank_step import RankStep
+from runtime.host_copy import HostCopy, to_device
 from runtime.model.paged_stage import PagedMeta, PagedStage
 from runtime.model.stage import BatchMeta, StageModel
+from runtime.sampling.penalties import TokenHistory
+from runtime.sampling.sampler import sample
+from runtime.sampling.spec_verify import SpecDecoder, logprob_rows as spec_logprob_rows
 from runtime.worker.cuda_graphs import DecodeGraphs
 from runtime.worker.device_state import DeviceState
 from runtime.worker.groups import PPGroups
-from runtime.worker.host_copy import HostCopy, to_device
 from runtime.worker.mirror_check import AsyncMirrorCheck
 from runtime.worker.pending_result import (LogprobRows, PendingResult, ReadyLogprobs,
                                             sampled_fields)
 from runtime.worker.progress import Progress
-from runtime.worker.sampler import TokenHistory, sample
 from runtime.worker.step_inputs import build_fast_meta
-from runtime.worker.spec_verify import SpecDecoder, logprob_rows as spec_logprob_rows
 
 
 class _PendingRecv:

@@ -6,7 +6,7 @@ per step (H200 machine, 2026-12-01). The fast path reads only the paged fields, 
 arithmetic runs in numpy over the step's ``[R]`` / ``[T]`` arrays and every field is packed into
 one int64 and one int32 buffer: two non-blocking host-to-device copies, the fields are views of
 them. The result is a :class:`BatchMeta` without attention groups, equal field by field to
-``BatchMeta.build(..., attention_groups=False)`` (tests/test_step_inputs.py).
+``BatchMeta.build(..., attention_groups=False)`` (tests/runtime/test_step_inputs.py).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from runtime.host_copy import to_device
 from runtime.model.batch_meta import BatchMeta
-from runtime.worker.host_copy import to_device
 
 
 def build_fast_meta(slots: np.ndarray, start_positions: np.ndarray, query_lens: np.ndarray,

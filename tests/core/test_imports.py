@@ -1,9 +1,11 @@
 """The import graph of ``ppstate`` and ``runtime``, read statically (``ast``; nothing is imported).
 
-Two rules (docs/design.md §3): no import cycle between modules, and the core ``ppstate`` imports
-no torch, torch.distributed, asyncio, zmq and nothing of ``runtime``. Every import statement
-counts, also one inside a function (a lazy import still makes a cycle at run time); only imports
-under ``if TYPE_CHECKING:`` are left out, as they never run.
+Rules (docs/design.md §3): no import cycle between modules, not even through imports under
+``if TYPE_CHECKING:`` (a module that names another only for type hints is still a cycle of design);
+the core ``ppstate`` imports no torch, torch.distributed, asyncio, zmq and nothing of ``runtime``;
+inside ``runtime`` the layers run one way: ``runtime.model`` imports nothing of the worker, the
+engine or the sampling package, and ``runtime.sampling`` nothing of the worker or the engine. Every
+import statement counts, also one inside a function (a lazy import still makes a cycle at run time).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 import networkx as nx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("ppstate", "runtime")
 FORBIDDEN_IN_CORE = ("torch", "asyncio", "zmq", "runtime")  # torch covers torch.distributed
 
@@ -77,27 +79,39 @@ def import_graph(typing_too: bool = False) -> nx.DiGraph:
 
 
 def test_graph_sees_the_known_edges():
-    """The reader is not blind: edges that exist today, a lazy one and a relative-free one."""
+    """The reader is not blind: edges that exist today, a lazy one, a relative-free one, and one
+    seen only when ``TYPE_CHECKING`` imports count."""
     g = import_graph()
     assert g.has_edge("runtime.engine.async_engine", "ppstate.scheduler")
     assert g.has_edge("runtime.engine.launcher", "runtime.engine.torchrun")
     assert g.has_edge("runtime.engine.torchrun", "runtime.engine.plan")  # inside a function
-    assert not g.has_edge("runtime.worker.penalties", "runtime.worker.sampler")  # TYPE_CHECKING only
+    assert g.has_edge("runtime.engine.admission", "runtime.sampling.batch")  # on purpose (design.md §3)
+    assert not g.has_edge("runtime.sampling.batch", "runtime.sampling_params")  # TYPE_CHECKING only
+    assert import_graph(typing_too=True).has_edge("runtime.sampling.batch", "runtime.sampling_params")
 
 
-def test_no_import_cycles():
-    cycles = [sorted(c) for c in nx.strongly_connected_components(import_graph()) if len(c) > 1]
-    assert cycles == [], f"import cycles: {cycles}"
-
-
-def test_core_has_no_cycle_even_through_type_checking_imports():
-    """Inside ``ppstate`` a module that only names another for type hints is still a cycle of
-    design (the scheduler and its row builder were one until the builder took a Protocol)."""
+def test_no_import_cycles_even_through_type_checking_imports():
+    """A module that only names another for type hints is still a cycle of design (the scheduler
+    and its row builder were one until the builder took a Protocol; the sampler and its penalties
+    until the sampling batch got its own module)."""
     g = import_graph(typing_too=True)
-    core = g.subgraph(m for m in g if m.split(".")[0] == "ppstate")
-    cycles = [sorted(c) for c in nx.strongly_connected_components(core) if len(c) > 1]
-    assert cycles == [], f"import cycles in ppstate: {cycles}"
+    cycles = [sorted(c) for c in nx.strongly_connected_components(g) if len(c) > 1]
+    assert cycles == [], f"import cycles: {cycles}"
     assert not g.has_edge("ppstate.scheduler_rows", "ppstate.scheduler")
+    assert not g.has_edge("runtime.sampling.penalties", "runtime.sampling.sampler")
+
+
+@pytest.mark.parametrize("package, forbidden", [
+    ("runtime.model", ("runtime.worker", "runtime.engine", "runtime.server", "runtime.sampling")),
+    ("runtime.sampling", ("runtime.worker", "runtime.engine", "runtime.server")),
+])
+def test_runtime_layers_import_one_way(package, forbidden):
+    """The model (layers, stages, its kernels) stands below the worker, and sampling below the
+    worker and the engine: none of them imports a layer above it, type-only imports included."""
+    g = import_graph(typing_too=True)
+    bad = sorted((m, n) for m, n in g.edges if (m == package or m.startswith(package + "."))
+                 and any(n == f or n.startswith(f + ".") for f in forbidden))
+    assert bad == []
 
 
 def test_core_imports_no_runtime_torch_asyncio_zmq():

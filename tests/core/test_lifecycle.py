@@ -28,7 +28,7 @@ GUARDED = {"admit": "has_slot", "complete_prefill": "prefill_fully_scheduled"}
 LEGAL = {(trigger, source) for trigger, source, _ in EDGES}
 TRIGGERS = sorted({t for t, _, _ in EDGES})
 ILLEGAL = [(t, s) for s in STATES for t in TRIGGERS if (t, s) not in LEGAL]
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # Shortest trigger path from ``waiting`` to each state (guards all passing).
 PATH_TO = {"waiting": [], "prefilling": ["admit"], "decoding": ["admit", "complete_prefill"],

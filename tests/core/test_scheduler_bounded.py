@@ -8,7 +8,7 @@ import pytest
 
 from ppstate.errors import SchedulerError
 from ppstate.scheduler import FINISHED_HISTORY, Scheduler, SchedulerConfig
-from tests.test_scheduler import answer, drive, spec
+from test_scheduler import answer, drive, spec
 
 
 def internal_sizes(sched: Scheduler) -> dict[str, int]:

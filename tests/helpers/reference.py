@@ -58,7 +58,7 @@ def greedy_generate_reference(prompt_ids: tuple[int, ...], max_new_tokens: int) 
 
 
 def sample_from_logits(logits, temperature: float, top_p: float, top_k: int, u: float) -> int:
-    """The sampling rule of ``runtime.worker.sampler`` restated in numpy (fp64), for one row.
+    """The sampling rule of ``runtime.sampling.sampler`` restated in numpy (fp64), for one row.
 
     Temperature 0: argmax. Otherwise ``z = logits / temperature``; with a cut (top_k > 0 or
     top_p < 1) the candidates are the tokens in decreasing ``z`` order, the first ``top_k`` of
@@ -92,11 +92,11 @@ def sample_from_logits(logits, temperature: float, top_p: float, top_k: int, u: 
 def seeded_reference(prompt_ids: tuple[int, ...], max_new_tokens: int, temperature: float,
                      top_p: float, top_k: int, seed: int) -> tuple[int, ...]:
     """Seeded sampled continuation (EOS ignored): transformers logits (fp32) and
-    :func:`sample_from_logits` with the uniform ``runtime.worker.sampler.seeded_uniform(seed, i)`` for
+    :func:`sample_from_logits` with the uniform ``runtime.sampling.batch.seeded_uniform(seed, i)`` for
     the i-th new token (that hash is the documented contract, not the sampling itself)."""
     from transformers import DynamicCache
 
-    from runtime.worker.sampler import seeded_uniform
+    from runtime.sampling.batch import seeded_uniform
     model, _ = hf_model()
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
     cache, out = DynamicCache(), []

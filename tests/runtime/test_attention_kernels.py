@@ -1,4 +1,4 @@
-"""Paged attention kernels (runtime/worker/kernels/attention.py) against the torch reference.
+"""Paged attention kernels (runtime/model/kernels/attention.py) against the torch reference.
 
 CPU: Triton's interpreter at small shapes (fp32). GPU (marked, skipped without CUDA): compiled
 kernels in bf16 at model shapes, with split-K. Batches are random: distinct shuffled blocks per
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.worker.kernels.attention import choose_num_splits, paged_attention, write_kv
-from runtime.worker.kernels.attention_ref import paged_attention_ref, write_kv_ref
+from runtime.model.kernels.attention import choose_num_splits, paged_attention, write_kv
+from runtime.model.kernels.attention_ref import paged_attention_ref, write_kv_ref
 
 
 def random_batch(g: torch.Generator, *, rows: int, h: int, kvh: int, d: int, block_size: int,
@@ -112,7 +112,7 @@ def test_cuda_bf16_mixed_batches_match_reference(shape, num_splits):
 def check_fused(device: str, dtype: torch.dtype, t: int, h: int, kvh: int, d: int, n: int, i: int,
                 atol: float):
     """Fused kernels (Triton) == their torch fallbacks (the layers' own code)."""
-    from runtime.worker.kernels.fused import add_rms_norm, rope_write_kv, silu_mul
+    from runtime.model.kernels.fused import add_rms_norm, rope_write_kv, silu_mul
     from runtime.model.layers import rope_tables
     g = torch.Generator().manual_seed(t)
     rnd = lambda *s: torch.randn(*s, generator=g).to(device, dtype)  # noqa: E731

@@ -1,5 +1,5 @@
 """``runtime.bench contention``'s arithmetic on given stage times: the overlapped / sync ceiling
-and the step-cost fit (the measurement itself: tests/test_bench_smoke.py)."""
+and the step-cost fit (the measurement itself: tests/runtime/test_bench_smoke.py)."""
 
 import pytest
 

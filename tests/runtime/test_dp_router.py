@@ -1,6 +1,6 @@
 """The data-parallel router (runtime.dp.replicas.ReplicatedEngine) over scripted replicas: routing,
 ownership, aborts, id conflicts, health and summed stats, exactly, without worker processes.
-The real DP=2 x PP=2 engine is tested in tests/test_dp.py."""
+The real DP=2 x PP=2 engine is tested in tests/runtime/test_dp.py."""
 
 from __future__ import annotations
 

@@ -16,10 +16,10 @@ from runtime.engine.outputs import TokenLogprob, logprob_index, logprobs_for
 from runtime.engine.request_stream import RequestStream
 from runtime.model.registry import resolve_model_path
 from runtime.model.tokenizer import load_tokenizer
+from runtime.sampling.sampler import SamplerOutput
+from runtime.sampling.step_logprobs import StepLogprobs
 from runtime.sampling_params import SamplingParams
-from runtime.step_logprobs import StepLogprobs
 from runtime.worker.pending_result import LogprobRows
-from runtime.worker.sampler import SamplerOutput
 
 
 def _expected(lp, top_ids, top_vals, ks, rows_idx, num_rows):

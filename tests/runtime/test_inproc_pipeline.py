@@ -1,5 +1,5 @@
 """The worker code (StageRunner, DeviceState, PPHandler, post-update kernels) at PP=2 in one
-process, driven step by step (tests/inproc_pipeline.py), checked against transformers.
+process, driven step by step (tests/helpers/inproc_pipeline.py), checked against transformers.
 
 These tests act at exact steps (an abort while rank 0 still holds the aborted request's deferred
 entry) and count ticks, never seconds. Mirrors are validated after every step on both ranks.

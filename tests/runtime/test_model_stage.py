@@ -1,5 +1,6 @@
-"""StageModel on the real SmolLM2 GGUF against transformers loading the same file (tests/reference.py):
-logits, greedy continuations, pipeline cuts, chunked prefill and mixed prefill/decode batches."""
+"""StageModel on the real SmolLM2 GGUF against transformers loading the same file
+(tests/helpers/reference.py): logits, greedy continuations, pipeline cuts, chunked prefill and mixed
+prefill/decode batches."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ import torch
 from ppstate.mirror import CpuMirror
 from runtime.worker.kernels import post_update_computed, post_update_sampled, resolve_backend
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FIELDS = ("num_computed_tokens", "num_computed_prefill_tokens", "prefill_len", "total_len",
           "all_token_ids", "last_sampled_tokens")
 

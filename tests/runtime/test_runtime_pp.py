@@ -127,7 +127,7 @@ def test_one_lane_skips_the_closed_lanes_numbers_and_keeps_the_tokens(pp1_tokens
 
 def test_seeded_sampling_pp2_equals_pp1_and_reference(pp2, pp1_runs):
     """temperature > 0 with top-p / top-k / seed through both real pipelines, concurrently, and
-    the sampling rule restated in numpy over transformers logits (tests/reference.py)."""
+    the sampling rule restated in numpy over transformers logits (tests/helpers/reference.py)."""
     got = pp2.run(_run_seeded(pp2))
     assert got == pp1_runs["seeded"]
     want = [list(seeded_reference(tuple(p), sp.max_tokens, sp.temperature, sp.top_p, sp.top_k,

@@ -1,5 +1,5 @@
-"""runtime.worker.sampler against independent references: torch.argmax, numpy log-softmax / nucleus sets,
-and empirical frequencies against softmax (chi-square)."""
+"""runtime.sampling.sampler against independent references: torch.argmax, numpy log-softmax /
+nucleus sets, and empirical frequencies against softmax (chi-square)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.worker.sampler import SamplingBatch, inverse_cdf, sample, sample_cut, seeded_uniform
+from runtime.sampling.batch import SamplingBatch, seeded_uniform
+from runtime.sampling.sampler import inverse_cdf, sample, sample_cut
 from runtime.sampling_params import SamplingParams as SP
 
 V = 49152  # SmolLM2's vocabulary: exercises the blocked inverse CDF

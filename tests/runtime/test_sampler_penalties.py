@@ -10,7 +10,9 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from runtime.worker.sampler import SamplingBatch, TokenHistory, apply_penalties, sample
+from runtime.sampling.batch import SamplingBatch
+from runtime.sampling.penalties import TokenHistory, apply_penalties
+from runtime.sampling.sampler import sample
 from runtime.sampling_params import SamplingParams as SP
 
 V = 512

@@ -1,8 +1,9 @@
-"""Slot-indexed sampling parameters (runtime/worker/sampling_state.py) against the per-row build.
+"""Slot-indexed sampling parameters (runtime/sampling/sampling_state.py) against the per-row build.
 
-The reference is :meth:`runtime.worker.sampler.SamplingBatch.build` from the requests' own
-``SamplingParams`` and output indices, and the pure-Python :func:`runtime.worker.sampler.seeded_uniform`;
-a slot-gathered batch must give the same tokens, logprobs and uniforms.
+The reference is :meth:`runtime.sampling.batch.SamplingBatch.build` from the requests' own
+``SamplingParams`` and output indices, and the pure-Python
+:func:`runtime.sampling.batch.seeded_uniform`; a slot-gathered batch must give the same tokens,
+logprobs and uniforms.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ import pytest
 import torch
 
 from ppstate.batch import NewRequest
-from runtime.worker.penalties import TokenHistory
-from runtime.worker.sampler import SamplingBatch, sample, seeded_uniform
+from runtime.sampling.batch import SamplingBatch, seeded_uniform
+from runtime.sampling.penalties import TokenHistory
+from runtime.sampling.sampler import sample
+from runtime.sampling.sampling_state import SamplingState, seeded_uniform_t
 from runtime.sampling_params import SamplingParams as SP
 from runtime.worker.device_state import DeviceState
-from runtime.worker.sampling_state import SamplingState, seeded_uniform_t
 
 V = 4096
 

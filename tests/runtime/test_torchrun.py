@@ -26,7 +26,7 @@ from runtime.engine.torchrun import (
 from runtime.worker.main import _Worker
 from reference import greedy_reference, hf_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 PROMPT = "The capital of France is"
 NEW_TOKENS = 8

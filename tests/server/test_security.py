@@ -17,7 +17,7 @@ from runtime.engine.launcher import WorkerPool
 from runtime.engine.plan import plan_pipeline
 from runtime.serve import parse_cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_server_binds_loopback_unless_told():

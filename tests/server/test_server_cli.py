@@ -14,7 +14,7 @@ import pytest
 
 from runtime import serve
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def parse(*argv: str):

@@ -27,7 +27,7 @@ from test_server_validation import check_error, malformed_cases
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 256
 READY_TIMEOUT_S = 300
 PROMPT = "The capital of France is"

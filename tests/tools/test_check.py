@@ -303,5 +303,5 @@ def test_docs_show_the_current_help(monkeypatch):
     from pathlib import Path
     from ppstate.check.__main__ import build_parser
     monkeypatch.setenv("COLUMNS", "100")
-    doc = (Path(__file__).parent.parent / "docs" / "checker.md").read_text(encoding="utf-8")
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "checker.md").read_text(encoding="utf-8")
     assert build_parser().format_help().rstrip("\n") in doc

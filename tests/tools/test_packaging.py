@@ -21,7 +21,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "ppstate", "runtime", "specs")
 
 PROBE = """

@@ -15,7 +15,7 @@ from ppstate.pp_handler import PPHandler
 from ppstate.sim import Simulator, main, run_sim
 from ppstate.sim.workload import SimConfig, SimRequest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KEYS = {"steps", "ticks", "completed", "aborted", "output_tokens", "throughput_tokens_per_tick",
         "bubble_fraction", "invariant_violations"}
 

@@ -19,7 +19,7 @@ from ppstate.testing import InvariantViolation, assert_invariants, explain, repl
 
 pytest_plugins = ("pytester",)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "test_with_ppstate.py"
 # Installed packages load the plugin through the pytest11 entry point; a checkout used through
 # PYTHONPATH names it (naming it as well as the entry point would register it twice).

@@ -1,4 +1,5 @@
-"""Triton kernel bodies of the paged attention (see :mod:`runtime.worker.kernels.attention` for the contract).
+"""Triton kernel bodies of the paged attention (see :mod:`runtime.model.kernels.attention` for the
+contract).
 
 Three kernels:
 
@@ -32,7 +33,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from runtime.worker.kernels._jit import kernel_wrapper
+from runtime.model.kernels._jit import kernel_wrapper
 
 
 def _write_kv_kernel(

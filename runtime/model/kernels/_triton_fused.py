@@ -1,4 +1,4 @@
-"""Triton bodies of the fused elementwise kernels (contract in :mod:`runtime.worker.kernels.fused`).
+"""Triton bodies of the fused elementwise kernels (contract in :mod:`runtime.model.kernels.fused`).
 
 Each replays the rounding steps of the torch expressions it replaces (``runtime.model.layers``),
 so results match them to the last bit except where an fp32 reduction order differs (the mean of
@@ -16,7 +16,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from runtime.worker.kernels._jit import kernel_wrapper
+from runtime.model.kernels._jit import kernel_wrapper
 
 
 def _add_rms_norm_kernel(

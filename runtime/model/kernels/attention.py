@@ -13,8 +13,8 @@ head h reads KV head ``h // (H // KVH)``; K/V are never repeated. Decode rows (`
 long contexts use split-K (``num_splits`` > 1), merged by a second kernel.
 
 Backends: ``"triton"`` (compiled on CUDA; Triton's interpreter for CPU tensors),
-``"torch"`` (:mod:`runtime.worker.kernels.attention_ref`, row by row), ``"auto"`` (as
-``runtime.worker.kernels.post_update.resolve_backend``: Triton on CUDA, or on CPU under
+``"torch"`` (:mod:`runtime.model.kernels.attention_ref`, row by row), ``"auto"`` (as
+:func:`runtime.model.kernels.backend.resolve_backend`: Triton on CUDA, or on CPU under
 ``TRITON_INTERPRET=1`` / ``PPSTATE_TRITON_INTERPRET=1``; else torch).
 """
 
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from runtime.worker.kernels.attention_ref import paged_attention_ref, write_kv_ref
-from runtime.worker.kernels.post_update import _launch_interpreted, resolve_backend
+from runtime.model.kernels.attention_ref import paged_attention_ref, write_kv_ref
+from runtime.model.kernels.backend import launch_interpreted, resolve_backend
 
 #: Split-K partitions chosen for a decode step: enough (row, KV head) programs to fill the GPU.
 TARGET_PROGRAMS = 264  # 2 per SM of an H100 / H200 (132 SMs)
@@ -56,9 +56,9 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if resolve_backend(backend, k.device) == "torch":
         write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
         return
-    from runtime.worker.kernels._triton_attention import get_kernels
+    from runtime.model.kernels._triton_attention import get_kernels
     row = k.shape[1] * k.shape[2]
-    get_kernels(_launch_interpreted(k.device)).write_kv[(t,)](
+    get_kernels(launch_interpreted(k.device)).write_kv[(t,)](
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), ROW=row, BLOCK=_pow2(row))
 
 
@@ -108,8 +108,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out.copy_(paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens,
                                       query_start_loc, scale))
         return out
-    from runtime.worker.kernels._triton_attention import get_kernels
-    kern = get_kernels(_launch_interpreted(q.device))
+    from runtime.model.kernels._triton_attention import get_kernels
+    kern = get_kernels(launch_interpreted(q.device))
     group = h // kvh
     block_q = 1 if max_query_len <= 1 else max(1, 64 // _pow2(group))
     block_m = max(16, _pow2(block_q * group))

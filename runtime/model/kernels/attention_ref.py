@@ -1,5 +1,5 @@
 """Plain torch reference of the paged-KV attention contract (tests and CPU fallback of
-:mod:`runtime.worker.kernels.attention`).
+:mod:`runtime.model.kernels.attention`).
 
 Same contract as the Triton kernels: ``write_kv`` stores each token's key/value at the flat cache
 index ``slot_mapping[t]`` (``-1`` skipped); ``paged_attention`` lets query i of row r (``query_len``
@@ -35,7 +35,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
                         query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal GQA attention of ``q [T, H, D]`` over the paged cache; returns ``[T, H, D]`` in
-    ``q.dtype`` (rows with ``seq_len`` 0 get zeros). Shapes as in :mod:`runtime.worker.kernels.attention`."""
+    ``q.dtype`` (rows with ``seq_len`` 0 get zeros). Shapes as in
+    :mod:`runtime.model.kernels.attention`."""
     t, h, d = q.shape
     kvh = k_cache.shape[2]
     out = torch.zeros_like(q)

@@ -10,7 +10,7 @@ Triton kernels replace them (9 launches per layer in all with the GEMMs and the 
 * :func:`silu_mul` -- ``silu(gate) * up`` of the fused gate/up output.
 
 Numerics follow ``runtime.model.layers`` (fp32 math, the same roundings to the model dtype).
-Backends as in :mod:`runtime.worker.kernels.attention` (Triton on CUDA, interpreter on CPU when forced,
+Backends as in :mod:`runtime.model.kernels.attention` (Triton on CUDA, interpreter on CPU when forced,
 else a torch fallback that *is* the layers' code).
 """
 
@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from runtime.worker.kernels.attention import _pow2
-from runtime.worker.kernels.attention_ref import write_kv_ref
-from runtime.worker.kernels.post_update import _launch_interpreted, resolve_backend
+from runtime.model.kernels.attention import _pow2
+from runtime.model.kernels.attention_ref import write_kv_ref
+from runtime.model.kernels.backend import launch_interpreted, resolve_backend
 from runtime.model.layers import apply_rope, rms_norm
 
 
@@ -32,12 +32,12 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     if resolve_backend(backend, x.device) == "torch":
         res = x if residual is None else x + residual
         return rms_norm(res, weight, eps), res
-    from runtime.worker.kernels._triton_fused import get_kernels
+    from runtime.model.kernels._triton_fused import get_kernels
     t, n = x.shape
     out, res_out = torch.empty_like(x), torch.empty_like(x)
     if t:
         x = x.contiguous()
-        get_kernels(_launch_interpreted(x.device)).add_rms_norm[(t,)](
+        get_kernels(launch_interpreted(x.device)).add_rms_norm[(t,)](
             x, x if residual is None else residual.contiguous(), weight, out, res_out, eps,
             N=n, BLOCK=_pow2(n), HAS_RES=residual is not None)
     return out, res_out
@@ -66,10 +66,10 @@ def rope_write_kv(qkv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.T
         write_kv_ref(apply_rope(k.reshape(t, kvh, d), cos, sin), v.reshape(t, kvh, d),
                      k_cache, v_cache, slot_mapping)
         return q
-    from runtime.worker.kernels._triton_fused import get_kernels
+    from runtime.model.kernels._triton_fused import get_kernels
     q = torch.empty(t, h, d, dtype=qkv.dtype, device=qkv.device)
     if t:
-        get_kernels(_launch_interpreted(qkv.device)).rope_write_kv[(t,)](
+        get_kernels(launch_interpreted(qkv.device)).rope_write_kv[(t,)](
             qkv.contiguous(), cos_table, sin_table, positions, slot_mapping, q, k_cache, v_cache,
             H=h, KVH=kvh, HALF=d // 2, BLOCK_H=_pow2(max(h, kvh)), BLOCK_HALF=_pow2(d // 2))
     return q
@@ -80,12 +80,12 @@ def silu_mul(gate_up: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     if resolve_backend(backend, gate_up.device) == "torch":
         gate, up = gate_up.chunk(2, -1)
         return F.silu(gate) * up
-    from runtime.worker.kernels._triton_fused import get_kernels
+    from runtime.model.kernels._triton_fused import get_kernels
     t, i2 = gate_up.shape
     i = i2 // 2
     out = torch.empty(t, i, dtype=gate_up.dtype, device=gate_up.device)
     if t:
         block = min(1024, _pow2(i))
-        get_kernels(_launch_interpreted(gate_up.device)).silu_mul[(t, -(-i // block))](
+        get_kernels(launch_interpreted(gate_up.device)).silu_mul[(t, -(-i // block))](
             gate_up.contiguous(), out, I=i, BLOCK=block)
     return out

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from runtime.worker.kernels._jit import kernel_wrapper
+from runtime.model.kernels._jit import kernel_wrapper
 
 
 def _post_update_computed_kernel(

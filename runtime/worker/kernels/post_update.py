@@ -15,7 +15,8 @@ Every tensor argument is modified in place; nothing is returned and nothing sync
 beyond what the torch fallback's boolean indexing needs.
 
 Backends: ``"triton"`` (one program per row; compiled on CUDA, Triton's interpreter on CPU),
-``"torch"`` (vectorised, masked), ``"auto"`` (Triton when the tensors are on CUDA and Triton
+``"torch"`` (vectorised, masked), ``"auto"`` (the rule of
+:func:`runtime.model.kernels.backend.resolve_backend`: Triton when the tensors are on CUDA and Triton
 imports, or when ``PPSTATE_TRITON_INTERPRET=1`` / ``TRITON_INTERPRET=1`` is set; else torch).
 
 Source: vLLM Model Runner V2 ``post_update`` / ``_post_update_kernel`` (PR "Avoid pipeline parallel
@@ -24,51 +25,9 @@ bubbles"), split there too into a num-computed-tokens kernel and a sampled-token
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 
-BACKENDS = ("auto", "triton", "torch")
-
-
-@functools.cache
-def triton_available() -> bool:
-    """Whether ``import triton`` works in this process."""
-    try:
-        import triton  # noqa: F401
-    except Exception:  # ImportError, or a broken install raising at import
-        return False
-    return True
-
-
-def _interpret_forced() -> bool:
-    return os.environ.get("PPSTATE_TRITON_INTERPRET") == "1" or \
-        os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """Pick ``"triton"`` or ``"torch"`` for tensors on ``device``.
-
-    Raises:
-        ValueError: unknown ``backend``.
-        RuntimeError: ``backend="triton"`` but Triton does not import.
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "torch":
-        return "torch"
-    if backend == "triton":
-        if not triton_available():
-            raise RuntimeError("backend='triton' requested but `import triton` fails")
-        return "triton"
-    if triton_available() and (device.type == "cuda" or _interpret_forced()):
-        return "triton"
-    return "torch"
-
-
-def _launch_interpreted(device: torch.device) -> bool:
-    return device.type != "cuda" or os.environ.get("PPSTATE_TRITON_INTERPRET") == "1"
+from runtime.model.kernels.backend import launch_interpreted, resolve_backend
 
 
 def _check(name: str, t: torch.Tensor, ndim: int, device: torch.device, rows: int | None = None) -> None:
@@ -123,7 +82,7 @@ def post_update_computed(idx_mapping: torch.Tensor, num_scheduled_tokens: torch.
             num_computed_prefill_tokens.dtype)
         return
     from runtime.worker.kernels._triton_post_update import get_kernels
-    kernel = get_kernels(_launch_interpreted(dev)).computed
+    kernel = get_kernels(launch_interpreted(dev)).computed
     kernel[(rows,)](idx_mapping, num_scheduled_tokens, num_computed_tokens,
                     num_computed_prefill_tokens, prefill_len)
 
@@ -178,7 +137,7 @@ def post_update_sampled(idx_mapping: torch.Tensor, sampled_token_ids: torch.Tens
                        last_sampled_tokens, all_token_ids, total_len, num_computed_tokens)
         return
     from runtime.worker.kernels._triton_post_update import block_for, get_kernels
-    kernel = get_kernels(_launch_interpreted(dev)).sampled
+    kernel = get_kernels(launch_interpreted(dev)).sampled
     kernel[(rows,)](idx_mapping, sampled_token_ids, sampled_token_ids.stride(0), num_sampled,
                     num_rejected, last_sampled_tokens, last_sampled_tokens.stride(0),
                     all_token_ids, all_token_ids.stride(0), total_len, num_computed_tokens,
