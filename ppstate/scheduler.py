@@ -251,7 +251,9 @@ class Scheduler(QueueOps, StepResults):
         rows.add_decodes()
         rows.add_continuing_prefills()
         rows.admit_waiting()
-        out = rows.build(tuple(self._freed), self.kv.take_deltas())
+        deltas = self.kv.take_deltas()
+        self.kv.digests.apply([n.slot for n in rows.new], *deltas)   # nothing when it carries nothing
+        out = rows.build(tuple(self._freed), deltas, self.kv.digests)
         if out.carries_nothing:
             return None
         self._freed = []

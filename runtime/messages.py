@@ -109,6 +109,7 @@ class StepMsg(_Msg, tag="step"):
     new_requests: list[NewRequestMsg] = []
     freed: list[FreedSlotMsg] = []
     block_table: NdArray | None = None  # [3, U] int32: slots, cols, block ids (KV deltas)
+    block_digests: NdArray | None = None  # [num_rows] int64: digest of each row's block ids
 
 
 class ResultMsg(_Msg, tag="result"):
@@ -264,7 +265,8 @@ def from_scheduler_output(out: SchedulerOutput,
                                     int(nr.num_output_tokens)) for nr in out.new_requests],
         freed=[FreedSlotMsg(f.req_id, int(f.slot), f.reason) for f in out.freed],
         block_table=NdArray.of(np.stack([out.block_table_slots, out.block_table_cols,
-                                         out.block_table_ids]).astype(np.int32)))
+                                         out.block_table_ids]).astype(np.int32)),
+        block_digests=None if out.block_digests is None else NdArray.of(out.block_digests))
 
 
 def to_scheduler_output(msg: StepMsg) -> SchedulerOutput:
@@ -283,7 +285,8 @@ def to_scheduler_output(msg: StepMsg) -> SchedulerOutput:
                                       dict(n.sampling), n.num_cached_tokens, n.num_output_tokens)
                            for n in msg.new_requests),
         freed=tuple(FreedSlot(f.req_id, f.slot, f.reason) for f in msg.freed),
-        block_table_slots=bt[0], block_table_cols=bt[1], block_table_ids=bt[2])
+        block_table_slots=bt[0], block_table_cols=bt[1], block_table_ids=bt[2],
+        block_digests=None if msg.block_digests is None else msg.block_digests.to_numpy())
 
 
 def from_step_result(res: StepResult, rank: int, busy_s: float = 0.0) -> ResultMsg:
