@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ppstate.check import block_ids
 from ppstate.check import leftovers, renumber, slot_labels
 from ppstate.check.snapshot import dumps, fingerprint
 from ppstate.mirror import MIRROR_FIELDS
@@ -183,6 +184,7 @@ def scrub(w) -> None:
     renumber.shift_comm(w, ops)
     renumber.renumber_generations(w)
     renumber.rename_blocks(w)
+    block_ids.zero_block_ids(w)
     orders = slot_labels.canonical_orders(w)
     current = _label(w, orders[0], list(range(len(orders[0]))))
     if len(orders) > 1:   # free slots with nothing to tell them apart but leftovers: the least
