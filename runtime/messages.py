@@ -118,6 +118,8 @@ class ResultMsg(_Msg, tag="result"):
 
     Attributes:
         busy_s: seconds this rank spent computing the step (forward, sampling), not waiting.
+        dropped_rows: deferred rows this rank's PPHandler dropped as stale so far (cumulative;
+            0 on the last rank).
         logprobs: optional msgpack-able payload (numpy scalars/arrays become Python numbers/lists):
             per-row lists (speculative decoding's verify).
         logprob_arrays: the step's logprobs as arrays
@@ -127,6 +129,7 @@ class ResultMsg(_Msg, tag="result"):
     step: int
     rank: int
     busy_s: float = 0.0
+    dropped_rows: int = 0
     sampled_token_ids: NdArray | None = None
     num_sampled: NdArray | None = None
     num_rejected: NdArray | None = None
@@ -134,9 +137,10 @@ class ResultMsg(_Msg, tag="result"):
     logprob_arrays: LogprobArrays | None = None
 
     @classmethod
-    def timing_only(cls, step: int, rank: int, busy_s: float) -> "ResultMsg":
-        """A non-last rank's reply: no sampled tokens, only its timing."""
-        return cls(step=step, rank=rank, busy_s=float(busy_s))
+    def timing_only(cls, step: int, rank: int, busy_s: float, dropped_rows: int = 0) -> "ResultMsg":
+        """A non-last rank's reply: no sampled tokens, only its timing (and its count of
+        dropped deferred rows)."""
+        return cls(step=step, rank=rank, busy_s=float(busy_s), dropped_rows=int(dropped_rows))
 
     @property
     def has_result(self) -> bool:

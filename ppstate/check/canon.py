@@ -115,7 +115,7 @@ def _forget_old_steps(w) -> None:
 
 def _forget_stats(w) -> None:
     s = w.sched
-    s.num_preemptions = s.num_prefill_tokens = 0
+    s.num_preemptions = s.num_prefill_tokens = s.num_discarded_rows = 0
     s.num_spec_rejected = s.num_spec_proposed = s.num_spec_rows = 0
     pool = s.kv.pool
     pool.query_tokens = pool.hit_tokens = 0
@@ -123,6 +123,8 @@ def _forget_stats(w) -> None:
     s.lanes = s.config.pp_size         # written by schedule() before any read
     for rk in w.ranks:                 # log cursors: reset by begin_attempt before any read
         rk._cursor = rk._choice_cursor = 0
+        if rk.handler is not None:     # a write-only counter (the runtime exports it)
+            rk.handler.num_dropped = 0
 
 
 def _forget_free_slots(w) -> None:
