@@ -9,13 +9,14 @@ scheduler sends, with each step, the digest of the block ids it decided for each
 compares it with the digest of its own table rows before the forward
 (:func:`check_row_digests`), which also catches a rank whose CPU and device copies are both wrong.
 
-The digest of a row holding blocks ``b_0 .. b_{n-1}`` is ``sum((b_c + 1) * W_c) mod 2**64``
-(viewed as int64), ``W_c`` fixed odd 64-bit constants per column (splitmix64 of the column). It is
-recomputed by the scheduler only for the slots a step's deltas touch (:class:`BlockDigests`),
-and by a rank for the rows of its step from its own table (:func:`row_digests`: O(rows x blocks
-per row) numpy). Any single changed id, any changed count
-and any shift of a row change the digest (``W_c`` odd: ``delta * W_c != 0 mod 2**64`` for
-``0 < |delta| < 2**63``); two different rows collide only by a 64-bit coincidence.
+The digest of a row holding blocks ``b_0 .. b_{n-1}`` is ``n * W_0 + sum(b_c * W_{c+1}) mod
+2**64`` (viewed as int64), ``W_i`` fixed odd 64-bit constants (splitmix64 of ``i``). Columns past
+``n`` hold 0 on a healthy rank (a row starts empty on admission), so a rank computes the digests of
+its step's rows from its table with one multiply-and-sum over the step's widest row, no mask
+(:func:`row_digests`); the scheduler recomputes it for the slots a step's deltas touch
+(:class:`BlockDigests`). Any single changed id, any changed count and any shift of a row change the
+digest (``W_i`` odd: ``delta * W_i != 0 mod 2**64`` for ``0 < |delta| < 2**63``), and so does a
+non-zero entry past the count; two different rows collide only by a 64-bit coincidence.
 
 Mutant ``rank_local_block_shift`` (:mod:`ppstate.mutants`): :func:`rank_deltas` adds 1 to the
 block ids of the first slot of a step's deltas on rank 1 only (a rank-local table error).
@@ -53,8 +54,9 @@ def column_weights(n: int) -> np.ndarray:
 def digest_of(block_ids: Sequence[int]) -> int:
     """The digest (int64) of one row holding ``block_ids`` in columns 0, 1, ...; a reference
     for tests and the checker (pure Python ints)."""
-    w = column_weights(len(block_ids))
-    total = sum((int(b) + 1) * int(w[c]) for c, b in enumerate(block_ids)) & _MASK
+    w = column_weights(len(block_ids) + 1)
+    total = (len(block_ids) * int(w[0]) +
+             sum(int(b) * int(w[c + 1]) for c, b in enumerate(block_ids))) & _MASK
     return total - (1 << 64) if total >= 1 << 63 else total
 
 
@@ -112,11 +114,11 @@ def row_digests(table: np.ndarray, num_blocks: np.ndarray, slots: np.ndarray) ->
     s = slots.astype(np.int64)
     nb = num_blocks[s]                                        # [num_rows]
     k = int(nb.max()) if nb.size else 0
-    if k == 0:
-        return np.zeros(s.size, dtype=np.int64)
-    rows = table[s, :k].astype(np.uint64) + np.uint64(1)      # [num_rows, k]
-    rows[np.arange(k) >= nb[:, None]] = 0
-    return (rows * column_weights(k)).sum(axis=1, dtype=np.uint64).view(np.int64)
+    w = column_weights(k + 1)
+    d = nb.astype(np.uint64) * w[0]                           # [num_rows]
+    if k:
+        d += (table[s, :k].astype(np.uint64) * w[1:]).sum(axis=1, dtype=np.uint64)
+    return d.view(np.int64)
 
 
 def check_row_digests(table: np.ndarray, num_blocks: np.ndarray, slots: np.ndarray,

@@ -240,7 +240,7 @@ def test_output_array_dtypes_and_schedule_event_payload():
         "freed": [],
         # one 16-token KV block (block 0) for the 4 scheduled tokens of slot 0
         "block_table_slots": [0], "block_table_cols": [0], "block_table_ids": [0],
-        # the row's block ids [0] digested: (0 + 1) * W_0 (ppstate/block_digest.py)
+        # the row's block ids [0] digested: 1 * W_0 + 0 * W_1 (ppstate/block_digest.py)
         "block_digests": [digest_of([0])]}})
     assert [e.step for e in sink.of_kind("lifecycle")] == [0]
     assert out.block_digests.dtype == np.int64 and digest_of([0]) == _w0()
