@@ -91,12 +91,23 @@ class BlockDigests:
             self.table[new] = 0
             self.num_blocks[new] = 0
             self.values[new] = 0
-        if slots.size:
-            s, c = slots.astype(np.int64), cols.astype(np.int64)
-            self.table[s, c] = ids
+        if not slots.size:
+            return
+        s, c = slots.astype(np.int64), cols.astype(np.int64)
+        self.table[s, c] = ids
+        if len(new_slots):   # a slot may be written twice (a stale delta, then its new owner's)
             np.maximum.at(self.num_blocks, s, c + 1)
             touched = np.unique(s)
             self.values[touched] = row_digests(self.table, self.num_blocks, touched)
+            return
+        # no admission: every delta appends a new column to a running row (each written once),
+        # so each adds its own term, and the count term grows with the count
+        before = self.num_blocks.copy()
+        np.maximum.at(self.num_blocks, s, c + 1)
+        w = column_weights(int(c.max()) + 2)
+        v = self.values.view(np.uint64)
+        v += (self.num_blocks - before).astype(np.uint64) * w[0]
+        np.add.at(v, s, ids.astype(np.uint64) * w[c + 1])
 
     def of(self, slots: np.ndarray) -> np.ndarray:
         """``[num_rows]`` int64 digests of the rows' slots (a copy)."""
