@@ -11,7 +11,8 @@ non-blocking copies, compared when they land; on the CPU ``DeviceState.validate`
 
 Off and on alternate in one run (``--rounds`` pairs of ``--steps`` steps; CUDA: wall time,
 synchronised at the end of each block; CPU: process CPU time, one torch thread); reported per N: microseconds per step off and on (median over rounds),
-the validation's share ``on / off - 1`` and its microseconds per step. The share of a whole
+the validation's share ``on / off - 1`` and its microseconds per step; on the CPU also the
+microseconds of the check as it was before issue #27 (the mirror counters only), in the same run. The share of a whole
 engine step is smaller by the model's time (the engine on / off ratio: ``runtime.bench pp
 --overheads``). ``--json-out F`` writes the results (kind ``mirror-validation``).
 """
@@ -27,6 +28,7 @@ import torch
 
 from ppstate.batch import NewRequest, SchedulerOutput
 from ppstate.block_digest import BlockDigests
+from ppstate.mirror import MIRROR_FIELDS
 from runtime.bench.results import subcommand_line, write_result
 from runtime.worker.device_state import DeviceState
 from runtime.worker.mirror_check import AsyncMirrorCheck
@@ -75,28 +77,35 @@ class RankLoop:
         self.state.apply_block_updates(s_a, c_a, ids)
         return grow
 
-    def step(self, validate: bool) -> None:
-        """One decode step of every row (what the worker does besides the model)."""
+    def step(self, validate: bool | str) -> None:
+        """One decode step of every row (what the worker does besides the model). ``validate``:
+        False, True (everything), or ``"counters"`` (CPU: only the mirror counters' check, as
+        before issue #27: the stacked read, ``CpuMirror.validate`` and ``validate_blocks``)."""
         self._grow(self.tokens + 1)
         st = self.state
         out = SchedulerOutput(self.step_no, (), self.slots, np.ones(self.n, dtype=np.int32),
                               self.tokens.astype(np.int32), np.ones(self.n, dtype=bool),
                               block_digests=self.digests.of(self.slots))
-        if validate:
+        if validate is True:
             st.check_block_digests(out)
         slots64 = self.slots.astype(np.int64)
         st.apply_scheduled(self.slots_t, self.ones_t, slots64, np.ones(self.n, dtype=np.int64))
         st.apply_sampled(self.slots_t, self.sampled, self.ones_t, self.zeros_t, slots64,
                          np.zeros(self.n, dtype=np.int64), np.ones(self.n, dtype=np.int64))
         self.tokens += 1
-        if validate:
+        if validate == "counters":
+            live = st.live_slots()
+            dev = torch.stack([getattr(st, f) for f in MIRROR_FIELDS]).cpu().numpy()
+            st.mirror.validate(dev, live, self.step_no, owners=st.owner)
+            st.mirror.validate_blocks(BLOCK, live, self.step_no, owners=st.owner)
+        elif validate:
             if self.check is not None:
                 self.check.snapshot(self.step_no)
             else:
                 st.validate(self.step_no)
         self.step_no += 1
 
-    def block(self, steps: int, validate: bool) -> float:
+    def block(self, steps: int, validate: bool | str) -> float:
         """Seconds per step of ``steps`` steps: wall time on CUDA (synchronised at the end),
         process CPU time on the CPU (the neighbours' load does not count)."""
         cuda = self.device.type == "cuda"
@@ -106,7 +115,7 @@ class RankLoop:
         t0 = clock()
         for _ in range(steps):
             self.step(validate)
-        if validate and self.check is not None:
+        if validate is True and self.check is not None:
             self.check.poll(block=True)
         if cuda:
             torch.cuda.synchronize()
@@ -115,19 +124,25 @@ class RankLoop:
 
 def measure(rows: int, device: str, steps: int, rounds: int, prompt_len: int) -> dict:
     """Off / on alternated ``rounds`` times at ``rows`` rows (module docstring)."""
-    max_model_len = prompt_len + (2 * rounds + 1) * steps + 2 * BLOCK
+    max_model_len = prompt_len + (3 * rounds + 1) * steps + 2 * BLOCK
     loop = RankLoop(rows, torch.device(device), prompt_len, max_model_len)
     loop.block(steps, True)                     # warm-up (allocations, first kernels)
-    off, on = [], []
+    off, on, counters = [], [], []
     for _ in range(rounds):
         off.append(loop.block(steps, False))
         on.append(loop.block(steps, True))
+        if device == "cpu":
+            counters.append(loop.block(steps, "counters"))
     ratios = [b / a for a, b in zip(off, on)]
-    return {"rows": rows, "device": device, "us_per_step_off": 1e6 * statistics.median(off),
-            "us_per_step_on": 1e6 * statistics.median(on),
-            "validation_us_per_step": 1e6 * (statistics.median(on) - statistics.median(off)),
-            "on_over_off": statistics.median(ratios), "on_over_off_all": ratios,
-            "steps_per_block": steps, "rounds": rounds}
+    res = {"rows": rows, "device": device, "us_per_step_off": 1e6 * statistics.median(off),
+           "us_per_step_on": 1e6 * statistics.median(on),
+           "validation_us_per_step": 1e6 * (statistics.median(on) - statistics.median(off)),
+           "on_over_off": statistics.median(ratios), "on_over_off_all": ratios,
+           "steps_per_block": steps, "rounds": rounds}
+    if counters:   # the check before issue #27 (mirror counters only), same run
+        res["counters_only_us_per_step"] = 1e6 * (statistics.median(counters) -
+                                                  statistics.median(off))
+    return res
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,9 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     for n in rows:
         r = measure(n, args.device, args.steps, args.rounds, args.prompt_len)
         results.append(r)
+        before = (f", counters only {r['counters_only_us_per_step']:.1f} us"
+                  if "counters_only_us_per_step" in r else "")
         print(f"rows {n:4d} on {args.device}: off {r['us_per_step_off']:.1f} us/step, on "
               f"{r['us_per_step_on']:.1f} us/step (validation {r['validation_us_per_step']:.1f} "
-              f"us, on/off {r['on_over_off']:.3f})", flush=True)
+              f"us{before}, on/off {r['on_over_off']:.3f})", flush=True)
     if args.json_out:
         write_result(args.json_out, "mirror-validation", {"results": results}, vars(args),
                      subcommand_line("mirror", argv))

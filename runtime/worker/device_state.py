@@ -167,9 +167,9 @@ class DeviceState:
         self.mirror.validate(dev, live, step, owners=self.owner)
         self.mirror.validate_blocks(self.block_size, live, step, owners=self.owner,
                                     spec_slack=2 * (self.width - 1))  # drafts' blocks (#14)
-        n, cols = self.block_table_np.shape
-        state_check.compare(state_check.device_flat(self).cpu().numpy(),
-                            state_check.host_flat(self), n, cols, live, step, self.rank, self.owner)
+        n, k = self.block_table_np.shape[0], state_check.used_cols(self, live)
+        state_check.compare(state_check.device_flat(self, k).cpu().numpy(),
+                            state_check.host_flat(self, k), n, k, live, step, self.rank, self.owner)
 
     def corrupt(self, slot: int, field: str, delta: int) -> None:
         """Test hook: add ``delta`` to one slot's entry of ``field`` (its whole row for a table)

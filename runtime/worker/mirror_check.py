@@ -34,6 +34,11 @@ from ppstate.mirror import MIRROR_FIELDS, CpuMirror
 from runtime.worker import state_check
 
 
+def m_slots(state) -> int:
+    """Slots of ``state`` (``max_num_reqs``)."""
+    return state.block_table_np.shape[0]
+
+
 @dataclass
 class _Pending:
     step: int
@@ -41,6 +46,7 @@ class _Pending:
     live: np.ndarray               # [num_live] slots compared
     owners: list                   # [max_num_reqs] req ids at snapshot time
     event: object | None
+    cols: int = 1                  # block-table columns in the flat copy
     verdict: tuple[bool, str | None] | None = None   # (ok, message) once compared
 
 
@@ -61,8 +67,8 @@ class AsyncMirrorCheck:
         self.host = [torch.empty(f, m, dtype=torch.int64, pin_memory=pin)
                      for _ in range(2)]                                   # 2 x [F, max_num_reqs]
         self.expected = [np.empty((f, m), dtype=np.int64) for _ in range(2)]  # 2 x [F, max_num_reqs]
-        self.shape = state.block_table_np.shape                          # (max_num_reqs, cols)
-        size = state_check.flat_size(*self.shape)
+        n, cols = state.block_table_np.shape
+        size = state_check.flat_size(n, cols)                             # the most columns
         self.host_flat = [torch.empty(size, dtype=torch.int32, pin_memory=pin)
                           for _ in range(2)]                              # 2 x [flat_size]
         self.expected_flat = [np.empty(size, dtype=np.int32) for _ in range(2)]
@@ -89,15 +95,17 @@ class AsyncMirrorCheck:
         k = step % 2
         dev = torch.stack([getattr(self.state, f) for f in MIRROR_FIELDS])   # [F, max_num_reqs]
         self.host[k].copy_(dev, non_blocking=True)
-        self.host_flat[k].copy_(state_check.device_flat(self.state), non_blocking=True)
+        cols = state_check.used_cols(self.state, live)
+        size = state_check.flat_size(m_slots(self.state), cols)
+        self.host_flat[k][:size].copy_(state_check.device_flat(self.state, cols), non_blocking=True)
         event = None
         if self.state.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
         mirror = self.state.mirror
         np.stack([mirror.array(f) for f in MIRROR_FIELDS], out=self.expected[k])
-        state_check.host_flat(self.state, self.expected_flat[k])
-        p = _Pending(step, k, live, list(self.state.owner), event)
+        state_check.host_flat(self.state, cols, self.expected_flat[k][:size])
+        p = _Pending(step, k, live, list(self.state.owner), event, cols)
         self.pending.append(p)
         if self.sink.enabled:
             values = self.expected[k][self._nct, live].tolist()
@@ -157,8 +165,11 @@ class AsyncMirrorCheck:
                 p.verdict = (False, str(exc))
                 raise
         try:
-            state_check.compare(self.host_flat[p.buf].numpy(), self.expected_flat[p.buf],
-                                *self.shape, p.live, p.step, self.state.mirror.rank, p.owners)
+            n = m_slots(self.state)
+            size = state_check.flat_size(n, p.cols)
+            state_check.compare(self.host_flat[p.buf][:size].numpy(),
+                                self.expected_flat[p.buf][:size], n, p.cols, p.live, p.step,
+                                self.state.mirror.rank, p.owners)
         except MirrorDivergence as exc:
             p.verdict = (False, str(exc))
             raise
