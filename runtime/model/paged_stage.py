@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from runtime.model.kernels.attention import choose_num_splits, paged_attention
 from runtime.model.kernels.fused import add_rms_norm, rope_write_kv, silu_mul
-from runtime.model.layers import rms_norm, rope_inv_freq, rope_tables
+from runtime.model.layers import rms_norm
+from runtime.model.rope import model_rope_tables
 from runtime.model.stage import StageModel
 
 
@@ -111,7 +112,7 @@ class PagedStage:
         if max_model_len is None or max_model_len <= stage.rope_cos.shape[0]:
             self.rope_cos, self.rope_sin = stage.rope_cos, stage.rope_sin
         else:
-            cos, sin = rope_tables(rope_inv_freq(self.cfg), max_model_len)
+            cos, sin = model_rope_tables(self.cfg, max_model_len)
             self.rope_cos, self.rope_sin = cos.to(p.device, p.dtype), sin.to(p.device, p.dtype)
 
     @property
