@@ -39,7 +39,7 @@ LATE = PROMPTS[2][:32] + [301, 302, 303]  # after PROMPTS: its first 2 blocks ar
 ENGINES = {
     "qwen2": dict(pp_size=2, mode="overlapped"),
     "qwen3": dict(pp_size=1),
-    "qwen3_moe": dict(pp_size=3, mode="sync", kv_cache_memory="40KB"),
+    "qwen3_moe": dict(pp_size=3, mode="sync", kv_cache_memory="20KB"),
     "mixtral": dict(pp_size=2, mode="overlapped"),
 }
 
