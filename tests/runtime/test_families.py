@@ -187,3 +187,39 @@ def test_mistral_sliding_window_caps_the_context():
                                       "sliding_window": 32, "max_position_embeddings": 4096})
     assert cfg.max_position_embeddings == 32
     json.dumps(cfg.model_dump())
+
+
+# A ChatML template of the Qwen kind: system / user / assistant turns between <|im_start|> and
+# <|im_end|>, earlier assistant turns without their <think> reasoning, and, with enable_thinking
+# false, an empty think block opened and closed after the generation prompt.
+CHATML_THINKING = (
+    "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content"
+    " + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}"
+    "{{- '<|im_start|>user\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'assistant' %}{%- set text = m.content %}"
+    "{%- if '</think>' in text %}{%- set text = text.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{{- '<|im_start|>assistant\\n' + text + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}")
+
+
+def test_chatml_template_with_and_without_thinking_renders_as_transformers(tmp_path):
+    from transformers import AutoTokenizer
+
+    from families import save_tiny_tokenizer
+    from runtime.model.tokenizer import load_tokenizer
+    folder = tmp_path
+    save_tiny_tokenizer(folder)
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "t1", "chat_template": CHATML_THINKING}))
+    ours, theirs = load_tokenizer(folder), AutoTokenizer.from_pretrained(str(folder))
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "t5 t6"},
+            {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nt7"},
+            {"role": "user", "content": "t8 ünï"}]
+    for kw in ({}, {"enable_thinking": False}, {"enable_thinking": True}):
+        want = theirs.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kw)
+        assert ours.apply_chat_template(msgs, add_generation_prompt=True, **kw) == want
+    assert want.endswith("<|im_start|>assistant\n") and "hmm" not in want
+    assert ours.apply_chat_template(msgs, enable_thinking=False).endswith("<think>\n\n</think>\n\n")
