@@ -223,3 +223,23 @@ def test_chatml_template_with_and_without_thinking_renders_as_transformers(tmp_p
         assert ours.apply_chat_template(msgs, add_generation_prompt=True, **kw) == want
     assert want.endswith("<|im_start|>assistant\n") and "hmm" not in want
     assert ours.apply_chat_template(msgs, enable_thinking=False).endswith("<think>\n\n</think>\n\n")
+
+
+def test_sharded_folder_stage_reads_only_its_tensors(built, tmp_path, monkeypatch):
+    from runtime.model.hf_loader import INDEX_FILE, HFCheckpoint
+    _, model, _ = built["mixtral"]
+    model.save_pretrained(str(tmp_path), max_shard_size="200KB")
+    assert (tmp_path / INDEX_FILE).is_file() and len(list(tmp_path.glob("*.safetensors"))) > 3
+    read: list[str] = []
+    orig = HFCheckpoint._read_disk
+    monkeypatch.setattr(HFCheckpoint, "_read_disk", lambda self, n: read.append(n) or orig(self, n))
+    kw = dict(max_num_reqs=2, max_model_len=64, progress=False)
+    middle = load_stage(tmp_path, (1, 2), **kw)
+    assert read and all(n.startswith("model.layers.1.") for n in read)
+    assert len(read) == 6 + 1 + 3 * 8                  # attention + norms, router, 8 experts x 3
+    last = load_stage(tmp_path, (2, 3), **kw)
+    first = load_stage(tmp_path, (0, 1), **kw)
+    ids = PROMPTS[1]
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0, -1]
+    torch.testing.assert_close(stage_logits([first, middle, last], ids, 8), ref, atol=2e-5, rtol=0)
