@@ -243,3 +243,12 @@ def test_sharded_folder_stage_reads_only_its_tensors(built, tmp_path, monkeypatc
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0, -1]
     torch.testing.assert_close(stage_logits([first, middle, last], ids, 8), ref, atol=2e-5, rtol=0)
+
+
+def test_qwen2_gguf_pre_tokenizer_splits_single_digits():
+    from tokenizers import Regex, pre_tokenizers
+
+    from runtime.model.gguf_vocab import PRE_TOKENIZER_SPLITS
+    split = pre_tokenizers.Split(Regex(PRE_TOKENIZER_SPLITS["qwen2"][0]), behavior="isolated")
+    assert [t for t, _ in split.pre_tokenize_str("I've 12345 apples!\n\nok")] == \
+        ["I", "'ve", " ", "1", "2", "3", "4", "5", " apples", "!\n\n", "ok"]
