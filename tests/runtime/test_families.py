@@ -252,3 +252,16 @@ def test_qwen2_gguf_pre_tokenizer_splits_single_digits():
     split = pre_tokenizers.Split(Regex(PRE_TOKENIZER_SPLITS["qwen2"][0]), behavior="isolated")
     assert [t for t, _ in split.pre_tokenize_str("I've 12345 apples!\n\nok")] == \
         ["I", "'ve", " ", "1", "2", "3", "4", "5", " apples", "!\n\n", "ok"]
+
+
+def test_qwen3_moe_dense_layers_and_sparse_step_match_transformers(tmp_path):
+    model = build_family_model("qwen3_moe", tmp_path, layers=3, mlp_only_layers=[0],
+                               decoder_sparse_step=1)
+    cfg = load_model_config(tmp_path)
+    assert [cfg.is_moe_layer(i) for i in range(3)] == [False, True, True]
+    ids = PROMPTS[1]
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0, -1]
+    kw = dict(max_num_reqs=2, max_model_len=64, progress=False)
+    got = stage_logits([load_stage(tmp_path, (0, 1), **kw), load_stage(tmp_path, (1, 3), **kw)], ids, 8)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=0)
