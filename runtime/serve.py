@@ -32,6 +32,11 @@ from runtime.server.middleware import DEFAULT_MAX_BODY_BYTES
 from runtime.engine.torchrun import run_remote_rank
 
 ENGINE_WATCH_INTERVAL_S = 1.0
+#: uvicorn closes idle keep-alive connections after 5 s by default, the same 5 s after which httpx
+#: and aiohttp stop reusing a pooled connection; the two timers race, and a request sent on a
+#: connection the server closes at that instant fails (ReadError / RemoteProtocolError). 75 s is
+#: well past every common client's idle expiry (nginx's keepalive_timeout default is 75 s too).
+DEFAULT_KEEP_ALIVE_S = 75.0
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -49,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1/* (else $PPSTATE_API_KEY if set)")
     s.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest accepted request body (bytes)")
+    s.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_KEEP_ALIVE_S, metavar="S",
+                   help="seconds an idle keep-alive connection stays open; longer than clients' "
+                   "pool idle expiry (httpx, aiohttp: 5 s), so the server never closes a "
+                   "connection the client is reusing at that moment (docs/server.md)")
     s.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level ('info' logs every request)")
@@ -121,6 +130,8 @@ async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.soc
           "'loading' until ready ...", flush=True)
     front = StartupApp()
     server = _Server(uvicorn.Config(front, log_level=args.log_level, timeout_graceful_shutdown=5,
+                                    timeout_keep_alive=getattr(args, "timeout_keep_alive",
+                                                               DEFAULT_KEEP_ALIVE_S),
                                     lifespan="off", access_log=args.log_level in ("info", "debug")))
     loop = asyncio.get_running_loop()
     if getattr(args, "restart_workers", False):
@@ -196,6 +207,8 @@ def parse_cli(argv: list[str] | None = None) -> tuple[argparse.Namespace, Engine
         p.error(f"--port: must be in 0..65535, got {args.port}")
     if args.max_body_bytes < 1024:
         p.error(f"--max-body-bytes: must be >= 1024, got {args.max_body_bytes}")
+    if not args.timeout_keep_alive > 0:
+        p.error(f"--timeout-keep-alive: must be > 0 seconds, got {args.timeout_keep_alive}")
     if args.max_restarts < 0:
         p.error(f"--max-restarts: must be >= 0, got {args.max_restarts}")
     if args.restart_backoff < 0:
