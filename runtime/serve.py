@@ -6,7 +6,8 @@
 The port is bound and served before the model loads (a busy port fails at once; ``/health``
 answers 503 ``{"status": "loading"}`` meanwhile), the workers show loading progress, and
 ``ready: http://HOST:PORT`` is printed once requests are served. Ctrl-C / SIGTERM stop
-the server and then the engine. If the engine dies, the server exits with status 1, unless
+the server and then the engine (with ``--shutdown-timeout S``, after letting the requests in flight
+finish for up to S seconds while new ones get 503: a graceful drain). If the engine dies, the server exits with status 1, unless
 ``--restart-workers`` is given: then it starts fresh workers and serves again (at most
 ``--max-restarts`` times, see runtime/engine/supervisor.py).
 """
@@ -58,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds an idle keep-alive connection stays open; longer than clients' "
                    "pool idle expiry (httpx, aiohttp: 5 s), so the server never closes a "
                    "connection the client is reusing at that moment (docs/server.md)")
+    s.add_argument("--shutdown-timeout", type=float, default=0.0, metavar="S",
+                   help="on SIGTERM / SIGINT: refuse new requests (503, /health 'draining') and "
+                   "let those in flight finish for up to S seconds, then end the rest with an "
+                   "error event; 0 ends them at once. A second signal ends them at once too")
     s.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level ('info' logs every request)")
@@ -121,6 +126,7 @@ async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.soc
     """
     from runtime.dp.replicas import start_engine as start_dp_or_one
     from runtime.server import create_app
+    from runtime.server.drain import DrainState
     from runtime.server.startup import StartupApp
 
     t0 = time.perf_counter()
@@ -143,8 +149,11 @@ async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.soc
                                                 start_engine=start_one)
     load = loop.create_task((start_engine or start_dp_or_one)(config))
     engine: Any = None
+    drain = DrainState()
+    drain_timeout = float(getattr(args, "shutdown_timeout", 0.0) or 0.0)
+    drainer: list[asyncio.Task] = []
 
-    def on_signal() -> None:
+    def stop_now() -> None:
         if not server.should_exit:   # the first signal; a second one forces the exit
             print("shutting down: ending open streams, stopping the workers ...", flush=True)
         server.force_exit = server.should_exit
@@ -154,6 +163,23 @@ async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.soc
         else:  # end open streams now (error event + [DONE]) instead of letting uvicorn's
             # graceful shutdown time out and cancel them mid-chunk
             loop.create_task(engine.abort_all("the server is shutting down"))
+
+    def on_signal() -> None:
+        if engine is None or drain_timeout <= 0 or drain.draining:
+            stop_now()
+            return
+        drain.start()
+        print(f"draining: new requests get 503; {drain.in_flight} in flight get up to "
+              f"{drain_timeout:g} s to finish ...", flush=True)
+        drainer.append(loop.create_task(drain_then_stop()))
+
+    async def drain_then_stop() -> None:
+        finished = await drain.wait_idle(drain_timeout)
+        if not finished:
+            print(f"drain timeout: ending the {drain.in_flight} request(s) still in flight",
+                  flush=True)
+        if not server.should_exit:
+            stop_now()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
@@ -170,7 +196,7 @@ async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.soc
     exit_code = 0
     try:
         front.set_app(create_app(engine, config, api_key=args.api_key,
-                                 max_body_bytes=args.max_body_bytes))
+                                 max_body_bytes=args.max_body_bytes, drain=drain))
 
         async def watch() -> None:
             nonlocal exit_code
@@ -207,6 +233,8 @@ def parse_cli(argv: list[str] | None = None) -> tuple[argparse.Namespace, Engine
         p.error(f"--port: must be in 0..65535, got {args.port}")
     if args.max_body_bytes < 1024:
         p.error(f"--max-body-bytes: must be >= 1024, got {args.max_body_bytes}")
+    if not args.shutdown_timeout >= 0:
+        p.error(f"--shutdown-timeout: must be >= 0 seconds, got {args.shutdown_timeout}")
     if not args.timeout_keep_alive > 0:
         p.error(f"--timeout-keep-alive: must be > 0 seconds, got {args.timeout_keep_alive}")
     if args.max_restarts < 0:

@@ -6,13 +6,18 @@ pooled httpx connections, then 32 more on connections of the first wave (keep-al
 Each must succeed: HTTP 200, a stream ends with ``[DONE]`` after a chunk with ``finish_reason``
 ``length`` and a usage chunk, a non-streamed body carries usage, and every request got exactly
 ``max_tokens`` tokens (greedy, EOS ignored). The same server also answers the liveness / readiness
-probes and the vLLM-named metrics.
+probes and the vLLM-named metrics, and is then drained (issue #30, item 4): SIGTERM during 20 streams
+with ``--shutdown-timeout 30`` lets all finish with ``finish_reason: length`` while new requests
+get 503 ``server_draining``; a second server with a short timeout ends its 20 streams with the
+shutdown error event and ``[DONE]``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import time
 
 import httpx
 import pytest
@@ -24,41 +29,61 @@ pytestmark = pytest.mark.slow
 CONNECTIONS = 256
 NEW_TOKENS = 3
 REUSED = 32
+DRAIN_STREAMS = 20
+DRAIN_TOKENS = 48
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    proc = TinyServer(tiny_model_folder(tmp_path_factory.mktemp("tiny")), "--max-num-seqs",
-                      str(CONNECTIONS), "--max-model-len", "64", "--max-num-batched-tokens", "4096",
-                      "--max-prefill-chunk", "4096")
+def model(tmp_path_factory):
+    return tiny_model_folder(tmp_path_factory.mktemp("tiny"))
+
+
+def start(model, *flags: str) -> TinyServer:
+    proc = TinyServer(model, "--max-num-seqs", str(CONNECTIONS), "--max-num-batched-tokens", "4096",
+                      "--max-prefill-chunk", "4096", *flags)
     try:
-        url = proc.wait_ready()
+        proc.wait_ready()
     except BaseException:
         proc.stop()
         raise
-    yield url
-    assert proc.stop() == 0, proc.stderr()
+    return proc
 
 
-def body(i: int, stream: bool) -> dict:
-    b = {"model": "default", "prompt": [3 + i % 400, 5, 7, 11 + i % 97], "max_tokens": NEW_TOKENS,
+@pytest.fixture(scope="module")
+def proc(model):
+    p = start(model, "--max-model-len", "128", "--shutdown-timeout", "30")
+    yield p
+    assert p.stop() == 0, p.stderr()
+
+
+@pytest.fixture(scope="module")
+def server(proc):
+    return proc.url
+
+
+def body(i: int, stream: bool, max_tokens: int = NEW_TOKENS) -> dict:
+    b = {"model": "default", "prompt": [3 + i % 400, 5, 7, 11 + i % 97], "max_tokens": max_tokens,
          "temperature": 0.0, "ignore_eos": True}
     if stream:
         b |= {"stream": True, "stream_options": {"include_usage": True}}
     return b
 
 
-async def streamed(client: httpx.AsyncClient, i: int) -> dict:
-    """One stream's outcome: events, finish reasons, usage, whether it ended with [DONE]."""
+async def streamed(client: httpx.AsyncClient, i: int, max_tokens: int = NEW_TOKENS,
+                   started: list | None = None) -> dict:
+    """One stream's outcome: events, finish reasons, usage, whether it ended with [DONE]
+    (``started`` gets one entry once its first text chunk arrived)."""
     events: list[str] = []
-    async with client.stream("POST", "/v1/completions", json=body(i, True)) as r:
+    async with client.stream("POST", "/v1/completions", json=body(i, True, max_tokens)) as r:
         assert r.status_code == 200, await r.aread()
         async for line in r.aiter_lines():
             if line.startswith("data: "):
                 events.append(line[6:])
+                if started is not None and len(events) == 2:
+                    started.append(i)
     chunks = [json.loads(e) for e in events if e != "[DONE]"]
     return {"done": events[-1:] == ["[DONE]"],
-            "finish": [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]
+            "finish": [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")
                        and c["choices"][0]["finish_reason"]],
             "usage": [c["usage"] for c in chunks if c.get("usage")],
             "errors": [c for c in chunks if "error" in c]}
@@ -93,3 +118,62 @@ def test_256_concurrent_streamed_and_unary_all_complete(server):
             assert u["choices"][0]["finish_reason"] == "length", u
             assert u["usage"] == {"prompt_tokens": 4, "completion_tokens": NEW_TOKENS,
                                   "total_tokens": 4 + NEW_TOKENS}, u
+
+
+async def drain_during_streams(proc: TinyServer, max_tokens: int, probe: bool = True) -> tuple[list, dict]:
+    """20 streams; SIGTERM once each has its first tokens; then (``probe``) a new request and the
+    health probes while the streams drain."""
+    started: list[int] = []
+    seen: dict = {}
+    async with httpx.AsyncClient(base_url=proc.url, timeout=120) as client:
+        tasks = [asyncio.create_task(streamed(client, i, max_tokens, started))
+                 for i in range(DRAIN_STREAMS)]
+        while len(started) < DRAIN_STREAMS:
+            assert not any(t.done() for t in tasks), [t.result() for t in tasks if t.done()]
+            await asyncio.sleep(0.005)
+        proc.signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        while not any(x.startswith("draining") for x in proc.lines):
+            assert time.monotonic() - t0 < 30, proc.lines
+            await asyncio.sleep(0.005)
+        seen["line"] = next(x for x in proc.lines if x.startswith("draining"))
+        if not probe:  # the server may stop listening before a new connection gets in
+            return await asyncio.gather(*tasks), seen
+        async with httpx.AsyncClient(base_url=proc.url, timeout=30) as fresh:
+            r = await fresh.post("/v1/completions", json=body(0, False))
+            seen["new"] = (r.status_code, r.json())
+            for path in ("/health", "/health/ready", "/health/live"):
+                r = await fresh.get(path)
+                seen[path] = (r.status_code, r.json()["status"])
+        return await asyncio.gather(*tasks), seen
+
+
+def test_probes_while_serving(server):
+    assert httpx.get(f"{server}/health/live").json() == {"status": "alive"}
+    assert httpx.get(f"{server}/health/ready").json() == {"status": "ready"}
+
+
+def test_sigterm_drains_streams_and_refuses_new_requests(proc):
+    streams, seen = asyncio.run(drain_during_streams(proc, DRAIN_TOKENS))
+    assert seen["line"].startswith(f"draining: new requests get 503; {DRAIN_STREAMS} in flight")
+    status, err = seen["new"]
+    assert status == 503 and err["error"]["code"] == "server_draining", seen
+    assert seen["/health"] == (503, "draining") and seen["/health/ready"] == (503, "draining")
+    assert seen["/health/live"] == (200, "alive")
+    for s in streams:
+        assert s["done"] and not s["errors"] and s["finish"] == ["length"], s
+        assert s["usage"][0]["completion_tokens"] == DRAIN_TOKENS, s
+    assert proc.proc.wait(60) == 0
+
+
+def test_drain_timeout_ends_streams_with_the_error_event(model):
+    proc = start(model, "--max-model-len", "1024", "--shutdown-timeout", "0.3")
+    try:
+        streams, _ = asyncio.run(drain_during_streams(proc, 1000, probe=False))
+        for s in streams:
+            assert s["done"] and s["finish"] == [], s
+            assert [e["error"]["code"] for e in s["errors"]] == ["server_shutting_down"], s
+        assert proc.proc.wait(60) == 0
+        assert any(x.startswith("drain timeout: ending the") for x in proc.lines), proc.lines
+    finally:
+        proc.stop()
