@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from server_process import TinyServer, tiny_model_folder
+from server_process import ROOT, TinyServer, tiny_model_folder
 
 pytestmark = pytest.mark.slow
 
@@ -118,6 +120,54 @@ def test_256_concurrent_streamed_and_unary_all_complete(server):
             assert u["choices"][0]["finish_reason"] == "length", u
             assert u["usage"] == {"prompt_tokens": 4, "completion_tokens": NEW_TOKENS,
                                   "total_tokens": 4 + NEW_TOKENS}, u
+
+
+#: series of vLLM's OpenAI server (its production-metrics documentation, V1 engine) that a vLLM
+#: dashboard reads; each must be here with the ``model_name`` label
+VLLM_NAMES = {
+    "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge", "vllm:gpu_cache_usage_perc": "gauge",
+    "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter",
+    "vllm:num_preemptions": "counter", "vllm:prompt_tokens": "counter",
+    "vllm:generation_tokens": "counter", "vllm:request_success": "counter",
+    "vllm:time_to_first_token_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:time_per_output_token_seconds": "histogram",
+    "vllm:request_time_per_output_token_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram", "vllm:request_queue_time_seconds": "histogram",
+    "vllm:request_prefill_time_seconds": "histogram", "vllm:request_decode_time_seconds": "histogram",
+    "vllm:request_inference_time_seconds": "histogram", "vllm:request_prompt_tokens": "histogram",
+    "vllm:request_generation_tokens": "histogram", "vllm:request_params_max_tokens": "histogram",
+}
+
+
+def test_vllm_metrics_count_the_load_exactly(server):
+    """After the 256 + 32 requests above (4 prompt tokens, 3 new tokens each, all ``length``)."""
+    n = CONNECTIONS + REUSED
+    model = httpx.get(f"{server}/v1/models").json()["data"][0]["id"]
+    fams = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{server}/metrics").text)}
+    for name, kind in VLLM_NAMES.items():
+        assert name in fams and fams[name].type == kind, name
+        assert {s.labels["model_name"] for s in fams[name].samples} == {model}, name
+
+    def value(name: str, suffix: str = "", **labels) -> float:
+        return next(s.value for s in fams[name].samples if s.name == name + suffix
+                    and all(s.labels.get(k) == v for k, v in labels.items()))
+    assert value("vllm:prompt_tokens", "_total") == 4 * n
+    assert value("vllm:generation_tokens", "_total") == NEW_TOKENS * n
+    assert value("vllm:request_success", "_total", finished_reason="length") == n
+    assert value("vllm:request_success", "_total", finished_reason="abort") == 0
+    for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+                 "request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_inference_time_seconds", "request_generation_tokens"):
+        assert value("vllm:" + hist, "_count") == n, hist
+    assert value("vllm:request_generation_tokens", "_sum") == NEW_TOKENS * n
+    assert value("vllm:request_params_max_tokens", "_sum") == NEW_TOKENS * n
+    assert value("vllm:inter_token_latency_seconds", "_count") >= n  # >= 1 gap per request
+    assert value("vllm:num_requests_running") == 0 and value("vllm:kv_cache_usage_perc") == 0.0
+    dashboard = (ROOT / "examples/grafana/ppstate-vllm-dashboard.json").read_text()
+    used = set(re.findall(r"vllm:[a-z0-9_]+", dashboard))
+    exported = {s.name for f in fams.values() for s in f.samples}
+    assert used and used <= exported, used - exported
 
 
 async def drain_during_streams(proc: TinyServer, max_tokens: int, probe: bool = True) -> tuple[list, dict]:
