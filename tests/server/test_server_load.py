@@ -170,6 +170,34 @@ def test_vllm_metrics_count_the_load_exactly(server):
     assert used and used <= exported, used - exported
 
 
+def test_bench_serve_two_aiohttp_clients_on_a_jsonl_dataset(server, model, tmp_path):
+    """``runtime.bench serve`` (issue #30, item 2): two client processes, a JSONL file of three
+    entry shapes; every request completes with exactly the reply's length in tokens."""
+    from runtime.bench import serve
+    rows = []
+    for i in range(12):
+        words = " ".join(f"t{10 + (i * 7 + j) % 300}" for j in range(4 + i % 5))
+        reply = " ".join(f"t{20 + j}" for j in range(4 + i % 3))
+        rows.append([{"prompt": words, "output_len": 5 + i % 2},
+                     {"messages": [{"role": "user", "content": words},
+                                   {"role": "assistant", "content": reply}]},
+                     {"conversations": [{"from": "human", "value": words},
+                                        {"from": "gpt", "value": reply}]}][i % 3])
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "serve.json"
+    assert serve.main(["--url", server, "--dataset", str(data), "--tokenizer", str(model),
+                       "--num-prompts", "12", "--max-concurrency", "8", "--num-clients", "2",
+                       "--max-model-len", "128", "--no-progress", "--json-out", str(out)]) == 0
+    res = json.loads(out.read_text())["results"]
+    want_out = sum((5 + i % 2) if i % 3 == 0 else 4 + i % 3 for i in range(12))
+    want_in = sum(4 + i % 5 for i in range(12))
+    assert (res["completed"], res["failed"], res["errors"]) == (12, 0, [])
+    assert (res["total_output_tokens"], res["total_input_tokens"]) == (want_out, want_in)
+    assert res["num_clients"] == 2 and len(res["client_cpu_fraction"]) == 2
+    assert res["ttft_mean_ms"] > 0 and res["e2e_p99_ms"] >= res["ttft_p99_ms"]
+
+
 async def drain_during_streams(proc: TinyServer, max_tokens: int, probe: bool = True) -> tuple[list, dict]:
     """20 streams; SIGTERM once each has its first tokens; then (``probe``) a new request and the
     health probes while the streams drain."""
