@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM / SIGINT: refuse new requests (503, /health 'draining') and "
                    "let those in flight finish for up to S seconds, then end the rest with an "
                    "error event; 0 ends them at once. A second signal ends them at once too")
+    s.add_argument("--api-server-count", type=int, default=0, metavar="N",
+                   help="run the engine (scheduler, step loop, workers) in its own process and N "
+                   "API-server processes (HTTP, tokenizing, response encoding) in front of it, "
+                   "sharing the port; 0: everything in this one process")
     s.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level ('info' logs every request)")
@@ -109,13 +113,16 @@ class _Server(uvicorn.Server):
 
 
 async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.socket,
-                start_engine: Callable[[EngineConfig], Awaitable[Any]] | None = None) -> int:
+                start_engine: Callable[[EngineConfig], Awaitable[Any]] | None = None,
+                announce: Callable[[str, str], None] | None = None) -> int:
     """Serve on ``sock`` at once (503 "loading" until the engine is up), start the engine, serve
     until a signal or engine death, stop both.
 
     Args:
         start_engine: coroutine function that starts the engine (default
             ``runtime.dp.replicas.start_engine``: one pipeline, or ``dp_size`` replicas).
+        announce: ``announce(kind, line)`` for the ``loading`` and ``ready`` lines (default:
+            print them; an API server of ``--api-server-count`` reports to its main process).
 
     Returns:
         The exit code: 0 after a signal, 1 when the engine died, 130 when a signal came while the
@@ -131,9 +138,10 @@ async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.soc
 
     t0 = time.perf_counter()
     dp = f" x {config.dp_size} data-parallel replicas" if config.dp_size > 1 else ""
-    print(f"loading model '{config.model}' over {config.scheduler.pp_size} pipeline stage(s){dp} "
-          f"({config.scheduler.mode} schedule); {url_of(sock, args.host)}/health answers 503 "
-          "'loading' until ready ...", flush=True)
+    say = announce or (lambda kind, line: print(line, flush=True))
+    say("loading", f"loading model '{config.model}' over {config.scheduler.pp_size} pipeline "
+        f"stage(s){dp} ({config.scheduler.mode} schedule); {url_of(sock, args.host)}/health "
+        "answers 503 'loading' until ready ...")
     front = StartupApp()
     server = _Server(uvicorn.Config(front, log_level=args.log_level, timeout_graceful_shutdown=5,
                                     timeout_keep_alive=getattr(args, "timeout_keep_alive",
@@ -203,8 +211,9 @@ async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.soc
             while not server.started and not server.should_exit:
                 await asyncio.sleep(0.05)
             if server.started:
-                print(f"ready: {url_of(sock, args.host)}  (model '{engine.model_name}', "
-                      f"pp={config.scheduler.pp_size}, dp={config.dp_size}, up in {time.perf_counter() - t0:.1f} s)", flush=True)
+                say("ready", f"ready: {url_of(sock, args.host)}  (model '{engine.model_name}', "
+                    f"pp={config.scheduler.pp_size}, dp={config.dp_size}, up in "
+                    f"{time.perf_counter() - t0:.1f} s)")
             while not server.should_exit:
                 if not engine.is_alive and not getattr(engine, "restarting", False):
                     print(f"error: the engine died: {getattr(engine, 'error', None)}", file=sys.stderr,
@@ -241,7 +250,13 @@ def parse_cli(argv: list[str] | None = None) -> tuple[argparse.Namespace, Engine
         p.error(f"--max-restarts: must be >= 0, got {args.max_restarts}")
     if args.restart_backoff < 0:
         p.error(f"--restart-backoff: must be >= 0, got {args.restart_backoff}")
+    if args.api_server_count < 0:
+        p.error(f"--api-server-count: must be >= 0, got {args.api_server_count}")
     config = engine_config(p, args)
+    if args.api_server_count and (args.restart_workers or config.dp_size > 1
+                                  or config.launcher != "spawn"):
+        p.error("--api-server-count: not supported with --restart-workers, --dp > 1 or the "
+                "torchrun launcher yet")
     if args.restart_workers and config.dp_size > 1:
         p.error("--restart-workers: not supported with --dp > 1 yet (a dead replica stops the "
                 "server; restart it from the supervisor)")
@@ -260,6 +275,12 @@ def main(argv: list[str] | None = None) -> int:
     from ppstate.errors import PPStateError
     from runtime.engine import EngineDeadError
     from runtime.model.errors import ModelError
+    if args.api_server_count:
+        from runtime.server.api_servers import serve_api_servers
+        try:
+            return serve_api_servers(config, args, sock, url_of(sock, args.host))
+        finally:
+            sock.close()
     try:
         return asyncio.run(serve(config, args, sock))
     except (EngineDeadError, PPStateError, ModelError, ValueError) as exc:  # model / flag problems found late

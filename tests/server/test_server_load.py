@@ -8,14 +8,17 @@ Each must succeed: HTTP 200, a stream ends with ``[DONE]`` after a chunk with ``
 ``max_tokens`` tokens (greedy, EOS ignored). The same server also answers the liveness / readiness
 probes and the vLLM-named metrics, and is then drained (issue #30, item 4): SIGTERM during 20 streams
 with ``--shutdown-timeout 30`` lets all finish with ``finish_reason: length`` while new requests
-get 503 ``server_draining``; a second server with a short timeout ends its 20 streams with the
-shutdown error event and ``[DONE]``.
+get 503 ``server_draining``. A second server runs split (``--api-server-count 2``: an engine-core
+process and two API-server processes): its greedy outputs equal the first server's, and with a
+short ``--shutdown-timeout`` a SIGTERM ends its 20 streams with the shutdown error event and
+``[DONE]``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import signal
 import time
@@ -61,6 +64,13 @@ def proc(model):
 @pytest.fixture(scope="module")
 def server(proc):
     return proc.url
+
+
+@pytest.fixture(scope="module")
+def split(model):
+    p = start(model, "--max-model-len", "1024", "--shutdown-timeout", "0.3", "--api-server-count", "2")
+    yield p
+    p.stop()
 
 
 def body(i: int, stream: bool, max_tokens: int = NEW_TOKENS) -> dict:
@@ -231,6 +241,53 @@ def test_probes_while_serving(server):
     assert httpx.get(f"{server}/health/ready").json() == {"status": "ready"}
 
 
+def test_api_servers_match_the_single_process_server(server, split):
+    """``--api-server-count 2`` (issue #30, item 3): one engine-core process, two API servers on
+    one port; 64 requests at once all complete, and greedy token ids equal the single-process
+    server's for the same prompts."""
+    pids = re.search(r"API server processes \[(\d+), (\d+)\], engine core (\d+)", "".join(split.lines))
+    assert pids and all(os.path.exists(f"/proc/{p}") for p in pids.groups()), split.lines
+
+    async def ids(url: str, n: int) -> list:
+        async with httpx.AsyncClient(base_url=url, timeout=120,
+                                     limits=httpx.Limits(max_connections=n)) as c:
+            rs = await asyncio.gather(*(c.post("/v1/completions", json={
+                **body(i, False, 6), "logprobs": 0, "return_tokens_as_token_ids": True})
+                for i in range(n)))
+        return [r.json()["choices"][0]["logprobs"]["tokens"] for r in rs]
+
+    async def mixed(url: str) -> tuple[list, list]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+            return await wave(c, 64)
+
+    assert asyncio.run(ids(split.url, 8)) == asyncio.run(ids(server, 8))
+    streams, unaries = asyncio.run(mixed(split.url))
+    for st in streams:
+        assert st["done"] and st["finish"] == ["length"] and st["usage"][0]["completion_tokens"] == 3, st
+    assert all(u["usage"]["completion_tokens"] == NEW_TOKENS for u in unaries)
+    t0, gen, want = time.monotonic(), 0.0, 8 * 6 + 64 * NEW_TOKENS
+    while time.monotonic() - t0 < 10 and gen != want:   # the core's counters, relayed (<= 0.5 s old)
+        m = httpx.get(f"{split.url}/metrics").text
+        gen = float(re.search(r'^vllm:generation_tokens_total\{model_name="[^"]+"\} (\S+)$', m, re.M)[1])
+        time.sleep(0.1)
+    assert gen == want
+
+
+def test_drain_timeout_ends_streams_with_the_error_event(split):
+    """SIGTERM to the main process of ``--api-server-count 2`` with ``--shutdown-timeout 0.3``:
+    both API servers drain, every stream ends with the shutdown error event and ``[DONE]``, all
+    processes exit (status 0)."""
+    pids = [int(p) for p in re.search(r"API server processes \[(\d+), (\d+)\], engine core (\d+)",
+                                      "".join(split.lines)).groups()]
+    streams, _ = asyncio.run(drain_during_streams(split, 1000, probe=False))
+    for s in streams:
+        assert s["done"] and s["finish"] == [], s
+        assert [e["error"]["code"] for e in s["errors"]] == ["server_shutting_down"], s
+    assert split.proc.wait(60) == 0
+    assert any(x.startswith("drain timeout: ending the") for x in split.lines), split.lines
+    assert not [p for p in pids if os.path.exists(f"/proc/{p}")]
+
+
 def test_sigterm_drains_streams_and_refuses_new_requests(proc):
     streams, seen = asyncio.run(drain_during_streams(proc, DRAIN_TOKENS))
     assert seen["line"].startswith(f"draining: new requests get 503; {DRAIN_STREAMS} in flight")
@@ -242,16 +299,3 @@ def test_sigterm_drains_streams_and_refuses_new_requests(proc):
         assert s["done"] and not s["errors"] and s["finish"] == ["length"], s
         assert s["usage"][0]["completion_tokens"] == DRAIN_TOKENS, s
     assert proc.proc.wait(60) == 0
-
-
-def test_drain_timeout_ends_streams_with_the_error_event(model):
-    proc = start(model, "--max-model-len", "1024", "--shutdown-timeout", "0.3")
-    try:
-        streams, _ = asyncio.run(drain_during_streams(proc, 1000, probe=False))
-        for s in streams:
-            assert s["done"] and s["finish"] == [], s
-            assert [e["error"]["code"] for e in s["errors"]] == ["server_shutting_down"], s
-        assert proc.proc.wait(60) == 0
-        assert any(x.startswith("drain timeout: ending the") for x in proc.lines), proc.lines
-    finally:
-        proc.stop()
