@@ -6,7 +6,7 @@ JSON and SSE encoding of every chunk) in front of this one process, which owns t
 detokenizing and stop strings, which decide when a request ends). They talk over ZMQ with msgpack
 messages (:mod:`runtime.server.core_messages`): requests and aborts come in on one PULL socket;
 the increments of every request go back to the frontend that sent it, batched: all increments
-queued in one turn of the event loop leave in one message per frontend.
+of one engine step leave in one message per frontend.
 
 The process ignores SIGINT (the server's main process decides when to stop) and stops on SIGTERM:
 it shuts the engine and its workers down and exits 0.
@@ -27,14 +27,19 @@ from runtime.server.core_messages import STATS_INTERVAL_S, decode, encode, pack_
 
 
 class EngineCore:
-    """One engine behind ZMQ for ``len(out_addrs)`` frontends."""
+    """One engine behind ZMQ for ``len(pushes)`` frontends.
+
+    No task per request: every live request's engine-side stream gets one shared future as its
+    waiter, so the engine's first increment of a step wakes :meth:`flusher` once; it then takes
+    the pending increment of every live stream (a cheap scan), sends one message per frontend and
+    arms a fresh shared future.
+    """
 
     def __init__(self, engine, pushes: list[zmq.asyncio.Socket]) -> None:
         self.engine = engine
         self.pushes = pushes
-        self.outbox: list[list] = [[] for _ in pushes]   # [frontend] packed increments
-        self.flush = asyncio.Event()
-        self.pumps: dict[str, asyncio.Task] = {}
+        self.live: dict[str, tuple[int, object]] = {}   # req_id -> (frontend, RequestStream)
+        self.wake: asyncio.Future = asyncio.get_running_loop().create_future()
 
     def add(self, frontend: int, req_id: str, prompt: list[int], params: dict) -> None:
         """Admit one request and start forwarding its increments to ``frontend``."""
@@ -42,42 +47,45 @@ class EngineCore:
         from runtime.engine.faults import RequestFailure
         from runtime.sampling_params import SamplingParams
         try:
-            stream = self.engine.add_request(req_id, prompt, SamplingParams.model_construct(**params))
+            self.engine.add_request(req_id, prompt, SamplingParams.model_construct(**params))
         except RequestRejected as exc:
             return self._reject(frontend, req_id, exc.field, str(exc), "rejected")
         except RequestFailure as exc:
             return self._reject(frontend, req_id, None, str(exc), "failed")
         except EngineDeadError as exc:
             return self._reject(frontend, req_id, None, str(exc), "dead")
-        self.pumps[req_id] = asyncio.create_task(self._pump(frontend, req_id, stream))
+        stream = self.engine._streams[req_id]   # read its increments directly (see the class doc)
+        stream._waiter = self.wake
+        self.live[req_id] = (frontend, stream)
 
     def _reject(self, frontend: int, req_id: str, field, message: str, kind: str) -> None:
         self.pushes[frontend].send(encode(["reject", req_id, field, message, kind]))
 
-    async def _pump(self, frontend: int, req_id: str, stream) -> None:
-        try:
-            async for out in stream:
-                self.outbox[frontend].append(pack_output(out))
-                self.flush.set()
-        finally:
-            self.pumps.pop(req_id, None)
-
     async def abort(self, req_id: str) -> None:
-        task = self.pumps.pop(req_id, None)
+        """Abort in the engine; its final increment still goes out (the frontend ignores it)."""
         await self.engine.abort(req_id)
-        if task is not None:
-            task.cancel()
 
     async def flusher(self) -> None:
-        """Send the queued increments, one message per frontend and loop turn."""
+        """Send the pending increments, one message per frontend and wake-up."""
+        loop = asyncio.get_running_loop()
         while True:
-            await self.flush.wait()
-            await asyncio.sleep(0)   # let every pump woken in this turn queue its increment
-            self.flush.clear()
-            for k, box in enumerate(self.outbox):
+            await self.wake
+            self.wake = wake = loop.create_future()
+            boxes: list[list] = [[] for _ in self.pushes]
+            done = []
+            for req_id, (frontend, stream) in self.live.items():
+                out = stream._pending
+                if out is not None:
+                    stream._pending = None
+                    boxes[frontend].append(pack_output(out))
+                    if out.finished:
+                        done.append(req_id)
+                stream._waiter = wake
+            for req_id in done:
+                del self.live[req_id]
+            for push, box in zip(self.pushes, boxes):
                 if box:
-                    self.outbox[k] = []
-                    await self.pushes[k].send(encode(["outs", box]))
+                    await push.send(encode(["outs", box]))
 
     async def stats_loop(self) -> None:
         """The engine's counters to every frontend, every ``STATS_INTERVAL_S``."""
