@@ -11,9 +11,13 @@ reset) or ``RemoteProtocolError`` ("Server disconnected without sending a respon
 This probe makes that situation on purpose: ``--probes`` clients, each with a pool of exactly one
 connection, send a short non-streamed completion, stay idle for a time drawn uniformly from
 ``[--idle-min, --idle-max]`` seconds, and send again, ``--rounds`` times; meanwhile
-``--background`` streamed requests keep the server's event loop busy, as under load. It counts
-failures by exception type and reports which side closed: a failure with a server-side close is
-one whose connection was reused after ``idle`` seconds, and the server never answered it.
+``--background`` streamed requests keep the server's event loop busy, as under load, and
+``--client-busy-ms`` blocks the probe's own event loop in slices of that many milliseconds (a
+saturated client, as a single-process load generator at concurrency 256 is): the client then
+releases a finished connection, and starts its idle clock, some milliseconds after the server
+started its own, so a reuse that is idle < 5 s for the client can be >= 5 s for the server. It
+counts failures by exception type; a failure here is a request sent on a reused connection that
+the server closed without answering it (a reset: ``ReadError``).
 
 Exit status 1 when any probe request failed.
 """
@@ -44,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--background", type=int, default=32,
                    help="streamed requests kept running meanwhile (server load)")
     p.add_argument("--max-tokens", type=int, default=2, help="tokens per probe request")
+    p.add_argument("--client-busy-ms", type=float, default=0.0,
+                   help="block the client's event loop in slices of this many ms (a saturated client)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", default=None)
     return p
@@ -90,6 +96,15 @@ async def background(url: str, args: argparse.Namespace, stop: asyncio.Event) ->
     return done
 
 
+async def busy_loop(slice_ms: float, stop: asyncio.Event) -> None:
+    """Keep this process's event loop busy: spin ``slice_ms``, yield once, repeat."""
+    while not stop.is_set():
+        end = time.perf_counter() + slice_ms / 1000.0
+        while time.perf_counter() < end:
+            pass
+        await asyncio.sleep(0)
+
+
 async def run(args: argparse.Namespace) -> dict:
     """The probe against ``args.url``; returns counts (see the module docstring)."""
     rng = random.Random(args.seed)
@@ -97,17 +112,22 @@ async def run(args: argparse.Namespace) -> dict:
     stats: collections.Counter = collections.Counter()
     stop = asyncio.Event()
     bg = [asyncio.create_task(background(args.url, args, stop)) for _ in range(args.background)]
+    busy = (asyncio.create_task(busy_loop(args.client_busy_ms, stop))
+            if args.client_busy_ms > 0 else None)
     t0 = time.perf_counter()
     await asyncio.gather(*(probe(args.url, args, random.Random(rng.random()), errors, stats)
                            for _ in range(args.probes)))
     wall = time.perf_counter() - t0
     stop.set()
     bg_done = sum(await asyncio.gather(*bg))
+    if busy is not None:
+        await busy
     return {"probe_requests": args.probes * (args.rounds + 1), "reused_after_idle":
             args.probes * args.rounds, "ok": stats["ok"], "failed": stats["failed"],
             "other_status": {k: v for k, v in stats.items() if k.startswith("http_")},
             "errors": dict(errors.most_common(5)), "background_completed": bg_done,
-            "idle_s": [args.idle_min, args.idle_max], "wall_s": wall}
+            "idle_s": [args.idle_min, args.idle_max], "client_busy_ms": args.client_busy_ms,
+            "wall_s": wall}
 
 
 def main(argv: list[str] | None = None) -> int:
