@@ -8,8 +8,8 @@ messages (:mod:`runtime.server.core_messages`): requests and aborts come in on o
 the increments of every request go back to the frontend that sent it, batched: all increments
 of one engine step leave in one message per frontend.
 
-The process ignores SIGINT (the server's main process decides when to stop) and stops on SIGTERM:
-it shuts the engine and its workers down and exits 0.
+The process ignores SIGINT (the server's main process decides when to stop) and stops on SIGTERM,
+or when the main process is gone: it shuts the engine and its workers down and exits 0.
 """
 
 from __future__ import annotations
@@ -87,9 +87,13 @@ class EngineCore:
                 if box:
                     await push.send(encode(["outs", box]))
 
-    async def stats_loop(self) -> None:
-        """The engine's counters to every frontend, every ``STATS_INTERVAL_S``."""
+    async def stats_loop(self, stop: asyncio.Event) -> None:
+        """The engine's counters to every frontend, every ``STATS_INTERVAL_S``; sets ``stop``
+        when the server's main process is gone (its pid is no longer the parent)."""
+        parent = os.getppid()
         while True:
+            if os.getppid() != parent:
+                stop.set()
             alive = bool(self.engine.is_alive)
             try:
                 stats = self.engine.stats()
@@ -149,7 +153,7 @@ async def run_core(config: EngineConfig, in_addr: str, out_addrs: list[str]) -> 
     core = EngineCore(engine, pushes)
     for s in pushes:
         await s.send(encode(["ready", _info(engine)]))
-    tasks = [asyncio.create_task(t) for t in (core.serve(pull), core.flusher(), core.stats_loop())]
+    tasks = [asyncio.create_task(t) for t in (core.serve(pull), core.flusher(), core.stats_loop(stop))]
     try:
         await stop.wait()
     finally:
