@@ -6,7 +6,8 @@
 The port is bound and served before the model loads (a busy port fails at once; ``/health``
 answers 503 ``{"status": "loading"}`` meanwhile), the workers show loading progress, and
 ``ready: http://HOST:PORT`` is printed once requests are served. Ctrl-C / SIGTERM stop
-the server and then the engine. If the engine dies, the server exits with status 1, unless
+the server and then the engine (with ``--shutdown-timeout S``, after letting the requests in flight
+finish for up to S seconds while new ones get 503: a graceful drain). If the engine dies, the server exits with status 1, unless
 ``--restart-workers`` is given: then it starts fresh workers and serves again (at most
 ``--max-restarts`` times, see runtime/engine/supervisor.py).
 """
@@ -32,6 +33,11 @@ from runtime.server.middleware import DEFAULT_MAX_BODY_BYTES
 from runtime.engine.torchrun import run_remote_rank
 
 ENGINE_WATCH_INTERVAL_S = 1.0
+#: uvicorn closes idle keep-alive connections after 5 s by default, the same 5 s after which httpx
+#: and aiohttp stop reusing a pooled connection; the two timers race, and a request sent on a
+#: connection the server closes at that instant fails (ReadError / RemoteProtocolError). 75 s is
+#: well past every common client's idle expiry (nginx's keepalive_timeout default is 75 s too).
+DEFAULT_KEEP_ALIVE_S = 75.0
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -49,6 +55,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1/* (else $PPSTATE_API_KEY if set)")
     s.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest accepted request body (bytes)")
+    s.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_KEEP_ALIVE_S, metavar="S",
+                   help="seconds an idle keep-alive connection stays open; longer than clients' "
+                   "pool idle expiry (httpx, aiohttp: 5 s), so the server never closes a "
+                   "connection the client is reusing at that moment (docs/server.md)")
+    s.add_argument("--shutdown-timeout", type=float, default=0.0, metavar="S",
+                   help="on SIGTERM / SIGINT: refuse new requests (503, /health 'draining') and "
+                   "let those in flight finish for up to S seconds, then end the rest with an "
+                   "error event; 0 ends them at once. A second signal ends them at once too")
+    s.add_argument("--api-server-count", type=int, default=0, metavar="N",
+                   help="run the engine (scheduler, step loop, workers) in its own process and N "
+                   "API-server processes (HTTP, tokenizing, response encoding) in front of it, "
+                   "sharing the port; 0: everything in this one process")
     s.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level ('info' logs every request)")
@@ -95,13 +113,16 @@ class _Server(uvicorn.Server):
 
 
 async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.socket,
-                start_engine: Callable[[EngineConfig], Awaitable[Any]] | None = None) -> int:
+                start_engine: Callable[[EngineConfig], Awaitable[Any]] | None = None,
+                announce: Callable[[str, str], None] | None = None) -> int:
     """Serve on ``sock`` at once (503 "loading" until the engine is up), start the engine, serve
     until a signal or engine death, stop both.
 
     Args:
         start_engine: coroutine function that starts the engine (default
             ``runtime.dp.replicas.start_engine``: one pipeline, or ``dp_size`` replicas).
+        announce: ``announce(kind, line)`` for the ``loading`` and ``ready`` lines (default:
+            print them; an API server of ``--api-server-count`` reports to its main process).
 
     Returns:
         The exit code: 0 after a signal, 1 when the engine died, 130 when a signal came while the
@@ -112,15 +133,19 @@ async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.soc
     """
     from runtime.dp.replicas import start_engine as start_dp_or_one
     from runtime.server import create_app
+    from runtime.server.drain import DrainState
     from runtime.server.startup import StartupApp
 
     t0 = time.perf_counter()
     dp = f" x {config.dp_size} data-parallel replicas" if config.dp_size > 1 else ""
-    print(f"loading model '{config.model}' over {config.scheduler.pp_size} pipeline stage(s){dp} "
-          f"({config.scheduler.mode} schedule); {url_of(sock, args.host)}/health answers 503 "
-          "'loading' until ready ...", flush=True)
+    say = announce or (lambda kind, line: print(line, flush=True))
+    say("loading", f"loading model '{config.model}' over {config.scheduler.pp_size} pipeline "
+        f"stage(s){dp} ({config.scheduler.mode} schedule); {url_of(sock, args.host)}/health "
+        "answers 503 'loading' until ready ...")
     front = StartupApp()
     server = _Server(uvicorn.Config(front, log_level=args.log_level, timeout_graceful_shutdown=5,
+                                    timeout_keep_alive=getattr(args, "timeout_keep_alive",
+                                                               DEFAULT_KEEP_ALIVE_S),
                                     lifespan="off", access_log=args.log_level in ("info", "debug")))
     loop = asyncio.get_running_loop()
     if getattr(args, "restart_workers", False):
@@ -132,8 +157,11 @@ async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.soc
                                                 start_engine=start_one)
     load = loop.create_task((start_engine or start_dp_or_one)(config))
     engine: Any = None
+    drain = DrainState()
+    drain_timeout = float(getattr(args, "shutdown_timeout", 0.0) or 0.0)
+    drainer: list[asyncio.Task] = []
 
-    def on_signal() -> None:
+    def stop_now() -> None:
         if not server.should_exit:   # the first signal; a second one forces the exit
             print("shutting down: ending open streams, stopping the workers ...", flush=True)
         server.force_exit = server.should_exit
@@ -143,6 +171,23 @@ async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.soc
         else:  # end open streams now (error event + [DONE]) instead of letting uvicorn's
             # graceful shutdown time out and cancel them mid-chunk
             loop.create_task(engine.abort_all("the server is shutting down"))
+
+    def on_signal() -> None:
+        if engine is None or drain_timeout <= 0 or drain.draining:
+            stop_now()
+            return
+        drain.start()
+        print(f"draining: new requests get 503; {drain.in_flight} in flight get up to "
+              f"{drain_timeout:g} s to finish ...", flush=True)
+        drainer.append(loop.create_task(drain_then_stop()))
+
+    async def drain_then_stop() -> None:
+        finished = await drain.wait_idle(drain_timeout)
+        if not finished:
+            print(f"drain timeout: ending the {drain.in_flight} request(s) still in flight",
+                  flush=True)
+        if not server.should_exit:
+            stop_now()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
@@ -159,15 +204,16 @@ async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.soc
     exit_code = 0
     try:
         front.set_app(create_app(engine, config, api_key=args.api_key,
-                                 max_body_bytes=args.max_body_bytes))
+                                 max_body_bytes=args.max_body_bytes, drain=drain))
 
         async def watch() -> None:
             nonlocal exit_code
             while not server.started and not server.should_exit:
                 await asyncio.sleep(0.05)
             if server.started:
-                print(f"ready: {url_of(sock, args.host)}  (model '{engine.model_name}', "
-                      f"pp={config.scheduler.pp_size}, dp={config.dp_size}, up in {time.perf_counter() - t0:.1f} s)", flush=True)
+                say("ready", f"ready: {url_of(sock, args.host)}  (model '{engine.model_name}', "
+                    f"pp={config.scheduler.pp_size}, dp={config.dp_size}, up in "
+                    f"{time.perf_counter() - t0:.1f} s)")
             while not server.should_exit:
                 if not engine.is_alive and not getattr(engine, "restarting", False):
                     print(f"error: the engine died: {getattr(engine, 'error', None)}", file=sys.stderr,
@@ -196,11 +242,21 @@ def parse_cli(argv: list[str] | None = None) -> tuple[argparse.Namespace, Engine
         p.error(f"--port: must be in 0..65535, got {args.port}")
     if args.max_body_bytes < 1024:
         p.error(f"--max-body-bytes: must be >= 1024, got {args.max_body_bytes}")
+    if not args.shutdown_timeout >= 0:
+        p.error(f"--shutdown-timeout: must be >= 0 seconds, got {args.shutdown_timeout}")
+    if not args.timeout_keep_alive > 0:
+        p.error(f"--timeout-keep-alive: must be > 0 seconds, got {args.timeout_keep_alive}")
     if args.max_restarts < 0:
         p.error(f"--max-restarts: must be >= 0, got {args.max_restarts}")
     if args.restart_backoff < 0:
         p.error(f"--restart-backoff: must be >= 0, got {args.restart_backoff}")
+    if args.api_server_count < 0:
+        p.error(f"--api-server-count: must be >= 0, got {args.api_server_count}")
     config = engine_config(p, args)
+    if args.api_server_count and (args.restart_workers or config.dp_size > 1
+                                  or config.launcher != "spawn"):
+        p.error("--api-server-count: not supported with --restart-workers, --dp > 1 or the "
+                "torchrun launcher yet")
     if args.restart_workers and config.dp_size > 1:
         p.error("--restart-workers: not supported with --dp > 1 yet (a dead replica stops the "
                 "server; restart it from the supervisor)")
@@ -219,6 +275,12 @@ def main(argv: list[str] | None = None) -> int:
     from ppstate.errors import PPStateError
     from runtime.engine import EngineDeadError
     from runtime.model.errors import ModelError
+    if args.api_server_count:
+        from runtime.server.api_servers import serve_api_servers
+        try:
+            return serve_api_servers(config, args, sock, url_of(sock, args.host))
+        finally:
+            sock.close()
     try:
         return asyncio.run(serve(config, args, sock))
     except (EngineDeadError, PPStateError, ModelError, ValueError) as exc:  # model / flag problems found late

@@ -195,6 +195,10 @@ class AsyncEngine:
         overlapped, 1 in sync mode)."""
         while self.is_alive and (out := self.sched.schedule()) is not None:
             self._step_rows[out.step] = out.req_ids
+            for new in out.new_requests:   # queue time (vllm:request_queue_time_seconds)
+                stream = self._streams.get(new.req_id)
+                if stream is not None and stream.scheduled_s is None:
+                    stream.scheduled_s = time.monotonic()
             self.counters.step_issued()
             self.pool.send_step(out)
 

@@ -34,6 +34,9 @@ class RequestOutput:
         error_kind: ``"request"`` (only this request failed; the engine goes on), ``"engine"``
             (the engine stopped) or ``"shutdown"`` (the server is stopping and ended the request),
             see :mod:`runtime.engine.faults`; None without an error.
+        scheduled_s: on the increment with the first tokens: ``time.monotonic()`` of the step
+            that first scheduled the request (None before, or when never scheduled).
+        queue_s: on that increment: seconds from the engine's arrival to ``scheduled_s``.
     """
     req_id: str
     new_token_ids: list[int]
@@ -45,6 +48,8 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     error_kind: str | None = None
+    scheduled_s: float | None = None
+    queue_s: float | None = None
 
 
 def logprob_index(result, rows: tuple[str, ...]) -> dict[str, int] | None:

@@ -29,6 +29,7 @@ class RequestStream:
         detok: incremental detokenizer (stop strings, UTF-8 safety).
         num_output_tokens: output tokens queued so far.
         arrival_s / first_token_s: ``time.monotonic()`` of arrival and of the first token.
+        scheduled_s: ``time.monotonic()`` of the step that first scheduled it (set by the engine).
         finished: True once the last increment was queued (nothing is queued after it).
     """
     req_id: str
@@ -38,6 +39,7 @@ class RequestStream:
     num_output_tokens: int = 0
     arrival_s: float = field(default_factory=time.monotonic)
     first_token_s: float | None = None
+    scheduled_s: float | None = None
     finished: bool = False
     _pending: RequestOutput | None = None
     _waiter: asyncio.Future | None = None
@@ -55,7 +57,8 @@ class RequestStream:
         """
         if self.finished:
             return finish_reason
-        if self.first_token_s is None and token_ids:
+        first = self.first_token_s is None and bool(token_ids)
+        if first:
             self.first_token_s = time.monotonic()
         detok = self.detok
         text = detok.push(token_ids)
@@ -75,6 +78,9 @@ class RequestStream:
             if logprobs is not None or prev.logprobs is not None:
                 prev.logprobs = (prev.logprobs or []) + (logprobs or [])
             prev.finished, prev.finish_reason, prev.num_output_tokens = done, finish_reason, n
+        if first and self.scheduled_s is not None:   # the queue time rides on the first tokens
+            out = self._pending
+            out.scheduled_s, out.queue_s = self.scheduled_s, self.scheduled_s - self.arrival_s
         w = self._waiter
         if w is not None and not w.done():
             w.set_result(None)

@@ -1,7 +1,7 @@
 """The OpenAI-compatible FastAPI app around a started AsyncEngine.
 
 Endpoints: GET /v1/models, GET /v1/models/{model}, POST /v1/completions, POST /v1/chat/completions,
-GET /health, GET /metrics. ``create_app`` takes an engine that is already running (the CLI in
+GET /health, GET /health/live, GET /health/ready (Kubernetes probes, see ``drain``), GET /metrics. ``create_app`` takes an engine that is already running (the CLI in
 ``runtime.serve`` starts it), so tests can build apps around any engine; all state (metrics registry
 included) belongs to the app, and several apps can live in one process.
 
@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from runtime.config import EngineConfig
+from runtime.server.drain import DrainMiddleware, DrainState
 from runtime.server.errors import APIError, install_error_handlers
 from runtime.server.handlers import OpenAIHandlers
 from runtime.server.metrics import ServerMetrics
@@ -107,7 +108,7 @@ async def read_json(request: Request) -> Any:
 
 
 def create_app(engine: Any, config: EngineConfig, api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, drain: DrainState | None = None) -> FastAPI:
     """Build the server app for a started engine.
 
     Args:
@@ -115,6 +116,7 @@ def create_app(engine: Any, config: EngineConfig, api_key: str | None = None,
         config: the engine's configuration (``max_model_len`` bounds prompts, in tokens).
         api_key: if set, ``/v1/...`` requests need ``Authorization: Bearer <api_key>``.
         max_body_bytes: largest accepted request body (bytes).
+        drain: the server's drain state (``--shutdown-timeout``; a fresh one when None).
     """
     app = FastAPI(title="ppstate", summary="OpenAI-compatible server of a pipeline-parallel engine",
                   version="0.1.0")
@@ -124,7 +126,9 @@ def create_app(engine: Any, config: EngineConfig, api_key: str | None = None,
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.handlers = handlers
+    app.state.drain = drain = drain or DrainState()
     install_error_handlers(app)
+    app.add_middleware(DrainMiddleware, state=drain)   # inside the guard: its 503s are counted
     app.add_middleware(GuardMiddleware, metrics=metrics, api_key=api_key, max_body_bytes=max_body_bytes)
 
     def require_engine() -> None:
@@ -149,6 +153,23 @@ def create_app(engine: Any, config: EngineConfig, api_key: str | None = None,
         require_engine()
         return JSONResponse({"status": "ok"} if detail is None
                             else {"status": "ok", "replicas": detail()})
+
+    @app.get("/health/live")
+    async def live() -> JSONResponse:
+        """Liveness: 200 while the process serves and its engine is alive or restarting (also
+        while draining); 503 ``engine_dead`` once the engine failed for good."""
+        if not engine.is_alive and not getattr(engine, "restarting", False):
+            return JSONResponse({"status": "engine_dead",
+                                 "message": str(getattr(engine, "error", None))},
+                                status_code=503)
+        return JSONResponse({"status": "alive"})
+
+    @app.get("/health/ready")
+    async def ready() -> JSONResponse:
+        """Readiness: 200 when new requests are served; 503 while restarting, draining (answered
+        by the drain middleware) or after an engine failure."""
+        require_engine()
+        return JSONResponse({"status": "ready"})
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:

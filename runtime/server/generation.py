@@ -72,7 +72,7 @@ class Generation:
         except EngineDeadError as exc:
             raise APIError(f"The engine is not running: {exc}", status=503,
                            type="service_unavailable", code="engine_dead") from None
-        self.metrics.prompt_tokens.inc(len(self.prompt_ids))
+        self.metrics.admitted(len(self.prompt_ids), self.params.max_tokens)
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """The engine's increments until the final one.
@@ -90,7 +90,7 @@ class Generation:
                 continue  # nothing follows the final increment; resuming lets the stream end itself
             if out.error is not None:
                 self._finished = True
-                self.metrics.finished.labels("abort").inc()
+                self.timer.on_abort(observe_e2e=False)
                 if out.error_kind == REQUEST:
                     raise request_failed(out.error)
                 if out.error_kind == SHUTDOWN:
@@ -99,10 +99,9 @@ class Generation:
                                    type="service_unavailable", code="server_shutting_down")
                 raise APIError(f"The engine failed while generating: {out.error}", status=503,
                                type="service_unavailable", code="engine_error")
-            self.timer.on_tokens(len(out.new_token_ids))
+            self.timer.on_output(out)
             if out.finished:
                 self._finished = True
-                self.timer.on_finish(out.finish_reason or "stop", out.num_output_tokens)
             yield out
             done = out.finished
         if not self._finished:  # the stream ended without a final increment
@@ -166,8 +165,7 @@ class Generation:
             return
         if not self._finished:
             self._finished = True
-            self.metrics.finished.labels("abort").inc()
-            self.timer.m.e2e.observe(time.perf_counter() - self.timer.arrival)
+            self.timer.on_abort()
             with anyio.move_on_after(ABORT_TIMEOUT_S, shield=True):
                 try:
                     await self.engine.abort(self.req_id)

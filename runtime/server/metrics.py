@@ -8,6 +8,8 @@ Latencies are measured in the server from stream timing (seconds):
 Engine state is read from ``engine.stats()`` on every scrape by a custom collector: running and
 waiting requests, steps, generated tokens, per-rank busy seconds and the pipeline bubble fraction,
 and with ``--restart-workers`` the engine restarts (``ppstate_engine_restarts_total``).
+The same figures, plus queue / prefill / decode times and request sizes, are also exported under
+vLLM's names with a ``model_name`` label (:mod:`runtime.server.vllm_metrics`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from runtime.server.vllm_metrics import VllmRequestMetrics
 
 PREFIX = "ppstate_"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -124,6 +128,12 @@ class ServerMetrics:
         for reason in ("stop", "length", "abort"):
             self.finished.labels(reason)
         r.register(EngineCollector(engine.stats, lambda: bool(engine.is_alive)))
+        self.vllm = VllmRequestMetrics(r, str(getattr(engine, "model_name", "default")), engine.stats)
+
+    def admitted(self, prompt_tokens: int, max_tokens: int) -> None:
+        """A request entered the engine with ``prompt_tokens`` and ``max_tokens`` (tokens)."""
+        self.prompt_tokens.inc(prompt_tokens)
+        self.vllm.admitted(prompt_tokens, max_tokens)
 
     def render(self) -> bytes:
         """The text exposition format of every metric."""
@@ -131,13 +141,38 @@ class ServerMetrics:
 
 
 class RequestTimer:
-    """Stream timing of one request; feeds the latency histograms (seconds)."""
+    """Stream timing of one request; feeds the latency histograms (seconds), ``ppstate_*`` and
+    ``vllm:*`` alike. ``first`` / ``last`` are ``time.perf_counter()`` stamps; the engine-side
+    phases (queue, prefill, decode) use ``time.monotonic()`` like the engine's own stamps."""
 
     def __init__(self, metrics: ServerMetrics, arrival: float | None = None) -> None:
         self.m = metrics
         self.arrival = time.perf_counter() if arrival is None else arrival
         self.first: float | None = None
         self.last: float | None = None
+        self.scheduled_mono: float | None = None
+        self.first_mono: float | None = None
+        self.num_output_tokens = 0
+
+    def on_output(self, out: Any) -> None:
+        """Record one engine increment (a ``RequestOutput``): tokens, queue time, the end."""
+        queue_s = getattr(out, "queue_s", None)
+        if queue_s is not None and self.scheduled_mono is None:
+            self.scheduled_mono = out.scheduled_s
+            self.m.vllm.queue.observe(max(0.0, queue_s))
+        self.num_output_tokens = out.num_output_tokens
+        self.on_tokens(len(out.new_token_ids))
+        if out.finished:
+            self.on_finish(out.finish_reason or "stop", out.num_output_tokens)
+
+    def on_abort(self, observe_e2e: bool = True) -> None:
+        """The request ended without a final increment of its own (abort, failure)."""
+        self.m.finished.labels("abort").inc()
+        self.m.vllm.finished("abort", self.num_output_tokens)
+        if observe_e2e:
+            e2e = time.perf_counter() - self.arrival
+            self.m.e2e.observe(e2e)
+            self.m.vllm.e2e.observe(e2e)
 
     def on_tokens(self, num_new: int, now: float | None = None) -> None:
         """Record an increment carrying ``num_new`` tokens (increments without tokens are ignored)."""
@@ -146,15 +181,25 @@ class RequestTimer:
         now = time.perf_counter() if now is None else now
         if self.first is None:
             self.first = now
+            self.first_mono = time.monotonic()
             self.m.ttft.observe(now - self.arrival)
+            self.m.vllm.ttft.observe(now - self.arrival)
         else:
             self.m.itl.observe(now - self.last)
+            self.m.vllm.itl.observe(now - self.last)
+            self.m.vllm.tpot_old.observe(now - self.last)
         self.last = now
 
     def on_finish(self, finish_reason: str, num_output_tokens: int, now: float | None = None) -> None:
         """Record the end of the request."""
         now = time.perf_counter() if now is None else now
+        v = self.m.vllm
         self.m.e2e.observe(now - self.arrival)
+        v.e2e.observe(now - self.arrival)
         self.m.finished.labels(finish_reason).inc()
+        v.finished(finish_reason, num_output_tokens)
+        v.phases(self.scheduled_mono, self.first_mono, time.monotonic())
         if self.first is not None and self.last is not None and num_output_tokens > 1:
-            self.m.tpot.observe((self.last - self.first) / (num_output_tokens - 1))
+            tpot = (self.last - self.first) / (num_output_tokens - 1)
+            self.m.tpot.observe(tpot)
+            v.tpot.observe(tpot)

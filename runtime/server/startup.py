@@ -4,7 +4,8 @@ Loading the model takes tens of seconds; an orchestrator probing ``/health`` in 
 able to tell "starting" from "dead". :class:`StartupApp` answers every HTTP request with 503 and a
 JSON body until the real app (built once the engine is up) is installed with :meth:`set_app`:
 
-* ``GET /health`` -> ``503 {"status": "loading", "message": ...}``
+* ``GET /health`` and ``GET /health/ready`` -> ``503 {"status": "loading", "message": ...}``
+* ``GET /health/live`` -> ``200 {"status": "alive", "message": ...}`` (loading is not a failure)
 * anything else  -> ``503 {"error": {"message", "type": "service_unavailable", "param": null,
   "code": "model_loading"}}`` (the OpenAI error shape of :mod:`runtime.server.errors`).
 
@@ -42,8 +43,10 @@ class StartupApp:
 
 
 def loading_body(path: str) -> dict:
-    """The 503 body for ``path`` while the model loads."""
-    if path == "/health":
+    """The body for ``path`` while the model loads (503, except 200 for ``/health/live``)."""
+    if path == "/health/live":
+        return {"status": "alive", "message": LOADING_MESSAGE}
+    if path in ("/health", "/health/ready"):
         return {"status": "loading", "message": LOADING_MESSAGE}
     return APIError(LOADING_MESSAGE, status=503, type="service_unavailable",
                     code="model_loading").body()
@@ -51,8 +54,9 @@ def loading_body(path: str) -> dict:
 
 async def send_loading(scope: Scope, send: Send) -> None:
     """Answer one HTTP request with 503 and :func:`loading_body` (the request body is not read)."""
-    body = json.dumps(loading_body(scope.get("path", ""))).encode()
-    await send({"type": "http.response.start", "status": 503,
+    path = scope.get("path", "")
+    body = json.dumps(loading_body(path)).encode()
+    await send({"type": "http.response.start", "status": 200 if path == "/health/live" else 503,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode()),
                             (b"retry-after", b"5")]})

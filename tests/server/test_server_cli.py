@@ -24,6 +24,8 @@ def parse(*argv: str):
 def test_defaults():
     args, cfg = parse()
     assert (args.host, args.port, args.api_key, args.max_body_bytes) == ("127.0.0.1", 8000, None, 1 << 20)
+    # issue #30: keep-alive past clients' 5 s pool expiry; no drain and one process unless asked
+    assert (args.timeout_keep_alive, args.shutdown_timeout, args.api_server_count) == (75.0, 0.0, 0)
     assert (cfg.model, cfg.scheduler.pp_size, cfg.scheduler.mode, cfg.trace_dir) == ("default", 2, "overlapped", None)
 
 
@@ -47,6 +49,10 @@ def test_flags_map_to_config():
     (["--max-restarts", "-1"], "--max-restarts"),
     (["--restart-backoff", "-2"], "--restart-backoff"),
     (["--stall-timeout", "-1"], "--stall-timeout"),
+    (["--timeout-keep-alive", "0"], "--timeout-keep-alive"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
+    (["--api-server-count", "-1"], "--api-server-count"),
+    (["--api-server-count", "2", "--dp", "2"], "--api-server-count"),
 ])
 def test_bad_flag_names_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -59,6 +59,10 @@ def test_health_is_503_loading_then_200_then_engine_death_exits_1():
         async with httpx.AsyncClient(base_url=url_of(sock, "127.0.0.1"), timeout=30) as c:
             r = await get_when_listening(c, "/health")
             assert (r.status_code, r.json()) == (503, {"status": "loading", "message": LOADING_MESSAGE})
+            r = await c.get("/health/ready")   # Kubernetes: not ready, but alive while loading
+            assert (r.status_code, r.json()["status"]) == (503, "loading")
+            r = await c.get("/health/live")
+            assert (r.status_code, r.json()["status"]) == (200, "alive")
             r = await c.post("/v1/completions", json={"model": "default", "prompt": "x", "max_tokens": 3})
             assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
             assert started == [config] and not task.done()
@@ -72,6 +76,9 @@ def test_health_is_503_loading_then_200_then_engine_death_exits_1():
             engine.is_alive = False                      # the engine died
             r = await c.get("/health")
             assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+            r = await c.get("/health/live")
+            assert (r.status_code, r.json()["status"]) == (503, "engine_dead")
+            assert (await c.get("/health/ready")).status_code == 503
         code = await task
         sock.close()
         return code, engine.shutdowns
