@@ -31,6 +31,9 @@ class RequestSpec:
         stop_token_ids: tokens that always stop the request.
         ignore_eos: do not stop on ``eos_token_ids``.
         sampling: opaque runtime sampling parameters, copied into ``NewRequest.sampling``.
+        fork_of: id of a request with the same prompt this one is forked from (``n`` > 1): it is
+            admitted only once that parent's prefill is fully scheduled, so the prefix cache gives
+            it every full block of the prompt (shared by reference count, not recomputed).
     """
     req_id: str
     prompt_token_ids: tuple[int, ...]
@@ -39,6 +42,7 @@ class RequestSpec:
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     sampling: dict[str, Any] = field(default_factory=dict)
+    fork_of: str | None = None
 
     @property
     def prompt_len(self) -> int:

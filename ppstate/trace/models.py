@@ -39,6 +39,7 @@ class Arrival(_Ev):
     sampling: dict[str, Any] = Field(default_factory=dict)
     prompt_token_ids: list[int] | None = None
     prefix_hashes: list[int] | None = None  # chained hashes of full prompt blocks (no prompt ids)
+    fork_of: str | None = None          # the request this one is forked from (n > 1)
 
 
 class Abort(_Ev):
