@@ -28,6 +28,7 @@ import torch
 
 from runtime.host_copy import to_device
 from runtime.sampling.batch import SamplingBatch
+from runtime.sampling.logit_bias import LogitBiasTable
 
 # Packed device tables: fp32 columns and int64 columns.
 _TEMPERATURE, _TOP_P, _PRESENCE, _FREQUENCY, _REPETITION = range(5)
@@ -95,6 +96,7 @@ class SamplingState:
         self.has_seed_np = np.zeros(n, dtype=bool)              # [max_num_reqs]
         self.penalized_np = np.zeros(n, dtype=bool)             # [max_num_reqs]
         self.num_logprobs_np = np.full(n, -1, dtype=np.int64)   # [max_num_reqs] -1 = none
+        self.logit_bias = LogitBiasTable(n, device)               # sparse [max_num_reqs, 300]
 
     def admit(self, slots: Sequence[int], params: Sequence, prompt_lens: Sequence[int]) -> None:
         """Write the parameters of newly admitted requests (host copies, then one upload per table).
@@ -132,6 +134,7 @@ class SamplingState:
         idx = to_device(s, self.device)
         self.f32[idx] = to_device(f32, self.device)
         self.i64[idx] = to_device(i64, self.device)
+        self.logit_bias.admit(slots, params)
 
     def batch(self, slots: np.ndarray, positions_after: np.ndarray) -> tuple[SamplingBatch, torch.Tensor]:
         """The :class:`SamplingBatch` of one step's sampled rows.
@@ -180,6 +183,7 @@ class SamplingState:
             presence=None if pen_rows is None else f[pen_rows, _PRESENCE],
             frequency=None if pen_rows is None else f[pen_rows, _FREQUENCY],
             repetition=None if pen_rows is None else f[pen_rows, _REPETITION],
+            logit_bias=self.logit_bias.gather(slots, slots_t),
         ), slots_t
 
 
