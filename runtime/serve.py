@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1/* (else $PPSTATE_API_KEY if set)")
     s.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest accepted request body (bytes)")
+    s.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="split chat replies into reasoning_content (the <think> part) and content")
     s.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level ('info' logs every request)")
@@ -159,7 +161,8 @@ async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.soc
     exit_code = 0
     try:
         front.set_app(create_app(engine, config, api_key=args.api_key,
-                                 max_body_bytes=args.max_body_bytes))
+                                 max_body_bytes=args.max_body_bytes,
+                                 reasoning_parser=args.reasoning_parser))
 
         async def watch() -> None:
             nonlocal exit_code

@@ -34,6 +34,9 @@ class RequestOutput:
         error_kind: ``"request"`` (only this request failed; the engine goes on), ``"engine"``
             (the engine stopped) or ``"shutdown"`` (the server is stopping and ended the request),
             see :mod:`runtime.engine.faults`; None without an error.
+        num_cached_tokens: prompt tokens the prefix cache supplied at admission (tokens).
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``, on the first increment that
+            carries tokens: one entry per prompt token, None for the first (it has no context).
     """
     req_id: str
     new_token_ids: list[int]
@@ -45,6 +48,8 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     error_kind: str | None = None
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def logprob_index(result, rows: tuple[str, ...]) -> dict[str, int] | None:

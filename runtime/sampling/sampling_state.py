@@ -29,6 +29,7 @@ import torch
 from runtime.host_copy import to_device
 from runtime.sampling.batch import SamplingBatch
 from runtime.sampling.logit_bias import LogitBiasTable
+from runtime.sampling.prompt_logprobs import PromptLogprobTable
 
 # Packed device tables: fp32 columns and int64 columns.
 _TEMPERATURE, _TOP_P, _PRESENCE, _FREQUENCY, _REPETITION = range(5)
@@ -97,6 +98,7 @@ class SamplingState:
         self.penalized_np = np.zeros(n, dtype=bool)             # [max_num_reqs]
         self.num_logprobs_np = np.full(n, -1, dtype=np.int64)   # [max_num_reqs] -1 = none
         self.logit_bias = LogitBiasTable(n, device)               # sparse [max_num_reqs, 300]
+        self.prompt_logprobs = PromptLogprobTable(n)              # host: [max_num_reqs] ks, lengths
 
     def admit(self, slots: Sequence[int], params: Sequence, prompt_lens: Sequence[int]) -> None:
         """Write the parameters of newly admitted requests (host copies, then one upload per table).
@@ -135,6 +137,7 @@ class SamplingState:
         self.f32[idx] = to_device(f32, self.device)
         self.i64[idx] = to_device(i64, self.device)
         self.logit_bias.admit(slots, params)
+        self.prompt_logprobs.admit(slots, params, prompt_lens)
 
     def batch(self, slots: np.ndarray, positions_after: np.ndarray) -> tuple[SamplingBatch, torch.Tensor]:
         """The :class:`SamplingBatch` of one step's sampled rows.
