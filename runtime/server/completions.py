@@ -77,6 +77,11 @@ async def completions(h: Handlers, req: CompletionRequest, request: Request) -> 
     k_prompt = req.logprobs if req.echo and req.logprobs is not None else None
     if req.prompt_logprobs is not None:
         k_prompt = max(k_prompt or 0, req.prompt_logprobs)
+    if k_prompt is not None and h.config.scheduler.num_spec_tokens:
+        field = "prompt_logprobs" if req.prompt_logprobs is not None else "echo"
+        raise APIError(f"Invalid value for '{field}': prompt logprobs are not computed with "
+                       "speculative decoding (--spec-tokens); start the server without it.",
+                       param=field, code="invalid_value")
     ranking = samples > n
     gens = []
     for i, ids in enumerate(prompts):
