@@ -10,20 +10,15 @@ same transformers model is the reference for prompt logprobs (fp32 log-softmax a
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import openai
 import pytest
-import torch
 
 from test_server_e2e import ServerProcess, metric_samples
+from tiny_models import make_tiny_llama, reference_logprobs
 
 VOCAB = 256
 MAX_MODEL_LEN = 64
-TEMPLATE = ("{% for m in messages %}t3 {{ m['content'] }} t4 {% endfor %}"
-            "{% if add_generation_prompt %}t5{% endif %}"
-            "{% if enable_thinking is defined and not enable_thinking %} t6{% endif %}")
 IDS = {"return_tokens_as_token_ids": True, "ignore_eos": True}
 
 
@@ -31,36 +26,17 @@ def prompt_of(*ids: int) -> str:
     return " ".join(f"t{i}" for i in ids)
 
 
-def make_model(path):
-    """A random 2-layer Llama with a word-level tokenizer and a chat template, saved at ``path``."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=MAX_MODEL_LEN, tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():   # a peakier distribution than the init's: greedy margins are wide
-        model.lm_head.weight.mul_(40.0)
-    model.save_pretrained(str(path))
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "t1", "eos_token": "t2", "chat_template": TEMPLATE}))
-    return model
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
-    return path, make_model(path)
+    return path, make_tiny_llama(path, VOCAB, MAX_MODEL_LEN)
 
 
 @pytest.fixture(scope="module")
 def server(tiny):
     proc = ServerProcess("--model", str(tiny[0]), "--pp", "2", "--max-model-len", str(MAX_MODEL_LEN),
-                         "--max-num-seqs", "8", "--reasoning-parser", "deepseek_r1")
+                         "--max-num-seqs", "8", "--max-prefill-chunk", "16",
+                         "--reasoning-parser", "deepseek_r1")
     try:
         url = proc.wait_ready(180)
     except BaseException:
@@ -124,12 +100,6 @@ def test_a_batch_of_prompts_equals_single_requests(client):
     assert batch.usage.prompt_tokens == 9 and batch.usage.completion_tokens == 30
     ids_batch = complete(client, [[20, 21, 22], [30, 31]], temperature=0, max_tokens=5)
     assert [ids_of(c) for c in ids_batch.choices] == [ids_of(batch.choices[0]), ids_of(batch.choices[2])]
-
-
-def reference_logprobs(model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0].float()
-    return logits.log_softmax(-1)
 
 
 def test_echo_with_prompt_logprobs_matches_transformers(tiny, client):
