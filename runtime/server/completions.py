@@ -11,6 +11,10 @@ with prompt logprobs, ``max_tokens: 0`` scoring, and vLLM's ``prompt_logprobs``.
 * ``max_tokens: 0`` (needs ``echo``) scores the prompt without generating: the engine samples one
   token, which is dropped (``completion_tokens`` 0, ``finish_reason`` ``length``).
 * ``best_of`` samples per prompt, the ``n`` with the highest cumulative logprob returned.
+
+Samples of one prompt share its KV blocks (forks, :mod:`runtime.server.choices`) except when the
+prompt's logprobs are asked for: every sample then prefills the prompt itself (a position taken
+from the cache computes no logits).
 """
 
 from __future__ import annotations
@@ -91,10 +95,11 @@ async def completions(h: Handlers, req: CompletionRequest, request: Request) -> 
         params = h.sampling_params(req, limit, logprobs)
         for j in range(samples):
             p = sample_params(params, j)
-            if j == 0 and k_prompt is not None:
-                p = p.model_copy(update={"prompt_logprobs": k_prompt})
+            fork = None if j == 0 else f"{base}-{i}-0"
+            if k_prompt is not None:   # every sample scores the prompt itself (no shared blocks)
+                p, fork = p.model_copy(update={"prompt_logprobs": k_prompt}), None
             gens.append(Generation(h.engine, h.metrics, f"{base}-{i}-{j}", ids, p, field, arrival,
-                                   fork_of=None if j == 0 else f"{base}-{i}-0"))
+                                   fork_of=fork))
     choices = Choices(gens, samples)
     try:
         choices.start()

@@ -62,8 +62,6 @@ class GenerationRequest(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=MAX_REPETITION_PENALTY)
     logit_bias: dict[str, float] | None = None
     return_tokens_as_token_ids: bool | None = None
-    #: vLLM's: logprobs of the prompt tokens (0 .. 20 alternatives); completions: see ``echo``
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -123,6 +121,8 @@ class CompletionRequest(GenerationRequest):
     suffix: str | None = None
     #: samples drawn per prompt, ``n`` of them returned (highest cumulative logprob first)
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+    #: vLLM's: logprobs of the prompt tokens (0 .. 20 alternatives), see also ``echo``
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -105,8 +105,9 @@ def test_a_batch_of_prompts_equals_single_requests(client):
 def test_echo_with_prompt_logprobs_matches_transformers(tiny, client):
     ids = [7, 9, 11, 200, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73]
     r = client.completions.create(model="default", prompt=prompt_of(*ids), echo=True, logprobs=2,
-                                  max_tokens=3, temperature=0, extra_body=IDS)
+                                  max_tokens=3, temperature=0, n=2, extra_body=IDS)
     c = r.choices[0]
+    assert r.choices[1].logprobs.token_logprobs == c.logprobs.token_logprobs
     assert c.text.startswith(prompt_of(*ids))
     assert ids_of(c)[:len(ids)] == ids and len(c.logprobs.tokens) == len(ids) + 3
     assert c.logprobs.token_logprobs[0] is None and c.logprobs.top_logprobs[0] is None
@@ -128,7 +129,14 @@ def test_max_tokens_0_with_echo_scores_the_prompt_only(tiny, client):
     ref = reference_logprobs(tiny[1], ids)
     assert c.logprobs.token_logprobs[1:] == pytest.approx(
         [float(ref[p - 1, ids[p]]) for p in range(1, len(ids))], abs=2e-4)
-    # vLLM's prompt_logprobs field, streamed echo
+    streamed = client.completions.create(model="default", prompt=ids, echo=True, logprobs=0,
+                                         max_tokens=0, stream=True,
+                                         extra_body={"return_tokens_as_token_ids": True})
+    chunks = [ch.choices[0] for ch in streamed if ch.choices]
+    assert "".join(ch.text for ch in chunks) == c.text
+    assert [x for ch in chunks if ch.logprobs for x in ch.logprobs.token_logprobs] == \
+        c.logprobs.token_logprobs
+    # vLLM's prompt_logprobs field
     body = {"prompt": ids, "max_tokens": 0, "echo": True, "prompt_logprobs": 1}
     plp = httpx.post(f"{client.base_url}completions", json=body, timeout=60).json()
     entries = plp["choices"][0]["prompt_logprobs"]
