@@ -50,6 +50,8 @@ class PromptLogprobTable:
             slots, starts, num_tokens: ``[R]`` each row's slot, first position and query length.
         """
         ks = self.ks_np[slots]
+        if ks.max(initial=-1) < 0:   # the common step: nobody asks (two numpy calls)
+            return None
         plen = self.prompt_len_np[slots]
         scored = np.where(ks >= 0, np.clip(np.minimum(starts + num_tokens, plen - 1) - starts, 0, None), 0)
         if not scored.any():
