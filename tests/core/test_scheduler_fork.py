@@ -73,3 +73,17 @@ def test_simulator_runs_forked_workloads_without_violations():
                                 abort_rate=0.2, prompt_len=(20, 70), num_kv_blocks=24)).run()
         assert r.num_violations == 0, r.invariant_violations[:2]
         assert r.prefix_hit_tokens > 0
+
+
+def test_forks_prefill_the_prompt_once_where_independent_copies_recompute_it():
+    prompt = tuple(range(3, 503))                    # 500 tokens: 31 full blocks + 4
+    computed = {}
+    for fork in (False, True):
+        work = tuple(SimRequest(f"r{j}", 0, prompt, 16, 100 + j,
+                                fork_of="r0" if fork and j else None) for j in range(8))
+        sim = Simulator(SimConfig(pp_size=2, workload=work, max_prefill_chunk=64,
+                                  max_num_batched_tokens=512, max_model_len=1024))
+        assert sim.run().num_violations == 0
+        computed[fork] = sim.sched.num_prefill_tokens
+    assert computed[True] == 500 + 7 * 4             # each fork: the last partial block only
+    assert computed[False] > 3 * computed[True]      # same-step admissions chunk the prompt again
