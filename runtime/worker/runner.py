@@ -252,10 +252,10 @@ class StageRunner:
         self._logprobs, self._sampled, self._prompt_lps = None, payload, None
         if r == 0:
             return payload
+        t0, ns0 = time.perf_counter(), time.monotonic_ns()
         if self._prompt_plan is not None:   # back to one logit row per step row
             logits, self._prompt_lps = self._prompt_plan.split(logits, self.state.all_token_ids)
             self._prompt_plan = None
-        t0, ns0 = time.perf_counter(), time.monotonic_ns()
         if mask is not None and self.spec is not None:  # speculative decoding (#14)
             v, rows = self.spec.sample(out, mask, logits, self.state, payload.buf)
             ks = self.state.sampling_state.num_logprobs_np[out.slots[rows]]
