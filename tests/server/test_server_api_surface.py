@@ -3,9 +3,10 @@
 logit_bias, /tokenize and /detokenize, cached_tokens, chat_template_kwargs, the reasoning parser,
 and 400s naming the field for bad values of each.
 
-One server per module, on a random 2-layer Llama (hidden 64) built here with transformers and a
-word-level tokenizer (``t0`` .. ``t255``), started with ``--reasoning-parser deepseek_r1``; the
-same transformers model is the reference for prompt logprobs (fp32 log-softmax at each position).
+One server per module, on a random 2-layer Llama (hidden 64) written here (torch + safetensors)
+with a word-level tokenizer (``t0`` .. ``t255``), started with ``--reasoning-parser deepseek_r1``;
+transformers' model of the same folder, loaded while the server starts, is the reference for
+prompt logprobs (fp32 log-softmax at each position).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import openai
 import pytest
 
 from test_server_e2e import ServerProcess, metric_samples
-from tiny_models import make_tiny_llama, reference_logprobs
+from tiny_models import load_reference, reference_logprobs, write_tiny_llama
 
 VOCAB = 256
 MAX_MODEL_LEN = 64
@@ -27,17 +28,19 @@ def prompt_of(*ids: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def folder(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
-    return path, make_tiny_llama(path, VOCAB, MAX_MODEL_LEN)
+    write_tiny_llama(path, VOCAB, MAX_MODEL_LEN)
+    return str(path)
 
 
 @pytest.fixture(scope="module")
-def server(tiny):
-    proc = ServerProcess("--model", str(tiny[0]), "--pp", "2", "--max-model-len", str(MAX_MODEL_LEN),
+def server(folder):
+    proc = ServerProcess("--model", folder, "--pp", "2", "--max-model-len", str(MAX_MODEL_LEN),
                          "--max-num-seqs", "8", "--max-prefill-chunk", "16",
                          "--reasoning-parser", "deepseek_r1")
     try:
+        load_reference(folder)   # transformers loads while the server starts
         url = proc.wait_ready(180)
     except BaseException:
         proc.stop()
@@ -98,11 +101,22 @@ def test_a_batch_of_prompts_equals_single_requests(client):
         single = ids_of(complete(client, p, temperature=0, max_tokens=5).choices[0])
         assert ids_of(batch.choices[2 * i]) == ids_of(batch.choices[2 * i + 1]) == single
     assert batch.usage.prompt_tokens == 9 and batch.usage.completion_tokens == 30
+    stream = client.completions.create(model="default", prompt=prompts, n=2, temperature=0,
+                                       max_tokens=5, logprobs=0, stream=True, extra_body=IDS)
+    streamed: dict[int, list[int]] = {k: [] for k in range(6)}
+    finished = set()
+    for chunk in stream:
+        for ch in chunk.choices:
+            streamed[ch.index] += ids_of(ch) if ch.logprobs else []
+            if ch.finish_reason:
+                finished.add(ch.index)
+    assert finished == set(range(6))
+    assert [streamed[k] for k in range(6)] == [ids_of(c) for c in batch.choices]
     ids_batch = complete(client, [[20, 21, 22], [30, 31]], temperature=0, max_tokens=5)
     assert [ids_of(c) for c in ids_batch.choices] == [ids_of(batch.choices[0]), ids_of(batch.choices[2])]
 
 
-def test_echo_with_prompt_logprobs_matches_transformers(tiny, client):
+def test_echo_with_prompt_logprobs_matches_transformers(folder, client):
     ids = [7, 9, 11, 200, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73]
     r = client.completions.create(model="default", prompt=prompt_of(*ids), echo=True, logprobs=2,
                                   max_tokens=3, temperature=0, n=2, extra_body=IDS)
@@ -111,7 +125,7 @@ def test_echo_with_prompt_logprobs_matches_transformers(tiny, client):
     assert c.text.startswith(prompt_of(*ids))
     assert ids_of(c)[:len(ids)] == ids and len(c.logprobs.tokens) == len(ids) + 3
     assert c.logprobs.token_logprobs[0] is None and c.logprobs.top_logprobs[0] is None
-    ref = reference_logprobs(tiny[1], ids)
+    ref = reference_logprobs(load_reference(folder), ids)
     want = [float(ref[p - 1, ids[p]]) for p in range(1, len(ids))]
     assert c.logprobs.token_logprobs[1:len(ids)] == pytest.approx(want, abs=2e-4)
     top = c.logprobs.top_logprobs[5]          # the prompt token plus the 2 most likely
@@ -119,14 +133,14 @@ def test_echo_with_prompt_logprobs_matches_transformers(tiny, client):
     assert {f"token_id:{t}" for t in best2} <= set(top) and f"token_id:{ids[5]}" in top
 
 
-def test_max_tokens_0_with_echo_scores_the_prompt_only(tiny, client):
+def test_max_tokens_0_with_echo_scores_the_prompt_only(folder, client):
     ids = [5, 6, 7, 8, 9, 10, 11, 12]
     r = client.completions.create(model="default", prompt=ids, echo=True, logprobs=0, max_tokens=0,
                                   extra_body={"return_tokens_as_token_ids": True})
     c = r.choices[0]
     assert c.text == prompt_of(*ids) and c.finish_reason == "length"
     assert ids_of(c) == ids and r.usage.completion_tokens == 0
-    ref = reference_logprobs(tiny[1], ids)
+    ref = reference_logprobs(load_reference(folder), ids)
     assert c.logprobs.token_logprobs[1:] == pytest.approx(
         [float(ref[p - 1, ids[p]]) for p in range(1, len(ids))], abs=2e-4)
     streamed = client.completions.create(model="default", prompt=ids, echo=True, logprobs=0,
