@@ -148,15 +148,19 @@ class StepResult:
         num_rejected: ``[num_rows]`` int32 rejected speculative tokens per row (0 without).
         logprobs: optional payload (runtime-defined: per-row entries or arrays of the rows
             that asked).
+        prompt_logprobs: optional payload (runtime-defined: the logprobs of prompt tokens the
+            step's prefill rows scored); the scheduler never reads it.
     """
     step: int
     sampled_token_ids: np.ndarray
     num_sampled: np.ndarray
     num_rejected: np.ndarray
     logprobs: Any = None
+    prompt_logprobs: Any = None
 
     def __init__(self, step: int, sampled_token_ids: np.ndarray, num_sampled: np.ndarray,
-                 num_rejected: np.ndarray, logprobs: Any = None) -> None:
+                 num_rejected: np.ndarray, logprobs: Any = None, prompt_logprobs: Any = None) -> None:
         d = self.__dict__   # written out, as SchedulerOutput's: one per step
         d["step"], d["sampled_token_ids"], d["num_sampled"] = step, sampled_token_ids, num_sampled
         d["num_rejected"], d["logprobs"] = num_rejected, logprobs
+        d["prompt_logprobs"] = prompt_logprobs

@@ -86,6 +86,8 @@ class KVManager:
         one token is always left to compute (its logits give the first sampled token)."""
         tokens = req.prefill_tokens
         req.block_hashes = block_hashes(tokens, self.block_size)
+        if not req.spec.prefix_cache:
+            return []
         return self.pool.match_prefix(req.block_hashes, tokens, (len(tokens) - 1) // self.block_size)
 
     def admissible_tokens(self, hit: list[int], chunk: int) -> int:

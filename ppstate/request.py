@@ -31,6 +31,11 @@ class RequestSpec:
         stop_token_ids: tokens that always stop the request.
         ignore_eos: do not stop on ``eos_token_ids``.
         sampling: opaque runtime sampling parameters, copied into ``NewRequest.sampling``.
+        fork_of: id of a request with the same prompt this one is forked from (``n`` > 1): it is
+            admitted only once that parent's prefill is fully scheduled, so the prefix cache gives
+            it every full block of the prompt (shared by reference count, not recomputed).
+        prefix_cache: take prefix-cache hits (False: compute every prompt token, e.g. when the
+            logprobs of every prompt position are asked for; its blocks are still registered).
     """
     req_id: str
     prompt_token_ids: tuple[int, ...]
@@ -39,6 +44,8 @@ class RequestSpec:
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     sampling: dict[str, Any] = field(default_factory=dict)
+    fork_of: str | None = None
+    prefix_cache: bool = True
 
     @property
     def prompt_len(self) -> int:

@@ -325,4 +325,5 @@ def arrival_fields(spec: RequestSpec, sink: EventSink, config: SchedulerConfig) 
     return {"req_id": spec.req_id, "prompt_len": spec.prompt_len, "max_tokens": spec.max_tokens,
             "eos_token_ids": sorted(spec.eos_token_ids),
             "stop_token_ids": sorted(spec.stop_token_ids), "ignore_eos": spec.ignore_eos,
-            "sampling": dict(spec.sampling), "prompt_token_ids": ids, "prefix_hashes": hashes}
+            "sampling": dict(spec.sampling), "prompt_token_ids": ids, "prefix_hashes": hashes,
+            "fork_of": spec.fork_of, "prefix_cache": spec.prefix_cache}

@@ -53,6 +53,18 @@ class QueueOps:
         """Oldest waiting request without removing it."""
         return self._waiting[0] if self._waiting else None
 
+    def fork_waits(self, req: Request) -> bool:
+        """Whether ``req`` (a fork, ``spec.fork_of`` set) must wait before its first admission:
+        its parent holds a slot and has prefill tokens not yet scheduled. Once they are, the
+        parent's full prompt blocks are registered in the prefix cache and ``req`` shares them.
+        A fork admitted before (then preempted), or whose parent is waiting or gone, never
+        waits: the parent is then never behind it in the FCFS queue, so no wait cycle exists."""
+        parent_id = req.spec.fork_of
+        if parent_id is None or req.epoch:
+            return False
+        parent = self._running.get(parent_id)
+        return parent is not None and not parent.prefill_fully_scheduled()
+
     def youngest_running(self, exclude: set[str]) -> Request | None:
         """The most recently admitted running request not in ``exclude`` (preemption victim)."""
         for req in reversed(self._running.values()):

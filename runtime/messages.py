@@ -19,7 +19,7 @@ import numpy as np
 
 from ppstate.batch import FreedSlot, NewRequest, SchedulerOutput, StepResult
 from ppstate.errors import PPStateError
-from runtime.sampling.step_logprobs import StepLogprobs
+from runtime.sampling.step_logprobs import PromptLogprobs, StepLogprobs
 
 
 class TransportError(PPStateError):
@@ -74,6 +74,24 @@ class LogprobArrays(msgspec.Struct, array_like=True):
             raise TransportError(str(e)) from e
 
 
+class PromptLogprobArrays(msgspec.Struct, array_like=True):
+    """:class:`~runtime.sampling.prompt_logprobs.PromptLogprobs` on the wire (each field an NdArray)."""
+    rows: NdArray
+    positions: NdArray
+    token_ids: NdArray
+    logprobs: NdArray
+    ks: NdArray
+    top_ids: NdArray
+    top_logprobs: NdArray
+
+    @classmethod
+    def of(cls, lp: PromptLogprobs) -> "PromptLogprobArrays":
+        return cls(*(NdArray.of(getattr(lp, f)) for f in cls.__struct_fields__))
+
+    def to_prompt_logprobs(self) -> PromptLogprobs:
+        return PromptLogprobs(*(getattr(self, f).to_numpy() for f in self.__struct_fields__))
+
+
 class _Msg(msgspec.Struct, tag_field="type", kw_only=True):
     @property
     def kind(self) -> str:
@@ -125,6 +143,7 @@ class ResultMsg(_Msg, tag="result"):
         logprob_arrays: the step's logprobs as arrays
             (:class:`~runtime.sampling.step_logprobs.StepLogprobs`, the sampler's payload); at most
             one of ``logprobs`` / ``logprob_arrays`` is set.
+        prompt_logprobs: the prompt tokens the step's prefill rows scored, or None.
     """
     step: int
     rank: int
@@ -135,6 +154,7 @@ class ResultMsg(_Msg, tag="result"):
     num_rejected: NdArray | None = None
     logprobs: Any = None
     logprob_arrays: LogprobArrays | None = None
+    prompt_logprobs: PromptLogprobArrays | None = None
 
     @classmethod
     def timing_only(cls, step: int, rank: int, busy_s: float, dropped_rows: int = 0) -> "ResultMsg":
@@ -301,7 +321,9 @@ def from_step_result(res: StepResult, rank: int, busy_s: float = 0.0) -> ResultM
                      num_sampled=NdArray.of(res.num_sampled),
                      num_rejected=NdArray.of(res.num_rejected),
                      logprobs=None if arrays else res.logprobs,
-                     logprob_arrays=LogprobArrays.of(res.logprobs) if arrays else None)
+                     logprob_arrays=LogprobArrays.of(res.logprobs) if arrays else None,
+                     prompt_logprobs=None if res.prompt_logprobs is None
+                     else PromptLogprobArrays.of(res.prompt_logprobs))
 
 
 def to_step_result(msg: ResultMsg) -> StepResult:
@@ -309,5 +331,6 @@ def to_step_result(msg: ResultMsg) -> StepResult:
     if not msg.has_result or msg.num_sampled is None or msg.num_rejected is None:
         raise TransportError(f"step {msg.step}: rank {msg.rank} sent no sampled tokens")
     lps = msg.logprobs if msg.logprob_arrays is None else msg.logprob_arrays.to_step_logprobs()
+    plps = None if msg.prompt_logprobs is None else msg.prompt_logprobs.to_prompt_logprobs()
     return StepResult(msg.step, msg.sampled_token_ids.to_numpy(), msg.num_sampled.to_numpy(),
-                      msg.num_rejected.to_numpy(), lps)
+                      msg.num_rejected.to_numpy(), lps, plps)

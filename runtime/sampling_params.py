@@ -26,6 +26,11 @@ class SamplingParams(BaseModel):
         repetition_penalty: vLLM's / transformers' (CTRL, Keskar et al. 2019): the logit of every
             token seen in the prompt or the output is divided by it when positive and multiplied
             by it when negative; 1 disables; in (0, 10].
+        logit_bias: OpenAI's, as ``[(token_id, bias), ...]`` (bias in [-100, 100], at most 300
+            entries), added to the logits before the penalties (:mod:`runtime.sampling.logit_bias`).
+        prompt_logprobs: vLLM's: the logprob of every prompt token (the first has none) and this
+            many top alternatives per position (None: none), computed on the last rank during
+            prefill (:mod:`runtime.sampling.prompt_logprobs`).
 
     Integers are bounded to what the workers' int64 tensors hold (``< 2**63``); the engine also
     round-trips every request through the worker message encoding at admission.
@@ -44,6 +49,8 @@ class SamplingParams(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0, allow_inf_nan=False)
+    logit_bias: list[tuple[int, float]] = Field(default_factory=list, max_length=300)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     @field_validator("stop")
     @classmethod
@@ -57,6 +64,16 @@ class SamplingParams(BaseModel):
     def _int64_ids(cls, v: list[int]) -> list[int]:
         if any(not 0 <= t < 2**63 for t in v):
             raise ValueError("token ids must be in [0, 2**63)")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, v: list[tuple[int, float]]) -> list[tuple[int, float]]:
+        for tid, bias in v:
+            if not 0 <= tid < 2**63:
+                raise ValueError("logit_bias token ids must be in [0, 2**63)")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError("logit_bias values must be in [-100, 100]")
         return v
 
     @property

@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the engine (scheduler, step loop, workers) in its own process and N "
                    "API-server processes (HTTP, tokenizing, response encoding) in front of it, "
                    "sharing the port; 0: everything in this one process")
+    s.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="split chat replies into reasoning_content (the <think> part) and content")
     s.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level ('info' logs every request)")
@@ -204,7 +206,8 @@ async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.soc
     exit_code = 0
     try:
         front.set_app(create_app(engine, config, api_key=args.api_key,
-                                 max_body_bytes=args.max_body_bytes, drain=drain))
+                                 max_body_bytes=args.max_body_bytes, drain=drain,
+                                 reasoning_parser=args.reasoning_parser))
 
         async def watch() -> None:
             nonlocal exit_code

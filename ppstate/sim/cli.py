@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV blocks (default: max_model_len per slot); few force preemptions")
     p.add_argument("--shared-prefix", type=int, default=0,
                    help="tokens of a common prefix in front of every prompt")
+    p.add_argument("--fork-rate", type=float, default=0.0,
+                   help="probability a request is a fork of the previous one (n > 1 samples)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -94,6 +96,7 @@ def config_from_args(ns: argparse.Namespace) -> SimConfig:
                      cost_per_token_s=float(ns.stage_cost[1]), cost_per_prefix_token_s=0.0,
                      cost_concurrency=ns.contention,
                      num_kv_blocks=ns.kv_blocks, shared_prefix=max(0, ns.shared_prefix),
+                     fork_rate=ns.fork_rate,
                      enable_prefix_caching=not ns.no_prefix_caching)
 
 

@@ -83,7 +83,8 @@ class Simulator:
             r: SimRequest = self.arrivals.pop(0)
             self.sched.add_request(RequestSpec(
                 r.req_id, r.prompt, r.max_tokens, eos_token_ids=frozenset({EOS_TOKEN}),
-                ignore_eos=r.ignore_eos, sampling={"seed": r.sample_seed, "eos_at": r.eos_at}))
+                ignore_eos=r.ignore_eos, sampling={"seed": r.sample_seed, "eos_at": r.eos_at},
+                fork_of=r.fork_of))
         while self.aborts and self.aborts[0][0] <= self.now:
             _, rid = self.aborts.pop(0)
             if rid in self.checker.closed or any(a.req_id == rid for a in self.arrivals):
@@ -261,6 +262,7 @@ def repro_command(cfg: SimConfig) -> str:
             + (f" --kv-blocks {sc.num_kv_blocks}" if sc.num_kv_blocks != default_blocks else "")
             + (f" --max-model-len {sc.max_model_len}" if sc.max_model_len != 2048 else "")
             + f" --shared-prefix {cfg.shared_prefix}"
+            + (f" --fork-rate {cfg.fork_rate}" if cfg.fork_rate else "")
             + ("" if sc.enable_prefix_caching else " --no-prefix-caching")
             + (f" --contention {cfg.contention}" if cfg.contention != 1.0 else "")
             + (f" --empty-step-ticks {cfg.empty_step_ticks}" if cfg.empty_step_ticks >= 0 else "")

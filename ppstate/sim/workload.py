@@ -33,6 +33,8 @@ class SimRequest:
         eos_at: output index the model emits EOS at (-1: never).
         ignore_eos: keep going after EOS.
         abort_at: tick the client aborts (-1: never).
+        fork_of: id of an earlier request with the same prompt this one is forked from (``n`` >
+            1 of the OpenAI API; :attr:`ppstate.request.RequestSpec.fork_of`), or None.
     """
     req_id: str
     arrival: int
@@ -42,6 +44,7 @@ class SimRequest:
     eos_at: int = -1
     ignore_eos: bool = False
     abort_at: int = -1
+    fork_of: str | None = None
 
 
 #: the scheduler defaults of a simulation where they differ from :class:`SchedulerConfig`'s own
@@ -82,6 +85,9 @@ class SimConfig:
             [--broadcast-ticks].
         shared_prefix: tokens of one random prefix put in front of every prompt (prefix
             sharing) [--shared-prefix].
+        fork_rate: probability a request is a fork of the previous one (same prompt and
+            arrival, ``fork_of`` set: the ``n`` samples of one OpenAI request) [--fork-rate];
+            0 draws nothing, so runs without forks stay as they were.
         workload: explicit requests (overrides the random ones; tests).
         max_steps: liveness bound (0: derived from the workload).
 
@@ -105,6 +111,7 @@ class SimConfig:
     contention: float = 1.0
     empty_step_ticks: int = -1
     shared_prefix: int = 0
+    fork_rate: float = 0.0
     workload: tuple[SimRequest, ...] | None = None
     max_steps: int = 0
 
@@ -140,6 +147,8 @@ class SimConfig:
             raise SchedulerError("SimConfig.p2p_ticks and broadcast_ticks must be >= 0")
         if not 0.0 <= self.abort_rate <= 1.0 or not 0.0 <= self.eos_prob <= 1.0:
             raise SchedulerError("SimConfig.abort_rate and eos_prob must be in [0, 1]")
+        if not 0.0 <= self.fork_rate <= 1.0:
+            raise SchedulerError(f"SimConfig.fork_rate must be in [0, 1], got {self.fork_rate!r}")
         if self.arrival not in ("burst", "poisson"):
             raise SchedulerError(f"SimConfig.arrival must be burst|poisson, got {self.arrival!r}")
 
@@ -165,8 +174,12 @@ def make_workload(cfg: SimConfig) -> tuple[SimRequest, ...]:
             t += int(np.ceil(rng.exponential(cfg.mean_gap)))
         horizon = (plen + max_tokens) * cfg.scheduler.pp_size * cfg.stage_time(4)
         abort_at = t + int(rng.integers(0, horizon + 1)) if rng.random() < cfg.abort_rate else -1
+        fork_of = None
+        if cfg.fork_rate and reqs and rng.random() < cfg.fork_rate:   # a sample of the previous
+            parent = reqs[-1]
+            prompt, t, fork_of = parent.prompt, parent.arrival, parent.fork_of or parent.req_id
         reqs.append(SimRequest(f"req-{i}", t, prompt, max_tokens, int(rng.integers(1, 2**31)),
-                               eos_at, ignore_eos, abort_at))
+                               eos_at, ignore_eos, abort_at, fork_of))
     return tuple(reqs)
 
 

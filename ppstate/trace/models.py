@@ -39,6 +39,8 @@ class Arrival(_Ev):
     sampling: dict[str, Any] = Field(default_factory=dict)
     prompt_token_ids: list[int] | None = None
     prefix_hashes: list[int] | None = None  # chained hashes of full prompt blocks (no prompt ids)
+    fork_of: str | None = None          # the request this one is forked from (n > 1)
+    prefix_cache: bool = True           # False: no prefix-cache hits (prompt logprobs)
 
 
 class Abort(_Ev):

@@ -37,7 +37,8 @@ def spec_of(ev: dict[str, Any], block_size: int) -> RequestSpec:
     return RequestSpec(ev["req_id"], tuple(ids),
                        ev["max_tokens"], eos_token_ids=frozenset(ev.get("eos_token_ids", ())),
                        stop_token_ids=frozenset(ev.get("stop_token_ids", ())),
-                       ignore_eos=ev.get("ignore_eos", False), sampling=ev.get("sampling", {}))
+                       ignore_eos=ev.get("ignore_eos", False), sampling=ev.get("sampling", {}),
+                       fork_of=ev.get("fork_of"), prefix_cache=ev.get("prefix_cache", True))
 
 
 def stand_in_prompt(prompt_len: int, prefix_hashes: list[int], block_size: int) -> list[int]:

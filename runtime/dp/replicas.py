@@ -156,8 +156,9 @@ class ReplicatedEngine:
         return self._owner.get(req_id)
 
     def add_request(self, req_id: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Queue a request on the least-loaded replica; returns its stream of increments.
+                    params: SamplingParams, fork_of: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Queue a request on the least-loaded replica (a fork on its parent's, whose prompt
+        blocks it shares); returns its stream of increments.
 
         Raises:
             EngineDeadError: the engine (some replica) is dead or shut down.
@@ -172,9 +173,11 @@ class ReplicatedEngine:
                 raise RequestRejected("request_id", f"request id {req_id!r} is already in use by "
                                       "a live request")
             del self._owner[req_id]  # ended without its stream being read to the end
-        index = self.pick_replica()
+        index = self._owner.get(fork_of, -1) if fork_of is not None else -1
+        if index < 0:
+            index = self.pick_replica()
         engine = self.replicas[index]
-        inner = engine.add_request(req_id, prompt_token_ids, params)
+        inner = engine.add_request(req_id, prompt_token_ids, params, fork_of=fork_of)
         if req_id is None:  # the engine made one up; it is the first increment's req_id
             return self._routed(index, None, inner)
         self._owner[req_id] = index

@@ -125,8 +125,13 @@ class AsyncEngine:
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, req_id: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                    params: SamplingParams, fork_of: str | None = None) -> AsyncIterator[RequestOutput]:
         """Queue a request and return its stream of increments.
+
+        ``fork_of``: id of a request with the same prompt added before (the first of ``n``
+        samples); this one then shares its prompt's KV blocks (``RequestSpec.fork_of``).
+        A request asking for ``prompt_logprobs`` takes no prefix-cache hit (every prompt
+        position must be computed).
 
         Raises:
             EngineDeadError: the engine is not running.
@@ -153,7 +158,7 @@ class AsyncEngine:
             req_id=req_id, prompt_token_ids=prompt, max_tokens=params.max_tokens,
             eos_token_ids=frozenset() if eos is None else frozenset({eos}),
             stop_token_ids=frozenset(params.stop_token_ids), ignore_eos=params.ignore_eos,
-            sampling=sampling)
+            sampling=sampling, fork_of=fork_of, prefix_cache=params.prompt_logprobs is None)
         self.sched.add_request(spec)
         stream = RequestStream(req_id, params, len(prompt), detok)
         self._streams[req_id] = stream
@@ -199,6 +204,10 @@ class AsyncEngine:
                 stream = self._streams.get(new.req_id)
                 if stream is not None and stream.scheduled_s is None:
                     stream.scheduled_s = time.monotonic()
+            for new in out.new_requests:   # prefix-cache hit of the first admission (usage)
+                if (stream := self._streams.get(new.req_id)) is not None and \
+                        stream.num_cached_tokens is None:
+                    stream.num_cached_tokens = new.num_cached_tokens
             self.counters.step_issued()
             self.pool.send_step(out)
 
@@ -254,6 +263,8 @@ class AsyncEngine:
         rows = self._step_rows.pop(result.step, ())
         row_of = logprob_index(result, rows)
         streams, tokens = self._streams, 0
+        if result.prompt_logprobs is not None:
+            self._push_prompt_logprobs(result.prompt_logprobs, rows)
         updates = self.sched.on_step_result(result)
         # The next step goes out before the streams are served: the ranks compute it while this
         # process detokenizes and wakes the clients (a stop string found below stops its
@@ -278,6 +289,19 @@ class AsyncEngine:
                 del streams[req_id]
         self.counters.tokens_total += tokens
         self._wake.set()
+
+    def _push_prompt_logprobs(self, plps, rows: tuple[str, ...]) -> None:
+        """Hand each stream the prompt logprobs its prefill rows scored in one step
+        (:class:`~runtime.sampling.step_logprobs.PromptLogprobs`); a failure ends that request."""
+        for j in range(plps.rows.shape[0]):
+            req_id = rows[int(plps.rows[j])]
+            stream = self._streams.get(req_id)
+            if stream is None:
+                continue
+            try:
+                stream.add_prompt_logprob(*plps.entry(j))
+            except Exception as exc:  # noqa: BLE001 - this request's own data only
+                self._fail_request(RequestFailure(req_id, "logprobs", exc))
 
     def _fail_request(self, failure: RequestFailure) -> None:
         """End one request after a :class:`RequestFailure`: free its slot, close its stream with

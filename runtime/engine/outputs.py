@@ -37,6 +37,9 @@ class RequestOutput:
         scheduled_s: on the increment with the first tokens: ``time.monotonic()`` of the step
             that first scheduled the request (None before, or when never scheduled).
         queue_s: on that increment: seconds from the engine's arrival to ``scheduled_s``.
+        num_cached_tokens: prompt tokens the prefix cache supplied at admission (tokens).
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``, on the first increment that
+            carries tokens: one entry per prompt token, None for the first (it has no context).
     """
     req_id: str
     new_token_ids: list[int]
@@ -50,6 +53,8 @@ class RequestOutput:
     error_kind: str | None = None
     scheduled_s: float | None = None
     queue_s: float | None = None
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def logprob_index(result, rows: tuple[str, ...]) -> dict[str, int] | None:

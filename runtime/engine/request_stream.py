@@ -31,6 +31,10 @@ class RequestStream:
         arrival_s / first_token_s: ``time.monotonic()`` of arrival and of the first token.
         scheduled_s: ``time.monotonic()`` of the step that first scheduled it (set by the engine).
         finished: True once the last increment was queued (nothing is queued after it).
+        num_cached_tokens: prefix-cache hit of the first admission (tokens; None before it).
+        prompt_lps: prompt logprobs received so far, by position (the first entry of each
+            position is kept: a recompute after preemption scores the prompt again);
+            delivered once, with the first increment.
     """
     req_id: str
     params: SamplingParams
@@ -41,8 +45,28 @@ class RequestStream:
     first_token_s: float | None = None
     scheduled_s: float | None = None
     finished: bool = False
+    num_cached_tokens: int | None = None
+    prompt_lps: dict[int, TokenLogprob] | None = None
+    prompt_delivered: bool = False
     _pending: RequestOutput | None = None
     _waiter: asyncio.Future | None = None
+
+    def add_prompt_logprob(self, position: int, token_id: int, logprob: float,
+                           top: dict[int, float]) -> None:
+        """Record the logprob of the prompt token at ``position`` (>= 1) and its alternatives."""
+        if self.prompt_delivered:
+            return
+        if self.prompt_lps is None:
+            self.prompt_lps = {}
+        self.prompt_lps.setdefault(position, TokenLogprob(token_id, logprob, top))
+
+    def _take_prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        if self.prompt_delivered or self.params.prompt_logprobs is None:
+            return None
+        self.prompt_delivered = True
+        got = self.prompt_lps or {}
+        self.prompt_lps = None
+        return [None] + [got.get(p) for p in range(1, self.num_prompt_tokens)]
 
     def push_tokens(self, token_ids: list[int], finish_reason: str | None,
                     logprobs: list[TokenLogprob] | None = None) -> str | None:
@@ -71,13 +95,17 @@ class RequestStream:
         prev = self._pending
         if prev is None:
             self._pending = RequestOutput(self.req_id, token_ids, text, done, finish_reason,
-                                          self.num_prompt_tokens, n, logprobs)
+                                          self.num_prompt_tokens, n, logprobs,
+                                          num_cached_tokens=self.num_cached_tokens or 0,
+                                          prompt_logprobs=self._take_prompt_logprobs())
         else:
             prev.new_token_ids += token_ids
             prev.new_text += text
             if logprobs is not None or prev.logprobs is not None:
                 prev.logprobs = (prev.logprobs or []) + (logprobs or [])
             prev.finished, prev.finish_reason, prev.num_output_tokens = done, finish_reason, n
+            if prev.prompt_logprobs is None:
+                prev.prompt_logprobs = self._take_prompt_logprobs()
         if first and self.scheduled_s is not None:   # the queue time rides on the first tokens
             out = self._pending
             out.scheduled_s, out.queue_s = self.scheduled_s, self.scheduled_s - self.arrival_s
@@ -92,7 +120,8 @@ class RequestStream:
         if self.finished:
             return
         self._put(RequestOutput(self.req_id, [], "", True, reason, self.num_prompt_tokens,
-                                self.num_output_tokens, None, error, error_kind))
+                                self.num_output_tokens, None, error, error_kind,
+                                self.num_cached_tokens or 0))
 
     def _put(self, out: RequestOutput) -> None:
         self.finished = out.finished
@@ -149,3 +178,4 @@ def merge_into(prev: RequestOutput, out: RequestOutput) -> None:
     prev.finished, prev.finish_reason = out.finished, out.finish_reason
     prev.num_output_tokens = out.num_output_tokens
     prev.error, prev.error_kind = out.error, out.error_kind
+    prev.num_cached_tokens = out.num_cached_tokens

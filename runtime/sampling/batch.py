@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from runtime.sampling.logit_bias import row_bias
+
 if TYPE_CHECKING:  # duck-typed at runtime: the GPU box has no pydantic
     from runtime.sampling_params import SamplingParams
 
@@ -57,6 +59,8 @@ class SamplingBatch:
         num_greedy: number of greedy rows.
         penalty_rows: int64 indices of the rows with any penalty (None when none).
         presence / frequency / repetition: [P] fp32 penalties of ``penalty_rows``.
+        logit_bias: ``(rows [B], ids [B, K], values [B, K])`` of the rows with a ``logit_bias``
+            (:mod:`runtime.sampling.logit_bias`), or None.
     """
     temperature: torch.Tensor
     top_k: torch.Tensor
@@ -73,6 +77,7 @@ class SamplingBatch:
     presence: torch.Tensor | None = None
     frequency: torch.Tensor | None = None
     repetition: torch.Tensor | None = None
+    logit_bias: tuple | None = None
 
     @property
     def num_rows(self) -> int:
@@ -125,4 +130,5 @@ class SamplingBatch:
             num_greedy=sum(greedy),
             penalty_rows=_rows([i in set(pen_rows) for i in range(len(params))], device),
             presence=pen_col(0), frequency=pen_col(1), repetition=pen_col(2),
+            logit_bias=row_bias(params, device),
         )

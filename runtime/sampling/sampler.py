@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.sampling.batch import SamplingBatch
+from runtime.sampling.logit_bias import apply_logit_bias
 from runtime.sampling.penalties import TokenHistory, apply_penalties
 
 CPU_TOP_P_CANDIDATES = 256
@@ -128,6 +129,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, history: TokenHistory | N
     if logits.dim() != 2 or logits.shape[0] != batch.num_rows:
         raise ValueError(f"logits shape {tuple(logits.shape)} != [{batch.num_rows}, V]")
     raw = logits = logits.float()
+    logits = apply_logit_bias(logits, batch.logit_bias)   # logprobs stay those of `raw`
     if batch.penalty_rows is not None:
         if history is None:
             raise ValueError("penalised rows need their token history")

@@ -28,6 +28,8 @@ import torch
 
 from runtime.host_copy import to_device
 from runtime.sampling.batch import SamplingBatch
+from runtime.sampling.logit_bias import LogitBiasTable
+from runtime.sampling.prompt_logprobs import PromptLogprobTable
 
 # Packed device tables: fp32 columns and int64 columns.
 _TEMPERATURE, _TOP_P, _PRESENCE, _FREQUENCY, _REPETITION = range(5)
@@ -98,6 +100,8 @@ class SamplingState:
         # Host copies of the device tables exactly as uploaded (mirror validation compares them).
         self.f32_np = np.zeros((n, 5), dtype=np.float32)        # [max_num_reqs, 5]
         self.i64_np = np.zeros((n, 4), dtype=np.int64)          # [max_num_reqs, 4]
+        self.logit_bias = LogitBiasTable(n, device)               # sparse [max_num_reqs, 300]
+        self.prompt_logprobs = PromptLogprobTable(n)              # host: [max_num_reqs] ks, lengths
 
     def admit(self, slots: Sequence[int], params: Sequence, prompt_lens: Sequence[int]) -> None:
         """Write the parameters of newly admitted requests (host copies, then one upload per table).
@@ -136,6 +140,8 @@ class SamplingState:
         idx = to_device(s, self.device)
         self.f32[idx] = to_device(f32, self.device)
         self.i64[idx] = to_device(i64, self.device)
+        self.logit_bias.admit(slots, params)
+        self.prompt_logprobs.admit(slots, params, prompt_lens)
 
     def batch(self, slots: np.ndarray, positions_after: np.ndarray) -> tuple[SamplingBatch, torch.Tensor]:
         """The :class:`SamplingBatch` of one step's sampled rows.
@@ -184,6 +190,7 @@ class SamplingState:
             presence=None if pen_rows is None else f[pen_rows, _PRESENCE],
             frequency=None if pen_rows is None else f[pen_rows, _FREQUENCY],
             repetition=None if pen_rows is None else f[pen_rows, _REPETITION],
+            logit_bias=self.logit_bias.gather(slots, slots_t),
         ), slots_t
 
 

@@ -1,4 +1,5 @@
-"""The logprobs of one step's sampled tokens as arrays: the last rank's payload to the engine.
+"""The logprobs of one step's sampled tokens (and of the prompt tokens its prefill rows scored,
+:class:`PromptLogprobs`) as arrays: the last rank's payload to the engine.
 
 One entry per step row that asked for logprobs (``SamplingParams.logprobs`` not None), in row
 order. The worker fills it with one device-to-host copy per array and no per-row Python; it
@@ -49,4 +50,31 @@ class StepLogprobs:
         """Entry ``j``: (logprob of the sampled token, {token id: logprob} of its top ks[j])."""
         k = int(self.ks[j])
         return (float(self.logprobs[j]),
+                dict(zip(self.top_ids[j, :k].tolist(), self.top_logprobs[j, :k].tolist())))
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """The prompt logprob entries of one step, on the host.
+
+    Attributes:
+        rows: ``[P]`` int32 step row of each entry (ascending, positions ascending within a row).
+        positions: ``[P]`` int32 prompt position of the scored token (>= 1).
+        token_ids: ``[P]`` int64 the prompt token at that position.
+        logprobs: ``[P]`` float32 its log-probability given the tokens before it.
+        ks: ``[P]`` int32 alternatives asked for (0 <= ks <= K).
+        top_ids, top_logprobs: ``[P, K]`` int64 / float32 most likely tokens there, most likely first.
+    """
+    rows: np.ndarray
+    positions: np.ndarray
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    ks: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+
+    def entry(self, j: int) -> tuple[int, int, float, dict[int, float]]:
+        """Entry ``j``: (position, token id, logprob, {token id: logprob} of its top ks[j])."""
+        k = int(self.ks[j])
+        return (int(self.positions[j]), int(self.token_ids[j]), float(self.logprobs[j]),
                 dict(zip(self.top_ids[j, :k].tolist(), self.top_logprobs[j, :k].tolist())))

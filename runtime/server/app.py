@@ -1,7 +1,8 @@
 """The OpenAI-compatible FastAPI app around a started AsyncEngine.
 
 Endpoints: GET /v1/models, GET /v1/models/{model}, POST /v1/completions, POST /v1/chat/completions,
-GET /health, GET /health/live, GET /health/ready (Kubernetes probes, see ``drain``), GET /metrics. ``create_app`` takes an engine that is already running (the CLI in
+POST /tokenize, POST /detokenize, GET /health, GET /health/live, GET /health/ready (Kubernetes probes,
+see ``drain``), GET /metrics. ``create_app`` takes an engine that is already running (the CLI in
 ``runtime.serve`` starts it), so tests can build apps around any engine; all state (metrics registry
 included) belongs to the app, and several apps can live in one process.
 
@@ -28,6 +29,7 @@ from runtime.server.metrics import ServerMetrics
 from runtime.server.middleware import DEFAULT_MAX_BODY_BYTES, GuardMiddleware
 from runtime.server.responses import ModelCard, ModelList
 from runtime.server.schemas import ChatCompletionRequest, CompletionRequest
+from runtime.server.tokenize_api import install_tokenize_routes
 
 MAX_JSON_DEPTH_ERROR = "the JSON body is nested too deeply"
 RESTARTING_MESSAGE = ("The engine failed and its workers are restarting; retry once /health "
@@ -108,7 +110,8 @@ async def read_json(request: Request) -> Any:
 
 
 def create_app(engine: Any, config: EngineConfig, api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, drain: DrainState | None = None) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, drain: DrainState | None = None,
+               reasoning_parser: str | None = None) -> FastAPI:
     """Build the server app for a started engine.
 
     Args:
@@ -117,11 +120,13 @@ def create_app(engine: Any, config: EngineConfig, api_key: str | None = None,
         api_key: if set, ``/v1/...`` requests need ``Authorization: Bearer <api_key>``.
         max_body_bytes: largest accepted request body (bytes).
         drain: the server's drain state (``--shutdown-timeout``; a fresh one when None).
+        reasoning_parser: split chat replies into ``reasoning_content`` and ``content``
+            (:mod:`runtime.server.reasoning`), or None.
     """
     app = FastAPI(title="ppstate", summary="OpenAI-compatible server of a pipeline-parallel engine",
                   version="0.1.0")
     metrics = ServerMetrics(engine)
-    handlers = OpenAIHandlers(engine, config, metrics)
+    handlers = OpenAIHandlers(engine, config, metrics, reasoning_parser)
     created = int(time.time())
     app.state.engine = engine
     app.state.metrics = metrics
@@ -207,4 +212,5 @@ def create_app(engine: Any, config: EngineConfig, api_key: str | None = None,
         require_engine()
         return await handlers.chat(body, request)
 
+    install_tokenize_routes(app, handlers, read_json, require_engine)
     return app

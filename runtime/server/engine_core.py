@@ -41,13 +41,15 @@ class EngineCore:
         self.live: dict[str, tuple[int, object]] = {}   # req_id -> (frontend, RequestStream)
         self.wake: asyncio.Future = asyncio.get_running_loop().create_future()
 
-    def add(self, frontend: int, req_id: str, prompt: list[int], params: dict) -> None:
+    def add(self, frontend: int, req_id: str, prompt: list[int], params: dict,
+            fork_of: str | None = None) -> None:
         """Admit one request and start forwarding its increments to ``frontend``."""
         from runtime.engine import EngineDeadError, RequestRejected
         from runtime.engine.faults import RequestFailure
         from runtime.sampling_params import SamplingParams
         try:
-            self.engine.add_request(req_id, prompt, SamplingParams.model_construct(**params))
+            self.engine.add_request(req_id, prompt, SamplingParams.model_construct(**params),
+                                    fork_of=fork_of)
         except RequestRejected as exc:
             return self._reject(frontend, req_id, exc.field, str(exc), "rejected")
         except RequestFailure as exc:
@@ -109,7 +111,7 @@ class EngineCore:
         while True:
             msg = decode(await pull.recv())
             if msg[0] == "add":
-                self.add(int(msg[1]), msg[2], msg[3], msg[4])
+                self.add(int(msg[1]), msg[2], msg[3], msg[4], msg[5])
             elif msg[0] == "abort":
                 await self.abort(msg[1])
 

@@ -27,9 +27,9 @@ from typing import Any
 FIELDS = ["model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
           "n", "ignore_eos", "stream", "stream_options", "user", "presence_penalty",
           "frequency_penalty", "repetition_penalty", "logit_bias", "return_tokens_as_token_ids"]
-COMPLETION_FIELDS = FIELDS + ["prompt", "logprobs", "echo", "suffix", "best_of"]
+COMPLETION_FIELDS = FIELDS + ["prompt", "logprobs", "echo", "suffix", "best_of", "prompt_logprobs"]
 CHAT_FIELDS = FIELDS + ["messages", "max_completion_tokens", "logprobs", "top_logprobs",
-                        "add_generation_prompt", "continue_final_message"]
+                        "add_generation_prompt", "continue_final_message", "chat_template_kwargs"]
 INTS = [0, 1, -1, 2, 3, 5, 16, 20, 21, 255, 49151, 49152, 2**31 - 1, 2**31, 2**32, 2**53 + 1,
         2**63 - 1, 2**63, 2**64, -2**63, -2**63 - 1, 10**30, -10**30]
 FLOATS = [0.0, -0.0, 0.5, 1.0, 1.5, 2.0, 2.0000001, -2.5, 1e-300, 1e300, 5e-324, -1e-9, 3.14]

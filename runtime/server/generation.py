@@ -38,14 +38,23 @@ class Collected:
     finish_reason: str = "abort"
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    @property
+    def cumulative_logprob(self) -> float:
+        """Sum of the sampled tokens' logprobs (``best_of`` ranks by it)."""
+        return sum(e.logprob for e in self.logprobs)
 
 
 class Generation:
     """Drives one engine request and records its latency metrics."""
 
     def __init__(self, engine: Any, metrics: ServerMetrics, req_id: str, prompt_ids: list[int],
-                 params: SamplingParams, prompt_field: str, arrival: float) -> None:
+                 params: SamplingParams, prompt_field: str, arrival: float,
+                 fork_of: str | None = None) -> None:
         self.engine = engine
+        self.fork_of = fork_of  # the request whose prompt KV blocks this one shares (n > 1)
         self.req_id = req_id
         self.prompt_ids = prompt_ids
         self.params = params
@@ -60,7 +69,9 @@ class Generation:
     def start(self) -> None:
         """Submit to the engine. Raises APIError (400 for rejected input, 503 for a dead engine)."""
         try:
-            self._stream = aiter(self.engine.add_request(self.req_id, self.prompt_ids, self.params))
+            extra = {} if self.fork_of is None else {"fork_of": self.fork_of}
+            self._stream = aiter(self.engine.add_request(self.req_id, self.prompt_ids, self.params,
+                                                         **extra))
         except RequestRejected as exc:
             field_name = getattr(exc, "field", None) or self.prompt_field
             if field_name == "prompt":
@@ -119,6 +130,9 @@ class Generation:
                 res.logprobs.extend(out.logprobs)
             res.num_prompt_tokens = out.num_prompt_tokens or res.num_prompt_tokens
             res.num_output_tokens = out.num_output_tokens
+            res.num_cached_tokens = out.num_cached_tokens or res.num_cached_tokens
+            if out.prompt_logprobs is not None:
+                res.prompt_logprobs = out.prompt_logprobs
             if out.finished:
                 res.finish_reason = out.finish_reason or "stop"
         return res
@@ -182,7 +196,9 @@ def request_failed(message: str) -> APIError:
 
 
 class GenerationStreamResponse(StreamingResponse):
-    """An SSE response whose request is aborted in the engine however the response ends."""
+    """An SSE response whose request is aborted in the engine however the response ends
+    (``generation``: a :class:`Generation`, or anything with its ``close``, e.g. the
+    :class:`~runtime.server.choices.Choices` of several)."""
 
     def __init__(self, content: AsyncIterator[str], generation: Generation) -> None:
         super().__init__(content, media_type="text/event-stream",

@@ -28,6 +28,8 @@ from runtime.engine.faults import RequestFailure, request_scope
 from runtime.sampling_params import SamplingParams
 from runtime.server import responses as R
 from runtime.server.errors import APIError
+from runtime.server.chat import chat_completions
+from runtime.server.completions import completions as multi_completions, is_plain
 from runtime.server.generation import Generation, GenerationStreamResponse, sse
 from runtime.server.metrics import ServerMetrics
 from runtime.server.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
@@ -40,10 +42,13 @@ MIN_TEMPERATURE = 1e-5
 class OpenAIHandlers:
     """Serves /v1/completions and /v1/chat/completions for one engine."""
 
-    def __init__(self, engine: Any, config: EngineConfig, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: Any, config: EngineConfig, metrics: ServerMetrics,
+                 reasoning_parser: str | None = None) -> None:
         self.engine = engine
         self.config = config
         self.metrics = metrics
+        #: ``--reasoning-parser``: split chat replies into reasoning_content / content
+        self.reasoning_parser = reasoning_parser
         self.model_name: str = engine.model_name
         self.vocab_size: int | None = getattr(engine.tokenizer, "vocab_size", None)
 
@@ -102,7 +107,19 @@ class OpenAIHandlers:
             seed=None if req.seed in (None, -1) else req.seed, stop=req.stop_list, stop_token_ids=stop_ids,
             ignore_eos=bool(req.ignore_eos), logprobs=logprobs,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty)
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=self.logit_bias(req.logit_bias))
+
+    def logit_bias(self, bias: dict[str, float] | None) -> list[tuple[int, float]]:
+        """``logit_bias`` as ``[(token id, bias)]``; 400 naming the key of an id outside the
+        vocabulary (the schema checked the keys' form and the values' range)."""
+        pairs = [(int(k), float(v)) for k, v in (bias or {}).items()]
+        for tid, _ in pairs:
+            if self.vocab_size is not None and tid >= self.vocab_size:
+                raise APIError(f"Invalid value for 'logit_bias': token id {tid} is not in the "
+                               f"vocabulary (ids < {self.vocab_size})", param=f"logit_bias.{tid}",
+                               code="invalid_value")
+        return pairs
 
     async def tokenize(self, req_id: str, field: str, fn, *args, **kwargs) -> list[int]:
         """``fn(*args, **kwargs)`` (a tokenizer call) in a worker thread and a request scope.
@@ -136,8 +153,10 @@ class OpenAIHandlers:
     async def completions(self, req: CompletionRequest, request: Request) -> Response:
         arrival = time.perf_counter()
         self.check_model(req.model)
+        if not is_plain(req):   # batched prompts, n / best_of, echo (runtime/server/completions.py)
+            return await multi_completions(self, req, request)
         req_id = f"cmpl-{uuid.uuid4().hex}"
-        prompt = req.single_prompt
+        prompt = req.prompts[0]
         if isinstance(prompt, str):
             ids = await self.tokenize(req_id, "prompt", self.engine.tokenizer.encode, prompt)
         else:
@@ -159,7 +178,7 @@ class OpenAIHandlers:
         body = R.CompletionResponse(
             id=gen.req_id, created=gen.created, model=self.model_name,
             choices=[R.CompletionChoice(text=res.text, logprobs=lp, finish_reason=res.finish_reason)],
-            usage=R.Usage.of(res.num_prompt_tokens, res.num_output_tokens))
+            usage=R.Usage.of(res.num_prompt_tokens, res.num_output_tokens, res.num_cached_tokens))
         return JSONResponse(body.model_dump(mode="json"))
 
     async def _completion_sse(self, gen: Generation, req: CompletionRequest, token_text) -> AsyncIterator[str]:
@@ -169,7 +188,8 @@ class OpenAIHandlers:
                 lp = None
                 if req.logprobs is not None and out.logprobs:
                     lp = R.completion_logprobs(out.logprobs, token_text, offsets, offset + len(out.new_text))
-                usage = R.Usage.of(out.num_prompt_tokens or len(gen.prompt_ids), out.num_output_tokens)
+                usage = R.Usage.of(out.num_prompt_tokens or len(gen.prompt_ids), out.num_output_tokens,
+                                   out.num_cached_tokens)
                 if out.new_text or lp is not None or out.finished:
                     choice = R.CompletionChoice(text=out.new_text, logprobs=lp,
                                                 finish_reason=out.finish_reason if out.finished else None)
@@ -186,55 +206,5 @@ class OpenAIHandlers:
         yield sse("[DONE]")
 
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
-        arrival = time.perf_counter()
-        self.check_model(req.model)
-        req_id = f"chatcmpl-{uuid.uuid4().hex}"
-        messages = [m.as_template_dict() for m in req.messages]
-        # no chat template, or the template rejected the messages: 400 naming 'messages'
-        ids = await self.tokenize(req_id, "messages", self.engine.tokenizer.encode_chat, messages,
-                                  add_generation_prompt=req.generation_prompt,
-                                  continue_final_message=bool(req.continue_final_message))
-        limit_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        limit = self.output_limit(req.output_limit, None, len(ids), "messages", limit_field)
-        top_n = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.sampling_params(req, limit, top_n)
-        gen = Generation(self.engine, self.metrics, req_id, ids, params, "messages", arrival)
-        gen.start()
-        token_text = self.token_text(bool(req.return_tokens_as_token_ids))
-        if req.stream:
-            return GenerationStreamResponse(self._chat_sse(gen, req, token_text, top_n), gen)
-        res = await gen.collect_unless_disconnected(request.receive)
-        if res is None:
-            return Response(status_code=499)
-        lp = (R.chat_logprobs(res.logprobs, token_text, self.engine.tokenizer.token_bytes, top_n)
-              if top_n is not None else None)
-        body = R.ChatCompletionResponse(
-            id=gen.req_id, created=gen.created, model=self.model_name,
-            choices=[R.ChatChoice(message=R.AssistantMessage(content=res.text), logprobs=lp,
-                                  finish_reason=res.finish_reason)],
-            usage=R.Usage.of(res.num_prompt_tokens, res.num_output_tokens))
-        return JSONResponse(body.model_dump(mode="json"))
-
-    async def _chat_sse(self, gen: Generation, req: ChatCompletionRequest, token_text,
-                        top_n: int | None) -> AsyncIterator[str]:
-        def chunk(delta: R.Delta, lp=None, finish=None, usage=None, choices=True) -> str:
-            ch = [R.ChatChunkChoice(delta=delta, logprobs=lp, finish_reason=finish)] if choices else []
-            return sse(R.ChatCompletionChunk(id=gen.req_id, created=gen.created, model=self.model_name,
-                                             choices=ch, usage=usage).model_dump_json())
-
-        usage = R.Usage.of(len(gen.prompt_ids), 0)
-        try:
-            yield chunk(R.Delta(role="assistant", content=""))
-            async for out in gen.outputs():
-                usage = R.Usage.of(out.num_prompt_tokens or len(gen.prompt_ids), out.num_output_tokens)
-                lp = (R.chat_logprobs(out.logprobs, token_text, self.engine.tokenizer.token_bytes, top_n)
-                      if top_n is not None and out.logprobs else None)
-                if out.new_text or lp is not None:
-                    yield chunk(R.Delta(content=out.new_text), lp)
-                if out.finished:
-                    yield chunk(R.Delta(), finish=out.finish_reason)
-            if req.include_usage:
-                yield chunk(R.Delta(), usage=usage, choices=False)
-        except APIError as exc:
-            yield sse(json.dumps(exc.body()))
-        yield sse("[DONE]")
+        """/v1/chat/completions (``runtime/server/chat.py``)."""
+        return await chat_completions(self, req, request)

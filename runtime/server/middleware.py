@@ -50,6 +50,10 @@ def _check_body_headers(headers: dict[bytes, bytes]) -> APIError | None:
     return None
 
 
+#: paths outside /v1 that also need the API key
+KEYED_PATHS = ("/tokenize", "/detokenize")
+
+
 class GuardMiddleware:
     """API key check, body size limit and error counting for one app."""
 
@@ -71,7 +75,8 @@ class GuardMiddleware:
             await send(message)
 
         headers = dict(scope.get("headers") or [])
-        if self.api_key is not None and scope.get("path", "").startswith("/v1"):
+        if self.api_key is not None and (scope.get("path", "").startswith("/v1")
+                                         or scope.get("path") in KEYED_PATHS):
             auth = headers.get(b"authorization", b"")
             scheme, _, token = auth.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):

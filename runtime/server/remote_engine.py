@@ -147,7 +147,7 @@ class RemoteEngine:
         return self._stats
 
     def add_request(self, req_id: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                    params: SamplingParams, fork_of: str | None = None) -> AsyncIterator[RequestOutput]:
         """Check the request here and send it to the core (raises as ``AsyncEngine.add_request``)."""
         if not self.is_alive:
             raise EngineDeadError(self._error or "engine is shut down")
@@ -161,7 +161,7 @@ class RemoteEngine:
         admission_checks(req_id, tuple(prompt), params, self.config.scheduler.max_model_len)
         stream = RemoteStream(req_id, len(prompt))
         self._streams[req_id] = stream
-        self._push.send(encode(["add", self.index, req_id, prompt, params.model_dump()]))
+        self._push.send(encode(["add", self.index, req_id, prompt, params.model_dump(), fork_of]))
         return stream.iterate(self.abort)
 
     async def abort(self, req_id: str) -> None:

@@ -17,16 +17,23 @@ from pydantic import BaseModel, Field, model_serializer
 from runtime.engine.outputs import TokenLogprob
 
 
+class PromptTokensDetails(BaseModel):
+    """``usage.prompt_tokens_details``: ``cached_tokens`` came from the prefix cache (tokens)."""
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
     """Token counts of one request (tokens)."""
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> "Usage":
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> "Usage":
+        details = None if cached_tokens is None else PromptTokensDetails(cached_tokens=cached_tokens)
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
 
 
 class ModelCard(BaseModel):
@@ -45,18 +52,21 @@ class ModelList(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """Legacy logprobs of /v1/completions; ``text_offset`` counts characters of the output text."""
+    """Legacy logprobs of /v1/completions; ``text_offset`` counts characters of the output text.
+    With ``echo`` the prompt tokens come first, the first one's logprob and alternatives null."""
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 
 class CompletionChoice(BaseModel):
+    """One choice; ``prompt_logprobs`` (vLLM's) only when the request asked for them."""
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[dict[str, dict] | None] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class CompletionResponse(BaseModel):
@@ -85,8 +95,18 @@ class ChatLogprobs(BaseModel):
 
 
 class AssistantMessage(BaseModel):
+    """The reply; ``reasoning_content`` (the model's ``<think>`` part) only with a reasoning
+    parser (``--reasoning-parser``), left out otherwise."""
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+
+    @model_serializer
+    def _drop_reasoning(self) -> dict:
+        out = {"role": self.role, "content": self.content}
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
+        return out
 
 
 class ChatChoice(BaseModel):
@@ -110,10 +130,12 @@ class Delta(BaseModel):
     """A chat stream increment; absent fields are left out (``{}`` on the final chunk)."""
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
 
     @model_serializer
     def _drop_none(self) -> dict[str, str]:
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        return {k: v for k, v in (("role", self.role), ("content", self.content),
+                                  ("reasoning_content", self.reasoning_content)) if v is not None}
 
 
 class ChatChunkChoice(BaseModel):

@@ -3,8 +3,7 @@
 Strict mode rejects what OpenAI rejects: ``"5"`` for an integer, ``1`` for a boolean, ``5.0`` for
 ``max_tokens``. Unknown fields are rejected (OpenAI: "Unrecognized request argument supplied").
 OpenAI parameters this server does not implement are accepted only at their neutral value
-(``echo: false``, ``best_of: 1``, ``logit_bias: {}``, ...), so a request is never silently
-served differently from what it asked for. ``null`` means "the default" for every optional field.
+(``suffix: ""``), so a request is never silently served differently from what it asked for. ``null`` means "the default" for every optional field.
 
 Every integer field has a range that fits the engine's 64-bit message encoding and the workers'
 int64 tensors (the table in docs/server.md); what cannot be decided here (token ids against the
@@ -18,6 +17,9 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from runtime.server.request_checks import (MAX_N, check_logit_bias, check_prompt_field,
+                                            check_template_kwargs)
 
 MAX_STOP_STRINGS = 4
 INT64_MAX = 2**63 - 1
@@ -49,7 +51,8 @@ class GenerationRequest(BaseModel):
     seed: int | None = Field(default=None, ge=-1, le=INT64_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(default=None, max_length=64)
-    n: int | None = None
+    #: samples per prompt (1 .. max_num_seqs; handlers: 400 above what the engine holds)
+    n: int | None = Field(default=None, ge=1, le=MAX_N)
     ignore_eos: bool | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -74,19 +77,10 @@ class GenerationRequest(BaseModel):
             raise ValueError("stop sequences must be non-empty")
         return v
 
-    @field_validator("n")
-    @classmethod
-    def _check_n(cls, v: int | None) -> int | None:
-        if v is not None and v != 1:
-            raise ValueError("only n=1 is supported")
-        return v
-
     @field_validator("logit_bias")
     @classmethod
     def _check_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        if v:
-            raise ValueError("logit_bias is not supported")
-        return v
+        return check_logit_bias(v)
 
     @field_validator("stop_token_ids")
     @classmethod
@@ -116,40 +110,24 @@ class GenerationRequest(BaseModel):
 
 
 class CompletionRequest(GenerationRequest):
-    """POST /v1/completions. ``prompt``: a string, a list of token ids, or a batch of exactly one."""
+    """POST /v1/completions. ``prompt``: a string, a list of token ids, or a batch of either."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    #: 0 scores the prompt only (needs ``echo``): what log-likelihood evaluation sends
+    max_tokens: int | None = Field(default=None, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=5)
+    #: return the prompt before the completion (with ``logprobs``: the prompt tokens' too)
     echo: bool | None = None
     suffix: str | None = None
-    best_of: int | None = None
+    #: samples drawn per prompt, ``n`` of them returned (highest cumulative logprob first)
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+    #: vLLM's: logprobs of the prompt tokens (0 .. 20 alternatives), see also ``echo``
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     @field_validator("prompt", mode="before")
     @classmethod
     def _check_prompt(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            if not v:
-                raise ValueError("the prompt must not be empty")
-            return v
-        if not isinstance(v, list) or not v:
-            raise ValueError("must be a non-empty string or a non-empty list of token ids")
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in v):
-            if any(not 0 <= t <= INT64_MAX for t in v):
-                raise ValueError("token ids must be >= 0 (and below the vocabulary size)")
-            return v
-        if not all(isinstance(p, (str, list)) for p in v):  # e.g. [1, "a"]: neither form
-            raise ValueError("the prompt must be a string, a list of token ids (integers) or a "
-                             "batch of one string / token-id list")
-        if len(v) != 1:
-            raise ValueError(f"batches of {len(v)} prompts are not supported; send one prompt")
-        return cls._check_prompt(v[0])
-
-    @field_validator("echo")
-    @classmethod
-    def _check_echo(cls, v: bool | None) -> bool | None:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
+        return check_prompt_field(v)
 
     @field_validator("suffix")
     @classmethod
@@ -160,18 +138,21 @@ class CompletionRequest(GenerationRequest):
 
     @field_validator("best_of")
     @classmethod
-    def _check_best_of(cls, v: int | None) -> int | None:
-        if v is not None and v != 1:
-            raise ValueError("only best_of=1 is supported")
+    def _check_best_of(cls, v: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n") or 1
+        if v is not None and v < n:
+            raise ValueError(f"best_of must be >= n (n is {n})")
+        if v is not None and v > 1 and info.data.get("stream"):
+            raise ValueError("best_of > 1 cannot be streamed (the best choice is known only at the end)")
         return v
 
     @property
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt (string or token ids), unwrapped from a batch of one."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request: one, or a batch (strings or token-id lists)."""
         p = self.prompt
-        while isinstance(p, list) and p and not isinstance(p[0], int):
-            p = p[0]
-        return p
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
 
 
 class TextPart(BaseModel):
@@ -212,6 +193,8 @@ class ChatCompletionRequest(GenerationRequest):
     add_generation_prompt: bool | None = None
     #: vLLM's extension: continue the final (assistant) message instead of opening a new turn
     continue_final_message: bool | None = None
+    #: extra variables for the chat template (e.g. Qwen3's ``enable_thinking``)
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("continue_final_message")
     @classmethod
@@ -226,6 +209,11 @@ class ChatCompletionRequest(GenerationRequest):
             raise ValueError("continue_final_message needs a conversation that ends with an "
                              "assistant message")
         return v
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_template_kwargs(v)
 
     @field_validator("top_logprobs")
     @classmethod

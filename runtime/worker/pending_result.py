@@ -38,12 +38,14 @@ class PendingResult:
         copy: the payload ``[num_rows, width + 2]`` int64 on its way to the host.
         logprobs: :class:`LogprobRows` (or :class:`ReadyLogprobs`) of the step, or None.
         busy_s: seconds the rank computed to launch the step (host side).
+        prompt_logprobs: the step's prompt logprobs still on the device
+            (:class:`~runtime.sampling.prompt_logprobs.PendingPrompt`), or None.
     """
 
     def __init__(self, step: int, width: int, copy: PendingCopy,
-                 logprobs: "LogprobRows | None", busy_s: float) -> None:
+                 logprobs: "LogprobRows | None", busy_s: float, prompt_logprobs=None) -> None:
         self.step, self.width, self.copy, self.logprobs = step, width, copy, logprobs
-        self.busy_s = busy_s
+        self.busy_s, self.prompt_logprobs = busy_s, prompt_logprobs
         self._result: StepResult | None = None
 
     @classmethod
@@ -62,8 +64,9 @@ class PendingResult:
         if self._result is None:
             host, w = self.copy.wait(), self.width
             lps = None if self.logprobs is None else self.logprobs.entries()
+            plps = None if self.prompt_logprobs is None else self.prompt_logprobs.host()
             self._result = StepResult(self.step, host[:, :w].copy(), host[:, w].astype(np.int32),
-                                      host[:, w + 1].astype(np.int32), lps)
+                                      host[:, w + 1].astype(np.int32), lps, plps)
         return self._result
 
 

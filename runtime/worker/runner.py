@@ -14,6 +14,7 @@ Every collective decision is a pure function of the replicated :class:`Scheduler
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -30,6 +31,7 @@ from runtime.host_copy import HostCopy, to_device
 from runtime.model.paged_stage import PagedMeta, PagedStage
 from runtime.model.stage import BatchMeta, StageModel
 from runtime.sampling.penalties import TokenHistory
+from runtime.sampling.prompt_logprobs import PendingPrompt, PromptLogprobPlan
 from runtime.sampling.sampler import sample
 from runtime.sampling.spec_verify import SpecDecoder, logprob_rows as spec_logprob_rows
 from runtime.worker.cuda_graphs import DecodeGraphs
@@ -113,6 +115,8 @@ class StageRunner:
         self._order = RankStep(self, groups.rank, groups.pp_size, depth, len(state.owner), sink)
         self.host_copy = HostCopy(state.device)
         self._logprobs: LogprobRows | None = None   # of the step being sampled (last rank)
+        self._prompt_plan: PromptLogprobPlan | None = None   # widened logits of this step
+        self._prompt_lps: PendingPrompt | None = None        # its prompt logprobs (last rank)
         self._meta: BatchMeta | None = None         # of the step being run
         self._sampled: SampledPayload | None = None  # the payload this rank just sampled
         self.timing = StepTiming()
@@ -183,6 +187,12 @@ class StageRunner:
         self._meta = meta
         if self.spec is not None and self.g.is_last:
             meta = self.spec.logit_meta(meta, out)
+        elif self.g.is_last:   # prompt logprobs: logits at every token of the scoring rows
+            self._prompt_plan = self.state.sampling_state.prompt_logprobs.plan(
+                out.slots, starts, out.num_scheduled_tokens)
+            if self._prompt_plan is not None:
+                meta = dataclasses.replace(meta, last_token=to_device(
+                    self._prompt_plan.index.astype(np.int64), self.device, torch.int64))
         ids = self.state.input_ids(meta.token_slots, meta.positions) if self.g.is_first else None
         return _Inputs(meta, ids)
 
@@ -241,10 +251,13 @@ class StageRunner:
         r, w = out.num_rows, self.width
         payload = SampledPayload(torch.zeros(SampledPayload.shape(r, w), dtype=torch.int64,
                                              device=self.device))
-        self._logprobs, self._sampled = None, payload
+        self._logprobs, self._sampled, self._prompt_lps = None, payload, None
         if r == 0:
             return payload
         t0, ns0 = time.perf_counter(), time.monotonic_ns()
+        if self._prompt_plan is not None:   # back to one logit row per step row
+            logits, self._prompt_lps = self._prompt_plan.split(logits, self.state.all_token_ids)
+            self._prompt_plan = None
         if mask is not None and self.spec is not None:  # speculative decoding (#14)
             v, rows = self.spec.sample(out, mask, logits, self.state, payload.buf)
             ks = self.state.sampling_state.num_logprobs_np[out.slots[rows]]
@@ -331,7 +344,8 @@ class StageRunner:
         if self.sink.enabled:   # tracing: the ``sampled`` event keeps its place in the order; the
             self.sink.emit_when(copy.ready, "sampled", out.step, self.g.rank,  # sink holds it
                                 partial(sampled_fields, list(out.req_ids), copy))  # (no wait)
-        return PendingResult(out.step, w, copy, self._logprobs, self.timing.busy_s)
+        return PendingResult(out.step, w, copy, self._logprobs, self.timing.busy_s,
+                             self._prompt_lps)
 
     # ---- mirrors and trace -------------------------------------------------------------------
     def _validate(self, step: int) -> None:

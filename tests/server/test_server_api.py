@@ -145,7 +145,8 @@ async def test_completion_exact_text_and_usage():
         body = r.json()
         assert body["object"] == "text_completion" and body["model"] == "fake-model"
         assert body["choices"] == [{"index": 0, "text": "abcde", "logprobs": None, "finish_reason": "length"}]
-        assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10}
+        assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10,
+                                 "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 async def test_completion_stream_with_usage_and_stop():
@@ -159,7 +160,8 @@ async def test_completion_stream_with_usage_and_stop():
         assert "".join(e["choices"][0]["text"] for e in ev[:-2]) == "abc"
         assert [e["choices"][0]["finish_reason"] for e in ev[:-2]] == [None, None, None, "stop"]
         assert ev[-2]["choices"] == [] and ev[-2]["usage"] == {
-            "prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
+            "prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7,
+            "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 async def test_chat_nonstream_and_stream():
@@ -172,7 +174,8 @@ async def test_chat_nonstream_and_stream():
         assert body["choices"][0]["message"] == {"role": "assistant", "content": "abc"}
         assert body["choices"][0]["finish_reason"] == "length"
         assert body["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 3,
-                                 "total_tokens": prompt_len + 3}
+                                 "total_tokens": prompt_len + 3,
+                                 "prompt_tokens_details": {"cached_tokens": 0}}
         r = await c.post("/v1/chat/completions", json={"messages": msgs, "max_completion_tokens": 2,
                                                         "stream": True})
         ev = sse_events(r.text)
