@@ -197,11 +197,15 @@ def _gguf_pieces(fam: Family, arch: str, g) -> dict[str, Any]:
     """The piece fields of a GGUF file of family ``fam`` (``g(key)`` reads ``<arch>.<key>``).
 
     Raises:
-        UnsupportedModelError: shared experts or a non-softmax gating function.
+        UnsupportedModelError: experts in a dense family's file (llama.cpp's Mixtral), shared
+            experts, or a non-softmax gating function.
     """
     p = fam.pieces
     out: dict[str, Any] = {"family": fam.name, "qk_norm": p.qk_norm,
                            "qkv_bias": p.qkv_bias if isinstance(p.qkv_bias, bool) else p.qkv_bias.default}
+    if p.mlp == "dense" and int(g("expert_count", 0) or 0):   # e.g. Mixtral written as llama
+        raise UnsupportedModelError(f"GGUF field '{arch}.expert_count': mixture-of-experts files of "
+                                    f"the {arch!r} architecture are not supported (supported values: [0])")
     if p.mlp == "moe":
         if int(g("expert_shared_count", 0) or 0):
             raise UnsupportedModelError(f"GGUF field '{arch}.expert_shared_count': shared experts "

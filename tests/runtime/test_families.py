@@ -177,6 +177,10 @@ def test_refused_gguf_fields():
     assert ModelConfig.from_gguf_fields(fields).moe_renormalize  # llama.cpp's qwen3moe renormalises
     with pytest.raises(UnsupportedModelError, match=r"'qwen3moe.expert_shared_count': shared experts"):
         ModelConfig.from_gguf_fields({**fields, "qwen3moe.expert_shared_count": 1})
+    mixtral_as_llama = {k.replace("qwen3moe", "llama"): v.replace("qwen3moe", "llama") if isinstance(v, str)
+                        else v for k, v in fields.items()}
+    with pytest.raises(UnsupportedModelError, match=r"'llama.expert_count': mixture-of-experts files"):
+        ModelConfig.from_gguf_fields(mixtral_as_llama)
     with pytest.raises(UnsupportedModelError, match=r"GGUF architecture 'gpt2' is not supported "
                                                     r"\(supported: \['llama', 'qwen2', 'qwen3', 'qwen3moe'\]\)"):
         ModelConfig.from_gguf_fields({"general.architecture": "gpt2"})

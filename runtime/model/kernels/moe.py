@@ -3,11 +3,12 @@ two grouped GEMMs with the fused SiLU * up between them, weighted combine. No Py
 experts, no host synchronisation and no data-dependent shape (every size is fixed by the token
 count), so a decode step that contains it can be captured in a CUDA graph.
 
-Grouped GEMM: ``torch._grouped_mm`` (CUTLASS grouped GEMM; bf16 on compute capability >= 9.0,
-e.g. H100 / H200) over the pairs sorted by expert, with the per-expert end offsets computed on the
-device (``scatter_add_`` + ``cumsum``; ``torch.bincount`` would synchronise). Elsewhere (CPU, fp32,
-older GPUs) a gathered batched matmul with the same contract runs instead (each pair multiplies its
-expert's weight, gathered: memory ``T * k * 2 I * H``, for tests and small models).
+Grouped GEMM: ``torch._grouped_mm`` (CUTLASS grouped GEMM on CUDA with compute capability >= 9.0,
+e.g. H100 / H200; torch's own loop on the CPU; bf16) over the pairs sorted by expert, with the
+per-expert end offsets computed on the device (``scatter_add_`` + ``cumsum``; ``torch.bincount``
+would synchronise). Elsewhere (fp32, older GPUs) a gathered batched matmul with the same contract
+runs instead (each pair multiplies its expert's weight, gathered: memory ``T * k * 2 I * H``, for
+tests and small models).
 
 Routing is :func:`runtime.model.moe.route` (transformers' roundings). The combine sums a token's
 ``k`` expert outputs times their weights in fp32 and rounds once to the model dtype (the CPU
@@ -25,9 +26,11 @@ IMPLS = ("auto", "grouped_mm", "gather")
 
 
 def grouped_mm_available(x: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` runs for ``x``: CUDA, bf16, compute capability >= 9.0."""
-    return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(x.device)[0] >= 9)
+    """Whether ``torch._grouped_mm`` runs for ``x``: bf16, on the CPU or on CUDA with compute
+    capability >= 9.0."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != torch.bfloat16:
+        return False
+    return not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
 def moe_forward(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -44,7 +47,7 @@ def moe_forward(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, do
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     grouped = grouped_mm_available(x)
     if impl == "grouped_mm" and not grouped:
-        raise ValueError("impl='grouped_mm' needs CUDA, bf16 and compute capability >= 9.0")
+        raise ValueError("impl='grouped_mm' needs bf16 (and on CUDA compute capability >= 9.0)")
     t, h = x.shape
     weights, experts = route(x, router, top_k, renormalize)      # [T, k], [T, k]
     flat = experts.reshape(-1)                                    # [T * k]
