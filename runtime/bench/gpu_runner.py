@@ -79,6 +79,9 @@ def run(runner, vocab: int, num_blocks: int, rows: int, prompt_len: int, new_tok
             rng.integers(100, vocab - 1, prompt_len).tolist()), max_tokens=new_tokens,
             ignore_eos=True, sampling=sampling))
     launch = getattr(runner, "launch", None)
+    order = getattr(runner, "_order", None)
+    if order is not None:   # each run's fresh Scheduler numbers its steps from 0 again
+        order.next_step = 0
     held, tokens, per_step = None, 0, []
     if runner.device.type == "cuda":
         torch.cuda.synchronize()
