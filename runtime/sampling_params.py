@@ -2,7 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class StructuredSpec(BaseModel):
+    """A structured-output constraint (docs/structured.md): ``kind`` and its source text.
+
+    ``json_schema``: the schema as JSON text; ``json_object``: any JSON object (``value`` empty);
+    ``regex``: a regular expression; ``choice``: a JSON list of strings; ``grammar``: EBNF.
+    Compiled by :mod:`runtime.sampling.grammar` (engine and last rank); the output must match.
+    """
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+    value: str = ""
 
 
 class SamplingParams(BaseModel):
@@ -26,6 +41,7 @@ class SamplingParams(BaseModel):
         repetition_penalty: vLLM's / transformers' (CTRL, Keskar et al. 2019): the logit of every
             token seen in the prompt or the output is divided by it when positive and multiplied
             by it when negative; 1 disables; in (0, 10].
+        structured: a grammar the output must match (:class:`StructuredSpec`), or None.
 
     Integers are bounded to what the workers' int64 tensors hold (``< 2**63``); the engine also
     round-trips every request through the worker message encoding at admission.
@@ -44,6 +60,7 @@ class SamplingParams(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0, allow_inf_nan=False)
+    structured: StructuredSpec | None = None
 
     @field_validator("stop")
     @classmethod

@@ -34,6 +34,7 @@ from runtime.engine.plan import plan_pipeline
 from runtime.engine.request_stream import RequestStream
 from runtime.engine.trace import scheduler_config, start_trace_run, write_trace_header
 from runtime.model.detokenizer import IncrementalDetokenizer
+from runtime.model.chat_templates import resolve_chat_template
 from runtime.model.tokenizer import Tokenizer, load_tokenizer
 from runtime.sampling_params import SamplingParams
 from runtime.engine.stall import StallDetector
@@ -85,6 +86,8 @@ class AsyncEngine:
         plan = plan_pipeline(config)
         pool = WorkerPool(config, plan)
         tokenizer = load_tokenizer(plan.model_path)
+        if config.chat_template:   # --chat-template FILE|hermes (docs/structured.md)
+            tokenizer.set_chat_template(resolve_chat_template(config.chat_template))
         try:
             await pool.start()
         except BaseException as exc:  # cancellation too: never leave worker processes behind

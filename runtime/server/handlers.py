@@ -30,7 +30,9 @@ from runtime.server import responses as R
 from runtime.server.errors import APIError
 from runtime.server.generation import Generation, GenerationStreamResponse, sse
 from runtime.server.metrics import ServerMetrics
+from runtime.server.chat_tools import ToolMode
 from runtime.server.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from runtime.server.structured import StructuredCompiler, requested
 
 DEFAULT_COMPLETION_TOKENS = 16
 #: temperatures below this are served greedily (as vLLM does): dividing logits by ~0 overflows
@@ -46,6 +48,7 @@ class OpenAIHandlers:
         self.metrics = metrics
         self.model_name: str = engine.model_name
         self.vocab_size: int | None = getattr(engine.tokenizer, "vocab_size", None)
+        self.structured = StructuredCompiler(engine.tokenizer)   # grammar cache (docs/structured.md)
 
     # ---- request -> engine inputs -------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -104,6 +107,23 @@ class OpenAIHandlers:
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty)
 
+    async def constrain(self, req: GenerationRequest, params: SamplingParams,
+                        tools: ToolMode | None = None) -> SamplingParams:
+        """``params`` with the request's structured-output constraint (compiled off the event
+        loop). Raises APIError: 400 naming the field for a constraint that does not compile, two
+        constraints, or a tool_choice that conflicts with one."""
+        found = requested(req)
+        from_tools = tools.constraint() if tools is not None else None
+        if from_tools is not None and found is not None:
+            raise APIError(f"'{found[1]}' cannot be combined with tool_choice {tools.choice!r} "
+                           "(which constrains the output itself).", param=found[1],
+                           code="invalid_value")
+        found = found or from_tools
+        if found is None:
+            return params
+        await self.structured.check(*found)
+        return params.model_copy(update={"structured": found[0]})
+
     async def tokenize(self, req_id: str, field: str, fn, *args, **kwargs) -> list[int]:
         """``fn(*args, **kwargs)`` (a tokenizer call) in a worker thread and a request scope.
 
@@ -144,7 +164,7 @@ class OpenAIHandlers:
             ids = list(prompt)
             self.check_token_ids(ids, "prompt")
         limit = self.output_limit(req.max_tokens, DEFAULT_COMPLETION_TOKENS, len(ids), "prompt", "max_tokens")
-        params = self.sampling_params(req, limit, req.logprobs)
+        params = await self.constrain(req, self.sampling_params(req, limit, req.logprobs))
         gen = Generation(self.engine, self.metrics, req_id, ids, params, "prompt", arrival)
         gen.start()
         token_text = self.token_text(bool(req.return_tokens_as_token_ids))
@@ -189,50 +209,65 @@ class OpenAIHandlers:
         arrival = time.perf_counter()
         self.check_model(req.model)
         req_id = f"chatcmpl-{uuid.uuid4().hex}"
+        for i, m in enumerate(req.messages):
+            missing = m.missing_field()
+            if missing is not None:
+                raise APIError(f"Missing required parameter: 'messages[{i}].{missing[0]}' "
+                               f"({missing[1]}).", param=f"messages[{i}].{missing[0]}",
+                               code="missing_required_parameter")
         messages = [m.as_template_dict() for m in req.messages]
+        tools = ToolMode(req, getattr(self.engine.tokenizer, "chat_template", None))
         # no chat template, or the template rejected the messages: 400 naming 'messages'
         ids = await self.tokenize(req_id, "messages", self.engine.tokenizer.encode_chat, messages,
                                   add_generation_prompt=req.generation_prompt,
-                                  continue_final_message=bool(req.continue_final_message))
+                                  continue_final_message=bool(req.continue_final_message),
+                                  **tools.template_kwargs())
         limit_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         limit = self.output_limit(req.output_limit, None, len(ids), "messages", limit_field)
         top_n = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.sampling_params(req, limit, top_n)
+        params = await self.constrain(req, self.sampling_params(req, limit, top_n), tools)
         gen = Generation(self.engine, self.metrics, req_id, ids, params, "messages", arrival)
         gen.start()
         token_text = self.token_text(bool(req.return_tokens_as_token_ids))
         if req.stream:
-            return GenerationStreamResponse(self._chat_sse(gen, req, token_text, top_n), gen)
+            return GenerationStreamResponse(self._chat_sse(gen, req, token_text, top_n, tools), gen)
         res = await gen.collect_unless_disconnected(request.receive)
         if res is None:
             return Response(status_code=499)
         lp = (R.chat_logprobs(res.logprobs, token_text, self.engine.tokenizer.token_bytes, top_n)
               if top_n is not None else None)
+        message, finish = tools.reply(res.text, res.finish_reason)
         body = R.ChatCompletionResponse(
             id=gen.req_id, created=gen.created, model=self.model_name,
-            choices=[R.ChatChoice(message=R.AssistantMessage(content=res.text), logprobs=lp,
-                                  finish_reason=res.finish_reason)],
+            choices=[R.ChatChoice(message=message, logprobs=lp, finish_reason=finish)],
             usage=R.Usage.of(res.num_prompt_tokens, res.num_output_tokens))
         return JSONResponse(body.model_dump(mode="json"))
 
     async def _chat_sse(self, gen: Generation, req: ChatCompletionRequest, token_text,
-                        top_n: int | None) -> AsyncIterator[str]:
+                        top_n: int | None, tools: ToolMode) -> AsyncIterator[str]:
         def chunk(delta: R.Delta, lp=None, finish=None, usage=None, choices=True) -> str:
             ch = [R.ChatChunkChoice(delta=delta, logprobs=lp, finish_reason=finish)] if choices else []
             return sse(R.ChatCompletionChunk(id=gen.req_id, created=gen.created, model=self.model_name,
                                              choices=ch, usage=usage).model_dump_json())
 
         usage = R.Usage.of(len(gen.prompt_ids), 0)
+        stream = tools.stream()
         try:
             yield chunk(R.Delta(role="assistant", content=""))
             async for out in gen.outputs():
                 usage = R.Usage.of(out.num_prompt_tokens or len(gen.prompt_ids), out.num_output_tokens)
                 lp = (R.chat_logprobs(out.logprobs, token_text, self.engine.tokenizer.token_bytes, top_n)
                       if top_n is not None and out.logprobs else None)
-                if out.new_text or lp is not None:
-                    yield chunk(R.Delta(content=out.new_text), lp)
+                deltas = stream.feed(out.new_text)
+                if lp is not None and not deltas:
+                    deltas = [R.Delta(content="")]
+                for i, d in enumerate(deltas):
+                    yield chunk(d, lp if i == 0 else None)
                 if out.finished:
-                    yield chunk(R.Delta(), finish=out.finish_reason)
+                    last, finish = stream.finish(out.finish_reason)
+                    for d in last:
+                        yield chunk(d)
+                    yield chunk(R.Delta(), finish=finish)
             if req.include_usage:
                 yield chunk(R.Delta(), usage=usage, choices=False)
         except APIError as exc:

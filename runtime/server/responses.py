@@ -10,7 +10,7 @@ from __future__ import annotations
 import codecs
 
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_serializer
 
@@ -85,8 +85,17 @@ class ChatLogprobs(BaseModel):
 
 
 class AssistantMessage(BaseModel):
+    """The reply; with tool calls (docs/structured.md) ``content`` may be null."""
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @model_serializer
+    def _calls_only_when_present(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            d["tool_calls"] = self.tool_calls
+        return d
 
 
 class ChatChoice(BaseModel):
@@ -110,10 +119,13 @@ class Delta(BaseModel):
     """A chat stream increment; absent fields are left out (``{}`` on the final chunk)."""
     role: Literal["assistant"] | None = None
     content: str | None = None
+    #: OpenAI's ``tool_calls`` deltas: ``{"index", "id", "type", "function": {"name", "arguments"}}``
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer
-    def _drop_none(self) -> dict[str, str]:
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+    def _drop_none(self) -> dict[str, Any]:
+        return {k: v for k, v in (("role", self.role), ("content", self.content),
+                                  ("tool_calls", self.tool_calls)) if v is not None}
 
 
 class ChatChunkChoice(BaseModel):

@@ -34,6 +34,7 @@ from runtime.sampling.sampler import sample
 from runtime.sampling.spec_verify import SpecDecoder, logprob_rows as spec_logprob_rows
 from runtime.worker.cuda_graphs import DecodeGraphs
 from runtime.worker.device_state import DeviceState
+from runtime.worker.grammar_hooks import GrammarHooks
 from runtime.worker.groups import PPGroups
 from runtime.worker.mirror_check import AsyncMirrorCheck
 from runtime.worker.pending_result import (LogprobRows, PendingResult, ReadyLogprobs,
@@ -93,12 +94,15 @@ class StageRunner:
         graphs: captured decode-only CUDA graphs of ``fast``, or None (eager).
         progress: where the rank reports its phase (read by its heartbeat; stall detection).
         spec: speculative decoding hooks (``--spec-tokens`` > 0), or None.
+        grammar: structured-output hooks of the last rank
+            (:class:`~runtime.worker.grammar_hooks.GrammarHooks`), or None.
     """
 
     def __init__(self, groups: PPGroups, stage: StageModel, state: DeviceState, overlapped: bool,
                  validate_every: int, sink: EventSink = NULL_SINK,
                  fast: PagedStage | None = None, graphs: DecodeGraphs | None = None,
-                 progress: Progress | None = None, spec: SpecDecoder | None = None) -> None:
+                 progress: Progress | None = None, spec: SpecDecoder | None = None,
+                 grammar: GrammarHooks | None = None) -> None:
         self.g, self.stage, self.state = groups, stage, state
         self.progress = progress if progress is not None else Progress(groups.rank, hook=None)
         self.fast, self.graphs = fast, graphs
@@ -118,6 +122,7 @@ class StageRunner:
         self.timing = StepTiming()
         self.running_step = -1   # the step being run (its consumes may be of skipped numbers)
         self.spec = spec
+        self.grammar = grammar
 
     @property
     def handler(self) -> PPHandler | None:
@@ -151,6 +156,8 @@ class StageRunner:
     def end_step(self, out: SchedulerOutput) -> None:
         self.progress.enter("post")
         if self.validate_every and out.step % self.validate_every == 0:
+            if self.grammar is not None:
+                self.grammar.validate(self.state, out.step, self.g.rank)
             if self.mirror_check is not None:
                 self.mirror_check.snapshot(out.step)   # compared when its copy lands
             else:
@@ -165,6 +172,8 @@ class StageRunner:
         self.state.add_requests(out.new_requests)     # also their sampling parameters
         self.state.apply_block_updates(out.block_table_slots, out.block_table_cols,
                                        out.block_table_ids)
+        if self.grammar is not None:
+            self.grammar.admit(out)
 
     # ---- RankBackend: forward ----------------------------------------------------------------
     def prepare_inputs(self, out: SchedulerOutput) -> _Inputs:
@@ -181,6 +190,10 @@ class StageRunner:
         self._meta = meta
         if self.spec is not None and self.g.is_last:
             meta = self.spec.logit_meta(meta, out)
+        if self.grammar is not None:    # the bitmask fills while the forward runs
+            spec = self.spec
+            self.grammar.start_fill(out, None if spec is None else spec.rows,
+                                    None if spec is None else spec.first)
         ids = self.state.input_ids(meta.token_slots, meta.positions) if self.g.is_first else None
         return _Inputs(meta, ids)
 
@@ -243,8 +256,12 @@ class StageRunner:
         if r == 0:
             return payload
         t0, ns0 = time.perf_counter(), time.monotonic_ns()
+        if mask is not None and self.grammar is not None:
+            self.grammar.mask(logits)
         if mask is not None and self.spec is not None:  # speculative decoding (#14)
             v, rows = self.spec.sample(out, mask, logits, self.state, payload.buf)
+            if self.grammar is not None:
+                self.grammar.accept_spec(out.slots[rows], v.token_ids, v.num_sampled)
             ks = self.state.sampling_state.num_logprobs_np[out.slots[rows]]
             self._logprobs = ReadyLogprobs(spec_logprob_rows(v, rows, r, ks))
         elif mask is not None:
@@ -265,6 +282,8 @@ class StageRunner:
                 so = sample(logits.float(), batch, history)
                 payload.token_ids[:, 0] = so.token_ids
                 payload.num_sampled[:] = 1
+            if self.grammar is not None:
+                self.grammar.accept_plain(s_rows, so.token_ids)
             self._logprobs = LogprobRows.of(so, rows, r,
                                             self.state.sampling_state.num_logprobs_np[s_rows])
         if self.sink.enabled:
