@@ -19,6 +19,7 @@ CPU or a Triton kernel. Figures: ``benchmarks/results/structured-cpu-*.json`` an
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
@@ -40,6 +41,15 @@ class GrammarError(ValueError):
         self.kind, self.reason = kind, reason
 
 
+def load_xgrammar():
+    """Import xgrammar. Without the optional torch DLPack add-on of its FFI layer: that add-on is
+    compiled with a C++ compiler on first import and then loaded while holding the GIL for
+    seconds (a rank's heartbeat thread would starve); tensors still cross through DLPack."""
+    os.environ.setdefault("TVM_FFI_DISABLE_TORCH_C_DLPACK", "1")
+    import xgrammar
+    return xgrammar
+
+
 def tokenizer_info(tokenizer: Any, vocab_size: int | None = None) -> "xgr.TokenizerInfo":
     """The xgrammar ``TokenizerInfo`` of a :class:`~runtime.model.tokenizer.Tokenizer`.
 
@@ -48,7 +58,7 @@ def tokenizer_info(tokenizer: Any, vocab_size: int | None = None) -> "xgr.Tokeni
     (>= the tokenizer's vocabulary; ids past it are never allowed). Stop ids: the tokenizer's EOS
     ids, the only tokens allowed once the grammar is complete.
     """
-    import xgrammar as xgr
+    xgr = load_xgrammar()
     n = tokenizer.vocab_size
     vocab = []
     for i in range(n):
@@ -76,7 +86,7 @@ class GrammarCompilerCache:
     """
 
     def __init__(self, info: "xgr.TokenizerInfo", key: str = "", max_threads: int = 2) -> None:
-        import xgrammar as xgr
+        xgr = load_xgrammar()
         self.info, self.key = info, key
         self.vocab_size = info.vocab_size
         self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from runtime.sampling.grammar import GrammarCompilerCache
+from runtime.sampling.grammar import GrammarCompilerCache, load_xgrammar
 
 
 def _bit_row(token_ids: list[int], words: int) -> torch.Tensor:
@@ -60,8 +60,7 @@ class GrammarState:
     """
 
     def __init__(self, cache: GrammarCompilerCache, max_num_reqs: int) -> None:
-        import xgrammar as xgr
-        self._xgr = xgr
+        self._xgr = load_xgrammar()
         self.cache = cache
         self.vocab_size = cache.vocab_size
         self.words = -(-self.vocab_size // 32)

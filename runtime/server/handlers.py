@@ -48,7 +48,8 @@ class OpenAIHandlers:
         self.metrics = metrics
         self.model_name: str = engine.model_name
         self.vocab_size: int | None = getattr(engine.tokenizer, "vocab_size", None)
-        self.structured = StructuredCompiler(engine.tokenizer)   # grammar cache (docs/structured.md)
+        self.structured = StructuredCompiler(engine.tokenizer,   # grammar cache (docs/structured.md)
+                                             getattr(engine, "warm_grammar", None))
 
     # ---- request -> engine inputs -------------------------------------------------------------
     def check_model(self, name: str | None) -> None:

@@ -82,8 +82,9 @@ class StructuredCompiler:
     thread; :meth:`warm` starts that in the background at server start.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, on_first_use: Any = None) -> None:
         self.tokenizer = tokenizer
+        self._on_first_use = on_first_use   # e.g. the engine's warm_grammar (the last rank)
         self._cache = None
         self._lock = threading.Lock()
 
@@ -112,6 +113,9 @@ class StructuredCompiler:
             APIError: 400 naming ``field`` with the compiler's reason.
         """
         from runtime.sampling.grammar import GrammarError
+        if self._on_first_use is not None:   # on the event loop (the engine's sockets live there)
+            first, self._on_first_use = self._on_first_use, None
+            first()
         try:
             cache = await anyio.to_thread.run_sync(self.cache)
             await cache.compile_async(spec.kind, spec.value)

@@ -109,6 +109,14 @@ class ToolParser:
         """``(content, calls)``; no calls (and ``text`` as content) when nothing parses."""
         raise NotImplementedError
 
+    def opening(self, pending: str, at_start: bool) -> tuple[int | None, int]:
+        """Where calls may open in ``pending`` (text not yet sent; ``at_start``: nothing was sent
+        before it): ``(index of the opening or None, characters at the end to hold back)``."""
+        at = pending.find(self.start)
+        if at >= 0:
+            return at, 0
+        return None, _partial_suffix(pending, self.start)
+
 
 class HermesParser(ToolParser):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Hermes, Qwen 2.5/3)."""
@@ -125,7 +133,7 @@ class HermesParser(ToolParser):
             if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
                 return text, []
             calls.append(Call(obj["name"], json.dumps(obj.get("arguments", {}), ensure_ascii=False)))
-        content = text[:at].strip()
+        content = text[:at].rstrip()
         return (content or None), calls
 
 
@@ -133,6 +141,17 @@ class Llama3Parser(ToolParser):
     """``{"name": ..., "parameters": {...}}`` objects, ``;``-separated, the whole output
     (optionally after ``<|python_tag|>``) (Llama 3.1 / 3.2 / 3.3 JSON tool calling)."""
     start = "{"
+    _tag = "<|python_tag|>"
+
+    def opening(self, pending: str, at_start: bool) -> tuple[int | None, int]:
+        if not at_start:          # calls are the whole output: once text went out, none follow
+            return None, 0
+        body = pending.lstrip()
+        if body.startswith("{") or body.startswith(self._tag):
+            return 0, 0
+        if self._tag.startswith(body):   # empty so far, or the tag's beginning
+            return None, len(pending)
+        return None, 0
 
     def split(self, text: str) -> tuple[str | None, list[Call]]:
         body = text.strip().removeprefix("<|python_tag|>").strip()
@@ -169,7 +188,7 @@ class MistralParser(ToolParser):
         if not isinstance(arr, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str)
                                                 for c in arr):
             return text, []
-        content = text[:at].strip()
+        content = text[:at].rstrip()
         return (content or None), [Call(c["name"], json.dumps(c.get("arguments", {}), ensure_ascii=False))
                                    for c in arr]
 
@@ -209,18 +228,15 @@ class StreamSplitter:
         self.text += piece
         if self.holding:
             return ""
-        start = self.parser.start
         pending = self.text[self.sent:]
-        at = pending.find(start)
-        if at >= 0 or (start == "{" and not pending[:1].isspace() and pending.lstrip().startswith("{")
-                       and self.sent == 0):
+        at, keep = self.parser.opening(pending, self.sent == 0)
+        if at is not None:
             self.holding = True
-            cut = max(at, 0) if start != "{" else 0
-            out, self.sent = pending[:cut], self.sent + cut
+            out = pending[:at].rstrip()
+            self.sent += len(out)
             return out
-        keep = _partial_suffix(pending, start)
-        out = pending[:len(pending) - keep]
-        self.sent += len(out)
+        out = pending[:len(pending) - keep].rstrip()   # trailing whitespace waits: a call after
+        self.sent += len(out)                         # it drops it from the content
         return out
 
     def finish(self) -> tuple[str, list[Call]]:

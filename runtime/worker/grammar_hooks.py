@@ -19,6 +19,7 @@ request arrives (xgrammar and the tokenizer's vocabulary are loaded then, once).
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -38,8 +39,20 @@ class GrammarHooks:
 
     def __init__(self, factory: Callable[[], GrammarState]) -> None:
         self._factory = factory
+        self._building: Future | None = None
         self.state: GrammarState | None = None
         self.fill: GrammarFill | None = None    # the step being run
+
+    def warm(self) -> None:
+        """Start building the GrammarState in a background thread (the engine asks for it when
+        its first structured-output request arrives, so no step waits for xgrammar to load)."""
+        if self._building is None:
+            self._building = ThreadPoolExecutor(1, thread_name_prefix="grammar-warm").submit(self._factory)
+
+    def _built(self) -> GrammarState:
+        self.warm()
+        self.state = self._building.result()
+        return self.state
 
     def admit(self, out: SchedulerOutput) -> None:
         g = self.state
@@ -52,7 +65,7 @@ class GrammarHooks:
                 g.free(r.slot)       # a slot reused without a freed entry (preempted earlier)
             if spec:
                 if g is None:
-                    g = self.state = self._factory()
+                    g = self._built()
                 n_out = r.num_output_tokens
                 outputs = list(r.prompt_token_ids[len(r.prompt_token_ids) - n_out:]) if n_out else []
                 g.admit(r.slot, spec, outputs)

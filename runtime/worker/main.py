@@ -152,6 +152,10 @@ class _Worker:
             if msg.kind == "corrupt_state":
                 self.runner.state.corrupt(msg.slot, msg.field, msg.delta)
                 continue
+            if msg.kind == "warm_grammar":
+                if self.runner.grammar is not None:
+                    self.runner.grammar.warm()
+                continue
             if msg.kind == "step":
                 self._step(msg)
                 if not pull.poll(0):    # no next step queued: send this one's result now

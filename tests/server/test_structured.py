@@ -90,10 +90,10 @@ class Server:
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     model = make_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
-    common = ("--model", str(model), "--max-model-len", "256", "--max-num-seqs", "16",
+    common = ("--model", str(model), "--max-model-len", "512", "--max-num-seqs", "16",
               "--chat-template", "hermes")
     procs = {"pp2-spec-preempt": Server(*common, "--pp", "2", "--spec-tokens", "2",
-                                        "--kv-cache-memory", "96KB"),
+                                        "--kv-cache-memory", "128KB"),
              "pp1": Server(*common, "--pp", "1")}
     try:
         urls = {k: p.wait() for k, p in procs.items()}
@@ -211,8 +211,8 @@ def test_auto_tool_call_in_hermes_format_is_parsed(servers):
     content, streamed, finish = _reassemble(c.chat.completions.create(**kw, stream=True))
     assert (content, streamed, finish) == ("Sure.", [call], "tool_calls")
     # the tools reached the template: the prompt holds their signatures
-    plain = c.chat.completions.create(**{**kw, "tools": None, "tool_choice": None, "extra_body": {}},
-                                      max_tokens=1)
+    plain = c.chat.completions.create(**{**kw, "tools": None, "tool_choice": None, "extra_body": {},
+                                         "max_tokens": 1})
     assert r.usage.prompt_tokens > plain.usage.prompt_tokens + 50
 
 
