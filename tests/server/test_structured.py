@@ -6,7 +6,7 @@ built-in ``hermes`` chat template (tests/helpers/tiny_chat_model.py), started to
 overlapped with ``--spec-tokens 2`` and a KV cache small enough that concurrent requests are
 preempted and recomputed (the grammar matcher is rebuilt from the output tokens), and PP=1
 without drafts. A random model is the hard case for a grammar: it never "wants" valid JSON, so
-every valid output is the mask's doing. The schemas are bounded (tests/helpers/schema_gen.py) so
+every valid output is the mask's doing. The schemas are bounded (runtime/bench/json_schemas.py) so
 each output completes within ``max_tokens``.
 """
 
@@ -28,7 +28,7 @@ import jsonschema
 import openai
 import pytest
 
-from schema_gen import close_json_prefix, schemas
+from runtime.bench.json_schemas import close_json_prefix, schemas
 from tiny_chat_model import make_tiny_chat_model
 
 pytestmark = pytest.mark.slow

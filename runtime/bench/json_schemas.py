@@ -1,4 +1,4 @@
-"""Seeded generator of bounded JSON schemas for structured-output tests.
+"""Seeded generator of bounded JSON schemas (structured-output tests and `runtime.bench.structured`).
 
 Every schema has a bounded language (strings with ``maxLength``, arrays with ``maxItems``, integers
 and numbers with bounds, enums, booleans, nested objects with required fields), so a constrained
