@@ -3,7 +3,8 @@
 The same workload with and without a JSON schema, on one warm engine, in turn (A B A B ...): at
 each concurrency ``C`` of ``--concurrency``, ``C`` requests of ``--prompt-len`` random tokens and
 ``--output-len`` new tokens (greedy, EOS ignored so every request makes exactly its tokens) are
-submitted at once; the constrained variant asks each for a schema that cannot complete within
+submitted at once (every run its own random prompts, so no run reuses another's prefix cache; the
+order of the two variants alternates between rounds); the constrained variant asks each for a schema that cannot complete within
 the output length (an array with ``minItems`` far above it), so every one of its tokens is
 masked by the grammar. Reported per concurrency: output tokens/s of both variants per round and
 the median ratio constrained / plain (1.0 = free; the issue's target is >= 0.9 at batch 128 on a
@@ -126,9 +127,15 @@ async def run(args: argparse.Namespace) -> dict:
         await run_batch(engine, 2, 8, 4, spec, "warm", 0)      # compiles ROWS_SCHEMA, loads all
         for c in conc:
             rounds = []
-            for r in range(args.rounds):
-                plain = await run_batch(engine, c, args.prompt_len, args.output_len, None, f"p{c}-{r}", r)
-                json_ = await run_batch(engine, c, args.prompt_len, args.output_len, spec, f"j{c}-{r}", r)
+            for r in range(args.rounds):   # own prompts per run (no prefix-cache hits across
+                # runs), and the order alternates (A B, then B A) so neither variant always runs warm
+                def go(v):
+                    sp, tag, seed = (None, "p", 2 * r) if v == "plain" else (spec, "j", 2 * r + 1)
+                    return run_batch(engine, c, args.prompt_len, args.output_len, sp,
+                                     f"{tag}{c}-{r}", 1000 * c + seed)
+                order = ("plain", "json_schema") if r % 2 == 0 else ("json_schema", "plain")
+                got = {v: await go(v) for v in order}
+                plain, json_ = got["plain"], got["json_schema"]
                 rounds.append({"plain": plain, "json_schema": json_,
                                "ratio": round(json_["tokens_per_s"] / plain["tokens_per_s"], 3)})
                 print(f"concurrency {c} round {r}: plain {plain['tokens_per_s']} tok/s, "
