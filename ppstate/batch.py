@@ -71,6 +71,10 @@ class SchedulerOutput:
             applied after ``freed`` and ``new_requests``: ``block_table[slot, col] = id``. A
             slot's row starts empty on admission; every rank applies the same deltas, so all
             hold identical tables (invariant 9).
+        block_digests: ``[num_rows]`` int64 digest of the block ids of each row's slot after
+            this step's deltas, as the scheduler decided them (:mod:`ppstate.block_digest`);
+            every rank compares its own table rows with it before the forward. None: not sent
+            (an output built by hand), nothing to compare.
     """
     step: int
     req_ids: tuple[str, ...]
@@ -83,13 +87,15 @@ class SchedulerOutput:
     block_table_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     block_table_cols: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     block_table_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    block_digests: np.ndarray | None = None
 
     def __init__(self, step: int, req_ids: tuple[str, ...], slots: np.ndarray,
                  num_scheduled_tokens: np.ndarray, start_positions: np.ndarray,
                  is_final_chunk: np.ndarray, new_requests: tuple[NewRequest, ...] = (),
                  freed: tuple[FreedSlot, ...] = (), block_table_slots: np.ndarray | None = None,
                  block_table_cols: np.ndarray | None = None,
-                 block_table_ids: np.ndarray | None = None) -> None:
+                 block_table_ids: np.ndarray | None = None,
+                 block_digests: np.ndarray | None = None) -> None:
         # written out: the generated __init__ of a frozen dataclass calls object.__setattr__
         # once per field, about ten times slower, and every step makes one (fields in order)
         d = self.__dict__
@@ -99,6 +105,7 @@ class SchedulerOutput:
         d["block_table_slots"] = _no_deltas() if block_table_slots is None else block_table_slots
         d["block_table_cols"] = _no_deltas() if block_table_cols is None else block_table_cols
         d["block_table_ids"] = _no_deltas() if block_table_ids is None else block_table_ids
+        d["block_digests"] = block_digests
 
     @property
     def num_rows(self) -> int:

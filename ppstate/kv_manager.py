@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ppstate.block_digest import BlockDigests
 from ppstate.block_states import CACHED
 from ppstate.blocks import BlockPool, block_hashes
 from ppstate.scalars import ONE_I64
@@ -42,6 +43,9 @@ class KVManager:
         # blocks in each slot's block-table row (= len(pool.table(owner))): lets the scheduler
         # tell, for all decode rows at once, whose next token needs a new block
         self.held = np.zeros(config.max_num_seqs, dtype=np.int64)   # [max_num_reqs]
+        # each slot's row as the ranks build it from the deltas, and its digest (sent per row)
+        self.digests = BlockDigests(config.max_num_seqs,
+                                    -(-config.max_model_len // config.block_size))
         # the step's deltas, in order: parts ((slots, cols, ids), [k] int64 each) and, since the
         # last part, the ones recorded one request at a time
         self._parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []

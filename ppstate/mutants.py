@@ -5,7 +5,7 @@ decision point it breaks, in the code that runs. All are off unless a caller swi
 :func:`enabled` (a context manager; the checker's ``--mutant NAME``). Off, a hook costs one set
 lookup on an empty set.
 
-The six, each a bug another engine shipped or nearly shipped (docs/design.md §9):
+The seven, each a bug another engine shipped or nearly shipped (docs/design.md §9):
 
 ==============================  =================================================================
 ``rank_local_skip``             the last rank decides the broadcast skip from its own state (it
@@ -19,6 +19,9 @@ The six, each a bug another engine shipped or nearly shipped (docs/design.md §9
                                 for at once on every step, even when every row is a non-final
                                 chunk (as before vLLM #38726)
 ``no_rejected_correction``      the CPU mirror is not corrected for rejected speculative tokens
+``rank_local_block_shift``      rank 1 writes the block ids of one slot's deltas shifted by one
+                                (a rank-local block-table error: its reads and KV writes go to
+                                other requests' blocks)
 ``grammar_on_rejected``         a structured-output request's grammar matcher advances on every
                                 verified position, rejected drafts included (its grammar
                                 position runs ahead of the accepted output; vLLM #45014's class)
@@ -42,6 +45,8 @@ MUTANTS: dict[str, str] = {
     "blocking_all_chunk_broadcast": "sampled-token broadcast on the p2p group, waited for at "
                                     "once, on every step (also all-non-final-chunk steps)",
     "no_rejected_correction": "CPU mirror not corrected for rejected speculative tokens",
+    "rank_local_block_shift": "rank 1 applies one slot's block-table deltas with every id + 1 "
+                              "(ppstate.block_digest.rank_deltas)",
     "grammar_on_rejected": "the grammar matcher advances on rejected speculative tokens too",
 }
 

@@ -94,7 +94,9 @@ class PPHandler:
     ``step - depth``), then :meth:`enqueue` (pushes this step's entry, empty when the mask is None);
     for a step number the scheduler skipped, :meth:`consume` then :meth:`push_empty`
     (:class:`~ppstate.rank_step.RankStep`), so entries stay ``depth`` numbers apart.
-    :meth:`on_slot_freed` is called whenever the worker frees a slot.
+    :meth:`on_slot_freed` is called whenever the worker frees a slot. :attr:`num_dropped`
+    counts the rows that needed a sample and were dropped as stale (finished, aborted or
+    preempted since enqueue): how often the generation check fired.
 
     Args:
         depth: steps between enqueue and consume (``pp_size`` overlapped, 1 sync); >= 1.
@@ -115,6 +117,7 @@ class PPHandler:
         self.generation = np.zeros(max_num_reqs, dtype=np.int64)  # [max_num_reqs]
         self._fifo: deque[_Pending | None] = deque([None] * depth)
         self._expect_enqueue = False
+        self.num_dropped = 0   # rows that needed a sample, dropped as stale (the safety net fired)
 
     def __len__(self) -> int:
         return len(self._fifo)
@@ -183,6 +186,10 @@ class PPHandler:
         unusable = self._stale_rows(entry)
         if mutants.active("no_generation_check"):  # model checker's mutant; never on in runs
             unusable[:] = False
+        dropped = 0
+        if np.count_nonzero(unusable):   # stale rows: their slot was freed since enqueue
+            dropped = int(np.count_nonzero(unusable & entry.mask))
+            self.num_dropped += dropped
         if np.count_nonzero(entry.mask) < idx.size:  # rows that need no sample
             unusable |= ~entry.mask
         num_unusable = np.count_nonzero(unusable)
@@ -190,7 +197,7 @@ class PPHandler:
             idx[unusable] = -1
         if self.sink.enabled:
             self.sink.emit("pp.consume", step=entry.step, rank=self.rank,
-                           idx_mapping=idx.tolist())
+                           idx_mapping=idx.tolist(), dropped=dropped)
         if num_unusable == idx.size:
             return None
         return ConsumedEntry(entry.step, idx, entry.handle, entry.mask)

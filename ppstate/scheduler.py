@@ -61,6 +61,7 @@ class Scheduler(QueueOps, StepResults):
         self.lifecycle = Lifecycle()
         self.kv = KVManager(config)
         self.num_preemptions = 0
+        self.num_discarded_rows = 0   # sampled rows whose request had left the slot (dropped)
         self.num_prefill_tokens = 0   # prefill tokens scheduled (computed), prefix hits excluded
         self.num_spec_rejected = 0    # speculative drafts rejected so far (tokens)
         self.num_spec_proposed = 0    # speculative drafts in rows whose result arrived (tokens)
@@ -251,7 +252,9 @@ class Scheduler(QueueOps, StepResults):
         rows.add_decodes()
         rows.add_continuing_prefills()
         rows.admit_waiting()
-        out = rows.build(tuple(self._freed), self.kv.take_deltas())
+        deltas = self.kv.take_deltas()
+        self.kv.digests.apply([n.slot for n in rows.new], *deltas)   # nothing when it carries nothing
+        out = rows.build(tuple(self._freed), deltas, self.kv.digests)
         if out.carries_nothing:
             return None
         self._freed = []
@@ -281,6 +284,7 @@ class Scheduler(QueueOps, StepResults):
                 "kv_blocks_cached": pool.num_cached, "prefix_cache_query_tokens": pool.query_tokens,
                 "prefix_cache_hit_tokens": pool.hit_tokens, "prefix_cache_hit_rate": pool.hit_rate,
                 "num_preemptions": self.num_preemptions,
+                "discarded_result_rows": self.num_discarded_rows,
                 "prefill_tokens_computed": self.num_prefill_tokens}
 
     def row_cap(self) -> int:

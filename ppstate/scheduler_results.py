@@ -66,6 +66,7 @@ class StepResults:
     _in_flight_epochs: deque[np.ndarray]         # per in-flight step: [num_rows] epoch of each row
     _in_flight_drafts: deque[np.ndarray]         # per in-flight step: [num_rows] drafts of each row
     slot_epoch: np.ndarray                       # [max_num_reqs] occupant's epoch, 0 = free
+    num_discarded_rows: int                      # results of rows whose request left the slot
     slot_req: list[Request | None]               # [max_num_reqs] occupant
     out_tokens: np.ndarray                       # [max_num_reqs, max_model_len] occupant's outputs
     stop_ids_np: np.ndarray                      # [num_stop_ids] every EOS / stop id seen
@@ -107,12 +108,17 @@ class StepResults:
         self._in_flight.popleft()
         epochs = self._in_flight_epochs.popleft()     # [num_rows]
         drafts = self._in_flight_drafts.popleft()     # [num_rows]
+        # rows the last rank sampled into a slot whose request left it since (finished,
+        # aborted, preempted): applied to the old slot there, dropped here
+        discarded = int(np.count_nonzero(out.is_final_chunk &
+                                         (self.slot_epoch[out.slots] != np.asarray(epochs))))
+        self.num_discarded_rows += discarded
         one_token = not self.config.num_spec_tokens or not np.count_nonzero(drafts)  # no drafts
         updates = self._apply_one_token_rows(out, result, epochs) if one_token else None
         if updates is None:
             updates = self._apply_rows(out, result, epochs, drafts)
         if self.sink.enabled:
-            self.sink.emit("tokens", step=self._next_step, of_step=result.step,
+            self.sink.emit("tokens", step=self._next_step, of_step=result.step, discarded=discarded,
                            updates=updates.as_dicts() if isinstance(updates, StepUpdates)
                            else [vars(u) for u in updates])
         return updates

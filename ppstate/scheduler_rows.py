@@ -17,6 +17,7 @@ from typing import Protocol
 import numpy as np
 
 from ppstate.batch import NewRequest, SchedulerOutput, FreedSlot
+from ppstate.block_digest import BlockDigests
 from ppstate.budget import RequestArrays, SchedulerConfig, StepBudget
 from ppstate.chunk_sizing import chunk_limit
 from ppstate.kv_manager import KVManager
@@ -295,8 +296,10 @@ class RowBuilder:
             self._add_chunk(req, counts_row=True, fit=fit)
 
     def build(self, freed: tuple[FreedSlot, ...],
-              deltas: tuple[np.ndarray, np.ndarray, np.ndarray]) -> SchedulerOutput:
-        """The step's SchedulerOutput (arrays ``[num_rows]``; block-table deltas ``[U]``).
+              deltas: tuple[np.ndarray, np.ndarray, np.ndarray],
+              digests: BlockDigests | None = None) -> SchedulerOutput:
+        """The step's SchedulerOutput (arrays ``[num_rows]``; block-table deltas ``[U]``; the
+        rows' block digests from ``digests``, after this step's deltas were applied to it).
         Afterwards ``row_epochs`` and ``row_drafts`` (``[num_rows]`` int64) hold each row's
         admission epoch and drafts (the scheduler keeps them while the step is in flight)."""
         self._flush()
@@ -315,4 +318,5 @@ class RowBuilder:
             start_positions=starts.astype(np.int32),                    # [num_rows]
             is_final_chunk=final.astype(bool),                          # [num_rows]
             new_requests=tuple(self.new), freed=freed, block_table_slots=deltas[0],
-            block_table_cols=deltas[1], block_table_ids=deltas[2])
+            block_table_cols=deltas[1], block_table_ids=deltas[2],
+            block_digests=None if digests is None else digests.of(slots))

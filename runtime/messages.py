@@ -109,6 +109,7 @@ class StepMsg(_Msg, tag="step"):
     new_requests: list[NewRequestMsg] = []
     freed: list[FreedSlotMsg] = []
     block_table: NdArray | None = None  # [3, U] int32: slots, cols, block ids (KV deltas)
+    block_digests: NdArray | None = None  # [num_rows] int64: digest of each row's block ids
 
 
 class ResultMsg(_Msg, tag="result"):
@@ -117,6 +118,8 @@ class ResultMsg(_Msg, tag="result"):
 
     Attributes:
         busy_s: seconds this rank spent computing the step (forward, sampling), not waiting.
+        dropped_rows: deferred rows this rank's PPHandler dropped as stale so far (cumulative;
+            0 on the last rank).
         logprobs: optional msgpack-able payload (numpy scalars/arrays become Python numbers/lists):
             per-row lists (speculative decoding's verify).
         logprob_arrays: the step's logprobs as arrays
@@ -126,6 +129,7 @@ class ResultMsg(_Msg, tag="result"):
     step: int
     rank: int
     busy_s: float = 0.0
+    dropped_rows: int = 0
     sampled_token_ids: NdArray | None = None
     num_sampled: NdArray | None = None
     num_rejected: NdArray | None = None
@@ -133,9 +137,10 @@ class ResultMsg(_Msg, tag="result"):
     logprob_arrays: LogprobArrays | None = None
 
     @classmethod
-    def timing_only(cls, step: int, rank: int, busy_s: float) -> "ResultMsg":
-        """A non-last rank's reply: no sampled tokens, only its timing."""
-        return cls(step=step, rank=rank, busy_s=float(busy_s))
+    def timing_only(cls, step: int, rank: int, busy_s: float, dropped_rows: int = 0) -> "ResultMsg":
+        """A non-last rank's reply: no sampled tokens, only its timing (and its count of
+        dropped deferred rows)."""
+        return cls(step=step, rank=rank, busy_s=float(busy_s), dropped_rows=int(dropped_rows))
 
     @property
     def has_result(self) -> bool:
@@ -266,7 +271,8 @@ def from_scheduler_output(out: SchedulerOutput,
                                     int(nr.num_output_tokens)) for nr in out.new_requests],
         freed=[FreedSlotMsg(f.req_id, int(f.slot), f.reason) for f in out.freed],
         block_table=NdArray.of(np.stack([out.block_table_slots, out.block_table_cols,
-                                         out.block_table_ids]).astype(np.int32)))
+                                         out.block_table_ids]).astype(np.int32)),
+        block_digests=None if out.block_digests is None else NdArray.of(out.block_digests))
 
 
 def to_scheduler_output(msg: StepMsg) -> SchedulerOutput:
@@ -285,7 +291,8 @@ def to_scheduler_output(msg: StepMsg) -> SchedulerOutput:
                                       dict(n.sampling), n.num_cached_tokens, n.num_output_tokens)
                            for n in msg.new_requests),
         freed=tuple(FreedSlot(f.req_id, f.slot, f.reason) for f in msg.freed),
-        block_table_slots=bt[0], block_table_cols=bt[1], block_table_ids=bt[2])
+        block_table_slots=bt[0], block_table_cols=bt[1], block_table_ids=bt[2],
+        block_digests=None if msg.block_digests is None else msg.block_digests.to_numpy())
 
 
 def from_step_result(res: StepResult, rank: int, busy_s: float = 0.0) -> ResultMsg:

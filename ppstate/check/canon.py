@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ppstate.check import block_ids
 from ppstate.check import leftovers, renumber, slot_labels
 from ppstate.check.snapshot import dumps, fingerprint
 from ppstate.mirror import MIRROR_FIELDS
@@ -114,7 +115,7 @@ def _forget_old_steps(w) -> None:
 
 def _forget_stats(w) -> None:
     s = w.sched
-    s.num_preemptions = s.num_prefill_tokens = 0
+    s.num_preemptions = s.num_prefill_tokens = s.num_discarded_rows = 0
     s.num_spec_rejected = s.num_spec_proposed = s.num_spec_rows = 0
     pool = s.kv.pool
     pool.query_tokens = pool.hit_tokens = 0
@@ -122,6 +123,8 @@ def _forget_stats(w) -> None:
     s.lanes = s.config.pp_size         # written by schedule() before any read
     for rk in w.ranks:                 # log cursors: reset by begin_attempt before any read
         rk._cursor = rk._choice_cursor = 0
+        if rk.handler is not None:     # a write-only counter (the runtime exports it)
+            rk.handler.num_dropped = 0
 
 
 def _forget_free_slots(w) -> None:
@@ -183,6 +186,7 @@ def scrub(w) -> None:
     renumber.shift_comm(w, ops)
     renumber.renumber_generations(w)
     renumber.rename_blocks(w)
+    block_ids.zero_block_ids(w)
     orders = slot_labels.canonical_orders(w)
     current = _label(w, orders[0], list(range(len(orders[0]))))
     if len(orders) > 1:   # free slots with nothing to tell them apart but leftovers: the least

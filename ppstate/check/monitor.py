@@ -8,7 +8,8 @@ and across ranks (1, ``record_post``), slot ownership on free / admit and on def
 and every decode input against the last rank's previous sample (3, ``check_inputs``). On top:
 
 * exactly-once, in-order delivery to the client, with the right finish reason (3);
-* mirror agreement and KV completeness as reported by each rank's ``mirror.check`` (4, 8);
+* mirror agreement, KV completeness and block-id agreement as reported by each rank's
+  ``mirror.check`` (4, 8, 9);
 * collective mismatches from :class:`~ppstate.check.comm.Comm` (1);
 * progress in overlapped mode (reported as invariant 6, liveness): no rank waits for a broadcast
   that no row of its step needs (also a broken invariant 1: the broadcast was posted), and no rank
@@ -110,7 +111,8 @@ class Monitor:
             self.inner.record_post(out, ev["rank"], kind == "broadcast.posted")
         elif kind == "mirror.check" and not ev["ok"]:
             msg = ev["message"] or "mirror differs from the device"
-            self.violation(8 if "num_blocks" in msg else 4, ev["step"], ev["rank"], msg)
+            inv = 9 if "block_ids" in msg else 8 if "num_blocks" in msg else 4
+            self.violation(inv, ev["step"], ev["rank"], msg)
 
     def on_wait(self, rk: Any, op: "Op") -> None:
         """Progress rules for a blocking wait on a broadcast (overlapped mode)."""

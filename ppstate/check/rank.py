@@ -21,6 +21,7 @@ import numpy as np
 
 from ppstate import mutants
 from ppstate.batch import SchedulerOutput
+from ppstate.block_digest import check_row_digests, rank_deltas
 from ppstate.check.backend import BackendMethods
 from ppstate.check.comm import Blocked, Op
 from ppstate.errors import MirrorDivergence
@@ -41,10 +42,11 @@ class CheckRank(BackendMethods):
         overlapped: deferred consume (depth ``pp_size``) or sync mode (blocking broadcast).
         max_num_reqs: slots.
         sink: the rank's event sink (trace + monitor).
+        blocks_per_slot: columns of the block table (``ceil(max_model_len / block_size)``).
     """
 
     def __init__(self, rank: int, pp_size: int, overlapped: bool, max_num_reqs: int,
-                 sink: EventSink) -> None:
+                 sink: EventSink, blocks_per_slot: int = 1) -> None:
         self.rank, self.pp_size, self.overlapped = rank, pp_size, overlapped
         self.is_first, self.is_last = rank == 0, rank == pp_size - 1
         self.depth = pp_size if overlapped else 1
@@ -55,6 +57,9 @@ class CheckRank(BackendMethods):
         i64 = dict(dtype=np.int64)
         self.device = {f: np.zeros(max_num_reqs, **i64) for f in MIRROR_FIELDS}  # [max_num_reqs] each
         self.owner: list[str | None] = [None] * max_num_reqs               # [max_num_reqs]
+        # block table built from the scheduler's deltas (ids: ppstate/check/block_ids.py)
+        self.block_table = np.zeros((max_num_reqs, blocks_per_slot), **i64)  # [max_num_reqs, cols]
+        self.block_error: str | None = None   # block-id disagreement of the step in progress
         self.history: list[list[int]] = [[] for _ in range(max_num_reqs)]  # sampled ids per slot
         self.output_cap = np.zeros(max_num_reqs, **i64)   # [max_num_reqs] outputs allowed
         self.sample_seed = np.zeros(max_num_reqs, **i64)  # [max_num_reqs]
@@ -158,10 +163,19 @@ class CheckRank(BackendMethods):
                          ("max_seq_len", n.max_seq_len), ("num_blocks", 0)):
                 self.device[f][s] = v
             self.mirror.add_request(s, len(n.prompt_token_ids), n.max_seq_len, n.num_cached_tokens)
+            self.block_table[s] = 0
         if out.block_table_slots.size:
             s = out.block_table_slots.astype(np.int64)
-            np.maximum.at(self.device["num_blocks"], s, out.block_table_cols.astype(np.int64) + 1)
+            c = out.block_table_cols.astype(np.int64)
+            self.block_table[s, c] = rank_deltas(self.rank, s, out.block_table_ids)  # mutant hook
+            np.maximum.at(self.device["num_blocks"], s, c + 1)
             self.mirror.apply_block_updates(out.block_table_slots, out.block_table_cols)
+        self.block_error = None
+        try:   # block-id agreement before the forward (invariant 9), reported at validation
+            check_row_digests(self.block_table, self.mirror.num_blocks_np, out.slots,
+                              out.block_digests, out.step, self.rank, self.owner)
+        except MirrorDivergence as exc:
+            self.block_error = str(exc)
 
     def apply_scheduled(self, out: SchedulerOutput) -> None:
         """Immediate phase after the forward: device (kernel rule) and mirror, ``+`` query length."""
@@ -229,12 +243,15 @@ class CheckRank(BackendMethods):
 
     # ---------------------------------------------------------------- validation
     def validate(self, step: int, check_blocks: bool) -> None:
-        """Mirror agreement (invariant 4) and KV completeness (8) on the live slots; a divergence
+        """Block-id agreement of the step's rows (9, checked before the forward), mirror
+        agreement (invariant 4) and KV completeness (8) on the live slots; a divergence
         is recorded as a ``mirror.check`` event with ``ok`` False (the monitor reports it)."""
         live = np.array([i for i, o in enumerate(self.owner) if o is not None], dtype=np.int64)
         values = self.mirror.num_computed_tokens_np[live].tolist()
         ok, message = True, None
-        if live.size:
+        if self.block_error is not None:
+            ok, message = False, self.block_error
+        elif live.size:
             try:
                 self.mirror.validate(self.device, live, step, owners=self.owner)
                 if self.is_last and self.world.cfg.grammar:

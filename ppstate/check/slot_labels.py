@@ -64,6 +64,8 @@ def _relabel_scheduler(w, order: list[int], inv: np.ndarray, pi: np.ndarray) -> 
         if r.slot >= 0:
             r.slot = int(pi[r.slot])
     s.kv.held = s.kv.held[inv]
+    d = s.kv.digests
+    d.table, d.num_blocks, d.values = d.table[inv], d.num_blocks[inv], d.values[inv]
     s.kv._slots = [int(pi[x]) for x in s.kv._slots]
 
 
@@ -89,6 +91,7 @@ def _relabel_rank(rk, order: list[int], inv: np.ndarray, pi: np.ndarray) -> None
         setattr(rk, name, getattr(rk, name)[inv])
     rk.mirror.values[:] = rk.mirror.values[:, inv]   # in place: the mirror keeps row views
     rk.device = {f: a[inv] for f, a in rk.device.items()}
+    rk.block_table = rk.block_table[inv]
     h = rk.handler
     if h is None:
         return

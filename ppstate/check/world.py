@@ -113,8 +113,10 @@ class World:
         self.monitor = Monitor(self.sched, self)
         self.comm = Comm(cfg.pp_size)
         overlapped = cfg.mode == "overlapped"
+        cols = -(-self.sched.config.max_model_len // cfg.block_size)   # blocks per slot
         self.ranks = [CheckRank(r, cfg.pp_size, overlapped, cfg.max_num_seqs,
-                                MonitorSink(self.monitor, record)) for r in range(cfg.pp_size)]
+                                MonitorSink(self.monitor, record), cols)
+                      for r in range(cfg.pp_size)]
         for rk in self.ranks:
             rk.world = self
         self.outputs: dict[int, SchedulerOutput] = {}   # issued steps still referenced

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ppstate.batch import SchedulerOutput
+from ppstate.block_digest import rank_deltas, row_digests
 
 if TYPE_CHECKING:
     from ppstate.sim.checks import InvariantChecker
@@ -48,8 +49,23 @@ class SimKV:
         """``table[slot, col] = id`` for each delta of the step."""
         s = out.block_table_slots.astype(np.int64)
         c = out.block_table_cols.astype(np.int64)
-        self.table[s, c] = out.block_table_ids
+        self.table[s, c] = rank_deltas(self.rank, s, out.block_table_ids)  # ids (a mutant hook)
         np.maximum.at(self.num_blocks, s, c + 1)
+
+    def check_block_ids(self, out: SchedulerOutput) -> None:
+        """Block-id agreement (invariant 9), before the forward: the table row of every row's
+        slot is the scheduler's decision (``out.block_digests``, the digest of the ids it gave
+        the slot's request up to this step)."""
+        if out.block_digests is None or out.num_rows == 0:
+            return
+        got = row_digests(self.table, self.num_blocks, out.slots)
+        for i in np.flatnonzero(got != out.block_digests).tolist():
+            slot = int(out.slots[i])
+            self.checker.violation(9, out.step, self.rank, f"block ids of slot {slot} "
+                                   f"({out.req_ids[i]}): rank table "
+                                   f"{self.table[slot, :self.num_blocks[slot]].tolist()} differs "
+                                   f"from the scheduler's (digest {int(got[i])} vs "
+                                   f"{int(out.block_digests[i])})")
 
     def forward(self, out: SchedulerOutput) -> None:
         """Write every row's positions, then read each row's whole context back and compare
@@ -93,4 +109,7 @@ class SimKV:
                                    f"), its token is {int(want[k])}")
 
     def _index(self, slots: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        return self.table[slots, pos // self.bs] * self.bs + pos % self.bs
+        """Flat cell of each position; an id past the pool (a wrong table, already reported by
+        :meth:`check_block_ids`) reads and writes the last block."""
+        blocks = np.minimum(self.table[slots, pos // self.bs], self.cells.size // self.bs - 1)
+        return blocks * self.bs + pos % self.bs

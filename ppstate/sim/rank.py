@@ -105,6 +105,7 @@ class SimRank:
                                     n.num_cached_tokens)
             self.kv.on_new(n.slot)
         self.kv.apply_deltas(out)
+        self.kv.check_block_ids(out)
 
     def prepare_inputs(self, out: SchedulerOutput) -> np.ndarray | None:
         """Checks every row's input (invariants 2, 3); rank 0: ``[num_rows]`` input tokens."""

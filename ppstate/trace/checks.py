@@ -88,7 +88,8 @@ class TraceChecker:
             if out is not None:  # a rank's step the engine's recording does not reach is
                 self.inner.record_post(out, ev["rank"], kind == "broadcast.posted")  # not judged
         elif kind == "mirror.check" and not ev.get("ok", True):
-            self.inner.violation(4, ev["step"], ev["rank"], ev.get("message") or "mirror differs")
+            msg = ev.get("message") or "mirror differs"
+            self.inner.violation(9 if "block_ids" in msg else 4, ev["step"], ev["rank"], msg)
 
     def check_apply(self, rank: int, step: int, row_req: str, slot: int, owner: str | None) -> None:
         self.inner.check_apply(rank, step, row_req, slot, owner)

@@ -108,5 +108,6 @@ def decode_output(data: dict) -> SchedulerOutput:
     out = decode(SchedulerOutput, data)
     i32 = {f: np.asarray(getattr(out, f), dtype=np.int32)
            for f in ("slots", "num_scheduled_tokens", "start_positions")}
+    digests = None if out.block_digests is None else np.asarray(out.block_digests, dtype=np.int64)
     return dataclasses.replace(out, is_final_chunk=np.asarray(out.is_final_chunk, dtype=bool),
-                               **i32)
+                               block_digests=digests, **i32)

@@ -88,6 +88,7 @@ class Tokens(_Ev):
     """What the scheduler delivered to clients from the result of ``of_step``."""
     kind: Literal["tokens"] = "tokens"
     of_step: int
+    discarded: int = 0                  # rows whose request had left the slot (dropped)
     updates: list[TokenUpdateModel]
 
 
@@ -102,6 +103,7 @@ class PPConsume(_Ev):
     """The deferred entry of step ``step`` consumed (``-1``: row skipped)."""
     kind: Literal["pp.consume"] = "pp.consume"
     idx_mapping: list[int]              # [num_rows]
+    dropped: int = 0                    # rows needing a sample dropped as stale (generation)
 
 
 class PPFree(_Ev):

@@ -1,12 +1,14 @@
 """``python -m runtime.bench gpu``: the GPU fast path against transformers, and PP=2 over NCCL.
 
-For each model shape (random bf16 weights, see :mod:`runtime.bench.gpu_models`):
+For each model shape (random bf16 weights, see :mod:`runtime.bench.gpu_models`; Llama, Qwen3 and
+the Qwen3-MoE shape ``qwen3-30b-a3b``, ``NAME@N`` for its first N layers):
 
 * PP=1 decode throughput at each ``--batches`` size: ``--prompt-len`` random prompts, greedy,
   ``--new-tokens`` output tokens each, EOS ignored; output tokens/s over prefill + decode, for
   ppstate's fast path (paged Triton attention + CUDA graphs; and eager, ``--eager-batches``) and
   transformers ``generate`` (default cache; static cache at ``--static-batches``), same GPU, same
-  run. Also the decode step time and the host time spent issuing a step.
+  run. Also the decode step time, the host time spent issuing a step, and the step's roofline
+  (weights read / 4.3 TB/s, MoE: only the experts touched; :mod:`runtime.bench.roofline`).
 * Prefill tokens/s (``--prefill-prompts`` x ``--prefill-len``): ppstate vs a transformers forward.
 * PP=2 (two GPUs, NCCL, ``--pp 2``): decode-heavy (``--pp-batch`` rows, ``--pp-prompt-len``,
   ``--pp-new-tokens``) overlapped vs sync, against PP=1 on one GPU; long-prompt TTFT
@@ -33,6 +35,7 @@ import torch
 from runtime.bench.gpu_decode import GreedyLoop, make_lane
 from runtime.bench.gpu_models import hf_model, model_config, random_stage
 from runtime.bench.gpu_table import markdown
+from runtime.bench.roofline import roofline_step_s
 from runtime.model.paged_stage import PagedStage
 from runtime.worker.cuda_graphs import DecodeGraphs
 
@@ -114,7 +117,9 @@ def bench_shape(shape: str, args, dev: torch.device) -> dict:
     static_batches = args.static_batches if shape in args.static_shapes.split(",") else []
     for b in args.batches:
         r = pp1_run(fast, b, args.prompt_len, args.new_tokens, cfg.vocab_size)
-        row = {"model": shape, "batch_size": b, **r}
+        row = {"model": shape, "batch_size": b, **r,
+               "roofline_step_ms": 1e3 * roofline_step_s(cfg, b)}
+        row["step_vs_roofline"] = row["step_ms"] / row["roofline_step_ms"]
         if b in args.eager_batches:
             e = pp1_run(eager, b, args.prompt_len, args.new_tokens, cfg.vocab_size)
             row["eager_tokens_per_s"] = e["tokens_per_s"]

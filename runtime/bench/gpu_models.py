@@ -1,4 +1,6 @@
-"""Random-weight models for the GPU benchmark: the SmolLM2-135M and Llama-3-8B shapes.
+"""Random-weight models for the GPU benchmark: the SmolLM2-135M, Llama-3-8B, Qwen3-8B and
+Qwen3-30B-A3B (MoE: 128 experts, 8 per token) shapes. ``NAME@N`` is shape NAME cut to its first N
+layers (e.g. ``qwen3-30b-a3b@24``), for runs that must fit a time or memory budget.
 
 The real GGUF (93 MB) cannot travel to the GPU machine (64 MiB per call), so the benchmark makes
 its weights there: every tensor is drawn from its own generator seeded by its name, so each PP rank
@@ -28,6 +30,24 @@ SHAPES: dict[str, dict] = {
         "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
         "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
         "rope_theta": 500000.0, "tie_word_embeddings": False, "max_position_embeddings": 8192},
+    "qwen3-8b": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
+        "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "tie_word_embeddings": False, "max_position_embeddings": 40960},
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+        "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+        "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "tie_word_embeddings": False, "max_position_embeddings": 40960},
+    "tiny-qwen3-moe": {  # for tests: the MoE family, small
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 512,
+        "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "tie_word_embeddings": False, "max_position_embeddings": 1024},
     "tiny": {  # for tests: same family, CPU-sized
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,
         "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
@@ -36,9 +56,24 @@ SHAPES: dict[str, dict] = {
 }
 
 
+def hf_fields(shape: str) -> dict:
+    """The ``config.json`` fields of ``shape`` (a key of :data:`SHAPES`, optionally ``@N`` layers).
+
+    Raises:
+        KeyError: unknown shape; ValueError: a layer count outside ``[1, num_hidden_layers]``.
+    """
+    name, _, layers = shape.partition("@")
+    fields = dict(SHAPES[name])
+    if layers:
+        if not 1 <= int(layers) <= fields["num_hidden_layers"]:
+            raise ValueError(f"{shape}: layers must be in [1, {fields['num_hidden_layers']}]")
+        fields["num_hidden_layers"] = int(layers)
+    return fields
+
+
 def model_config(shape: str) -> ModelConfig:
-    """The :class:`ModelConfig` of a named shape (keys of :data:`SHAPES`)."""
-    return ModelConfig.from_hf_config(SHAPES[shape])
+    """The :class:`ModelConfig` of a named shape (see :func:`hf_fields`)."""
+    return ModelConfig.from_hf_config(hf_fields(shape))
 
 
 def random_tensor(cfg: ModelConfig, name: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -64,18 +99,28 @@ def random_stage(shape: str, layer_range: tuple[int, int] | None, device: torch.
 
 
 def hf_model(shape: str, device: torch.device, dtype: torch.dtype = torch.bfloat16):
-    """transformers ``LlamaForCausalLM`` with the same tensors as :func:`random_stage` (sdpa)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The transformers model of ``shape``'s family (``AutoModelForCausalLM``, sdpa) with the same
+    tensors as :func:`random_stage`; stacked expert tensors are loaded into transformers' fused
+    ``mlp.experts.gate_up_proj [E, 2 I, H]`` / ``down_proj [E, H, I]``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
     cfg = model_config(shape)
-    hf_cfg = LlamaConfig(**{k: v for k, v in SHAPES[shape].items() if k not in ("architectures",)})
+    fields = {k: v for k, v in hf_fields(shape).items() if k not in ("architectures", "model_type")}
+    hf_cfg = AutoConfig.for_model(hf_fields(shape)["model_type"], **fields)
     hf_cfg._attn_implementation = "sdpa"
     with torch.device(device):
-        model = LlamaForCausalLM(hf_cfg)
-    names = stage_tensor_names(cfg, (0, cfg.num_layers))
-    state = {n: random_tensor(cfg, n, device, dtype) for n in names}
-    model.load_state_dict(state, strict=False)   # tied lm_head follows the embedding
-    del state
-    return model.to(dtype).eval()
+        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for n in stage_tensor_names(cfg, (0, cfg.num_layers)):
+            t = random_tensor(cfg, n, device, dtype)
+            if n.endswith("mlp.experts.gate_proj") or n.endswith("mlp.experts.up_proj"):
+                fused = params[n.rsplit(".", 1)[0] + ".gate_up_proj"]
+                half = fused.shape[1] // 2
+                (fused[:, :half] if n.endswith("gate_proj") else fused[:, half:]).copy_(t)
+            elif n in params:
+                params[n].copy_(t)
+            del t
+    return model.eval()   # a tied lm_head follows the embedding
 
 
 def make_folder(shape: str, path, device: torch.device, dtype: torch.dtype = torch.bfloat16):

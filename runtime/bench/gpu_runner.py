@@ -37,7 +37,7 @@ from ppstate.step_updates import count_tokens
 from runtime.bench.gpu_models import model_config, random_tensor
 from runtime.model.paged_stage import PagedStage
 from runtime.model.stage import StageModel
-from runtime.model.weights import stage_tensor_names
+from runtime.model.tensor_names import stage_tensor_names
 from runtime.worker.cuda_graphs import DecodeGraphs
 from runtime.worker.device_state import DeviceState
 from runtime.worker.groups import PPGroups

@@ -10,15 +10,15 @@ def _f(x, fmt: str = "{:,.0f}") -> str:
 def markdown(res: dict) -> str:
     """The PP=1, prefill and PP=2 tables of one benchmark result (``python -m runtime.bench gpu``)."""
     lines = [f"GPU: {res.get('gpu')} ×{res.get('gpus')}, {res.get('date')}, torch {res.get('torch')}",
-             "", "| model | batch | ppstate tok/s | step ms | host ms/step | eager tok/s | "
+             "", "| model | batch | ppstate tok/s | step ms | roofline ms | host ms/step | eager tok/s | "
              "HF static tok/s | HF default tok/s | vs static | vs default |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res.get("pp1", []):
         st, de = r.get("transformers_static_tokens_per_s"), r.get("transformers_default_tokens_per_s")
         tps = r["tokens_per_s"]
         lines.append(
             f"| {r['model']} | {r['batch_size']} | {_f(tps)} | {_f(r.get('step_ms'), '{:.2f}')} | "
-            f"{_f(r.get('host_issue_ms'), '{:.2f}')} | {_f(r.get('eager_tokens_per_s'))} | {_f(st)} | "
+            f"{_f(r.get('roofline_step_ms'), '{:.2f}')} | {_f(r.get('host_issue_ms'), '{:.2f}')} | {_f(r.get('eager_tokens_per_s'))} | {_f(st)} | "
             f"{_f(de)} | {_f(tps / st if st else None, '{:.2f}x')} | "
             f"{_f(tps / de if de else None, '{:.1f}x')} |")
     lines += ["", "| model | prefill prompts x len | ppstate tok/s | HF forward tok/s |", "|---|---|---|---|"]

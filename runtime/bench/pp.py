@@ -211,7 +211,8 @@ def overheads(base: EngineConfig, args) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-trace-") as tmp:
         pairs = {"trace": ({"trace_dir": None}, {"trace_dir": tmp}),
                  "mirror_validation": ({"validate_mirrors": "off"}, {"validate_mirrors": "every"})}
-        for what, (off, on) in pairs.items():
+        wanted = [w.strip() for w in args.overheads_of.split(",")]
+        for what, (off, on) in ((w, pairs[w]) for w in wanted):
             runs = asyncio.run(interleaved(
                 _variants(base, off=off, on=on), [(what, ["off", "on"], prompts, args.max_tokens,
                                                    "output_tokens_per_s")], args.repeats))[what]
@@ -264,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep", default=None, help="comma list of concurrencies (decode curve)")
     p.add_argument("--no-adaptive", action="store_true", help="sweep without adaptive lanes")
     p.add_argument("--overheads", action="store_true", help="tracing / mirror validation cost")
+    p.add_argument("--overheads-of", default="trace,mirror_validation",
+                   help="comma list of what --overheads measures: trace, mirror_validation")
     p.add_argument("--calibrate", action="store_true",
                    help="fit the step-cost model to the sweep and prefill runs")
     p.add_argument("--seed", type=int, default=0)
@@ -282,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         points = [int(x) for x in args.sweep.split(",")] if args.sweep else []
     except ValueError:
         p.error(f"--sweep must be a comma list of integers, got {args.sweep!r}")
+    if set(args.overheads_of.split(",")) - {"trace", "mirror_validation"}:
+        p.error("--overheads-of takes a comma list of trace, mirror_validation")
     if args.calibrate and (not points or args.workload not in ("prefill", "both")):
         p.error("--calibrate needs --sweep (decode rows) and --workload prefill or both")
     base = engine_config(p, args)
@@ -308,8 +313,9 @@ def main(argv: list[str] | None = None) -> int:
         res["sweep"] = sweep(base, args, points)
     if args.overheads:
         res["overheads"] = overheads(base, args)
-        res["trace_overhead"] = res["overheads"]["trace_overhead"]
-        res["mirror_validation_overhead"] = res["overheads"]["mirror_validation_overhead"]
+        for what in ("trace", "mirror_validation"):
+            if f"{what}_overhead" in res["overheads"]:
+                res[f"{what}_overhead"] = res["overheads"][f"{what}_overhead"]
     if args.calibrate:
         res["step_cost"] = calibrate(res.get("sweep"), res.get("prefill"), base.scheduler.pp_size,
                                      args.prefill_len, base.scheduler.max_prefill_chunk)

@@ -38,7 +38,7 @@ _SUMMED = ("num_running", "num_waiting", "steps_total", "generated_tokens_total"
            "active_seconds", "kv_blocks_total", "kv_blocks_free", "prefix_cache_query_tokens",
            "prefix_cache_hit_tokens", "num_preemptions", "kv_blocks_cached",
            "prefill_tokens_computed", "spec_proposed_tokens",
-           "spec_accepted_tokens", "spec_decode_rows")
+           "spec_accepted_tokens", "spec_decode_rows", "discarded_result_rows")
 
 
 async def start_engine(config: EngineConfig) -> Any:
@@ -216,6 +216,9 @@ class ReplicatedEngine:
         pp = self.config.scheduler.pp_size
         total: dict[str, Any] = {k: sum(s[k] for s in per) for k in _SUMMED if k in per[0]}
         total["rank_busy_seconds"] = [sum(s["rank_busy_seconds"][r] for s in per) for r in range(pp)]
+        if "dropped_deferred_rows" in per[0]:
+            total["dropped_deferred_rows"] = [sum(s["dropped_deferred_rows"][r] for s in per)
+                                              for r in range(pp)]
         active = total.get("active_seconds", 0.0)
         busy = sum(total["rank_busy_seconds"])
         total["bubble_fraction"] = max(0.0, 1.0 - busy / (pp * active)) if active > 0 else 0.0

@@ -244,6 +244,7 @@ class AsyncEngine:
                                 f"{msg.message}")
         elif kind == "result":
             self.counters.busy_s[msg.rank] += msg.busy_s
+            self.counters.note_dropped(msg.rank, msg.dropped_rows)
             if msg.rank == self.config.scheduler.pp_size - 1:
                 self._on_result(self.pool.to_step_result(msg))
         elif kind == "heartbeat":

@@ -18,6 +18,8 @@ class EngineCounters:
     Attributes:
         steps_total: step results delivered. tokens_total: output tokens delivered.
         busy_s: ``[pp_size]`` seconds each rank computed.
+        dropped_rows: ``[pp_size]`` deferred rows each rank's PPHandler dropped as stale
+            (rows of a slot freed or preempted since the step; 0 on the last rank).
     """
 
     def __init__(self, pp_size: int) -> None:
@@ -25,8 +27,14 @@ class EngineCounters:
         self.steps_total = 0
         self.tokens_total = 0
         self.busy_s = [0.0] * pp_size            # [pp_size] seconds
+        self.dropped_rows = [0] * pp_size        # [pp_size] rows
         self._active_s = 0.0                     # seconds with a step in flight, closed spans
         self._active_since: float | None = None  # monotonic start of the open span, if any
+
+    def note_dropped(self, rank: int, total: int) -> None:
+        """Rank ``rank`` reports its cumulative dropped-row count (results may be reordered
+        across ranks, never within one: the count only grows)."""
+        self.dropped_rows[rank] = max(self.dropped_rows[rank], total)
 
     def step_issued(self) -> None:
         """A step went out: opens an active span if none is open."""
@@ -46,9 +54,11 @@ class EngineCounters:
 
     def snapshot(self) -> dict:
         """``steps_total``, ``generated_tokens_total``, ``rank_busy_seconds``,
-        ``bubble_fraction``, ``pp_size`` and ``active_seconds`` (module doc)."""
+        ``bubble_fraction``, ``pp_size``, ``active_seconds`` (module doc) and
+        ``dropped_deferred_rows`` (per rank)."""
         active = self.active_seconds()
         bubble = max(0.0, 1.0 - sum(self.busy_s) / (self.pp_size * active)) if active > 0 else 0.0
         return {"steps_total": self.steps_total, "generated_tokens_total": self.tokens_total,
                 "rank_busy_seconds": list(self.busy_s), "bubble_fraction": bubble,
-                "pp_size": self.pp_size, "active_seconds": active}
+                "pp_size": self.pp_size, "active_seconds": active,
+                "dropped_deferred_rows": list(self.dropped_rows)}

@@ -26,6 +26,9 @@ TOKEN_TYPE_USER_DEFINED = 4
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen2 / Qwen2.5 / Qwen3: Llama 3's split with single digits (as their tokenizer.json).
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # tokenizer.ggml.pre -> regexes applied in order before the GPT-2 byte mapping (as in llama.cpp's
 # llama-vocab.cpp). The "digits first" family isolates every numeric char, like the
 # `Digits(individual_digits=True)` step in these models' tokenizer.json.
@@ -35,7 +38,7 @@ PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
     "smollm": _DIGITS_THEN_GPT2, "starcoder": _DIGITS_THEN_GPT2, "refact": _DIGITS_THEN_GPT2,
     "codeshell": _DIGITS_THEN_GPT2,
     "llama3": (LLAMA3_SPLIT,), "llama-bpe": (LLAMA3_SPLIT,), "llama-v3": (LLAMA3_SPLIT,),
-    "smaug-bpe": (LLAMA3_SPLIT,), "dbrx": (LLAMA3_SPLIT,),
+    "smaug-bpe": (LLAMA3_SPLIT,), "dbrx": (LLAMA3_SPLIT,), "qwen2": (QWEN2_SPLIT,),
 }
 
 

@@ -1,6 +1,12 @@
 """Hugging Face checkpoints: a folder with ``config.json`` and ``*.safetensors`` (sharded or not).
 
-Only the tensors a stage asks for are read (``safetensors.safe_open`` is lazy per tensor).
+Only the tensors a stage asks for are read: the shard of each tensor comes from
+``model.safetensors.index.json`` when present (else from the headers of the ``*.safetensors``
+files), and ``safetensors.safe_open`` reads one tensor at a time from a memory map, so a rank's peak
+host memory is its own tensors plus one tensor in flight. Canonical names (``tensor_names``) map to
+the family's on-disk names (``hf_tensor_names`` of its declaration, e.g. Mixtral's
+``block_sparse_moe.experts.{e}.w1.weight``); stacked expert tensors are built from the per-expert
+ones (or read as the fused ``mlp.experts.gate_up_proj`` / ``down_proj`` of newer checkpoints).
 """
 
 from __future__ import annotations
@@ -13,7 +19,12 @@ from safetensors import safe_open
 
 from runtime.model.config import ModelConfig
 from runtime.model.errors import ModelError, ModelNotFoundError
-from runtime.model.tensor_names import EMBED, LM_HEAD
+from runtime.model.tensor_names import EMBED, EXPERT_SUFFIXES, LM_HEAD, layer_name, split_layer_name
+
+INDEX_FILE = "model.safetensors.index.json"
+_PER_EXPERT = {"mlp.experts.gate_proj": "mlp.experts.{e}.gate_proj.weight",
+               "mlp.experts.up_proj": "mlp.experts.{e}.up_proj.weight",
+               "mlp.experts.down_proj": "mlp.experts.{e}.down_proj.weight"}
 
 
 class HFCheckpoint:
@@ -21,7 +32,7 @@ class HFCheckpoint:
 
     Raises (constructor):
         ModelNotFoundError: no ``config.json`` or no ``*.safetensors`` in the folder.
-        UnsupportedModelError: architecture outside the Llama family.
+        UnsupportedModelError: an architecture or config field no family supports.
     """
 
     def __init__(self, path: Path) -> None:
@@ -33,14 +44,20 @@ class HFCheckpoint:
         if not files:
             raise ModelNotFoundError(f"{self.path}: no *.safetensors weight files")
         self.config = ModelConfig.from_hf_config(json.loads(cfg_file.read_text()))
+        self._names = dict(self.config.family_spec.hf_tensor_names)
         self._where: dict[str, Path] = {}
-        for f in files:
-            with safe_open(str(f), framework="pt") as handle:
-                for key in handle.keys():
-                    self._where[key] = f
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            self._where = {k: self.path / v for k, v in weight_map.items()}
+        else:
+            for f in files:
+                with safe_open(str(f), framework="pt") as handle:
+                    for key in handle.keys():
+                        self._where[key] = f
 
     def read(self, name: str) -> torch.Tensor:
-        """One tensor (canonical HF name) as fp32 on the CPU.
+        """One tensor (canonical name) as fp32 on the CPU; stacked experts ``[E, out, in]``.
 
         A missing ``lm_head.weight`` falls back to the embedding when the config ties them.
 
@@ -49,6 +66,27 @@ class HFCheckpoint:
         """
         if name == LM_HEAD and name not in self._where and self.config.tie_word_embeddings:
             name = EMBED
+        parts = split_layer_name(name)
+        if parts is not None and parts[1] in EXPERT_SUFFIXES:
+            return self._read_experts(*parts)
+        if parts is not None and parts[1] in self._names:
+            name = layer_name(parts[0], self._names[parts[1]])
+        return self._read_disk(name)
+
+    def _read_experts(self, layer: int, suffix: str) -> torch.Tensor:
+        """The experts of one projection stacked ``[E, out, in]`` (per-expert or fused on disk)."""
+        pattern = self._names.get(suffix, _PER_EXPERT[suffix])
+        first = layer_name(layer, pattern.format(e=0))
+        if first in self._where:
+            return torch.stack([self._read_disk(layer_name(layer, pattern.format(e=e)))
+                                for e in range(self.config.num_experts)])
+        if suffix == "mlp.experts.down_proj":
+            return self._read_disk(layer_name(layer, "mlp.experts.down_proj"))
+        fused = self._read_disk(layer_name(layer, "mlp.experts.gate_up_proj"))  # [E, 2 I, H]
+        half = fused.shape[1] // 2
+        return (fused[:, :half] if suffix == "mlp.experts.gate_proj" else fused[:, half:]).contiguous()
+
+    def _read_disk(self, name: str) -> torch.Tensor:
         f = self._where.get(name)
         if f is None:
             raise ModelError(f"{self.path}: tensor {name!r} is missing from the *.safetensors files")

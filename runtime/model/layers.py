@@ -1,5 +1,5 @@
-"""Llama decoder layer pieces: RMSNorm, rotary embedding, GQA attention over the paged KV cache,
-SwiGLU MLP.
+"""Decoder layer pieces: RMSNorm, rotary embedding, GQA attention over the paged KV cache, (padded)
+linear layers. The layer composed of them is :class:`runtime.model.decoder.DecoderLayer`.
 
 Numerics follow HF ``modeling_llama`` (RMSNorm in fp32, Zhang & Sennrich 2019; SwiGLU, Shazeer 2020;
 grouped-query attention, Ainslie et al. 2023). Q/K/V and gate/up projections are fused into one
@@ -7,60 +7,18 @@ matmul each. The residual stream is carried separately (vLLM convention): a laye
 ``(hidden, residual)`` and returns the un-added MLP output and the updated residual, so a stage
 boundary sends both and the first add of the next stage happens inside its first norm.
 
-Rotary embedding (RoPE, Su et al. 2021) uses the half-split pairing (GPT-NeoX / HF ``rotate_half``):
-``inv_freq_i = theta ** (-2i / d)`` with the scalings of transformers' ``modeling_rope_utils``:
-``linear`` (every frequency divided by ``factor``) and ``llama3`` (Meta's Llama 3.1 rule: low
-frequencies divided by ``factor``, high ones kept, a smooth blend between); llama.cpp's
-per-frequency divisors (``rope_freqs.weight``) are accepted too.
+Rotary embedding (RoPE, Su et al. 2021) uses the half-split pairing (GPT-NeoX / HF ``rotate_half``);
+its frequencies and tables (every rope kind) are in :mod:`runtime.model.rope`.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from runtime.model.batch_meta import BatchMeta
-from runtime.model.config import ModelConfig, rope_type
 from runtime.model.paged_attention import gather_kv, head_major_index, write_kv
-
-
-def rope_inv_freq(cfg: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim // 2]`` fp32 (radians per position) for ``cfg``.
-
-    Args:
-        freq_factors: optional llama.cpp divisors ``[head_dim // 2]`` applied after scaling.
-    """
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    kind, sc = rope_type(cfg.rope_scaling), cfg.rope_scaling or {}
-    if kind == "linear":
-        inv = inv / float(sc["factor"])
-    elif kind == "llama3":
-        inv = _llama3(inv, float(sc["factor"]), float(sc["low_freq_factor"]),
-                      float(sc["high_freq_factor"]), float(sc["original_max_position_embeddings"]))
-    if freq_factors is not None:
-        inv = inv / freq_factors.float()
-    return inv
-
-
-def _llama3(inv: torch.Tensor, factor: float, low: float, high: float, old_len: float) -> torch.Tensor:
-    """Llama 3.1 frequency rescaling (same formula as transformers ``_compute_llama3_parameters``)."""
-    low_wavelen, high_wavelen = old_len / low, old_len / high
-    wavelen = 2 * math.pi / inv
-    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-    return torch.where(medium, smoothed, scaled)
-
-
-def rope_tables(inv_freq: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables ``[max_len, head_dim // 2]`` fp32 for positions ``0..max_len-1``."""
-    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq.float())
-    return angles.cos(), angles.sin()
+from runtime.model.rope import rope_inv_freq, rope_tables  # noqa: F401  (re-exported)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -79,9 +37,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, min_rows: int = 0) -> torch.Tensor:
-    """``x [T, in] @ w[out, in].T -> [T, out]``; with ``T < min_rows`` the input is zero-padded to
-    ``min_rows`` rows first (results sliced back).
+def linear(x: torch.Tensor, w: torch.Tensor, min_rows: int = 0,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [T, in] @ w[out, in].T (+ bias [out]) -> [T, out]``; with ``T < min_rows`` the input is
+    zero-padded to ``min_rows`` rows first (results sliced back).
 
     Why: CPU sgemm (MKL, one thread) takes a different kernel for fewer than 16 rows, whose
     accumulation order differs; at >= 16 rows a row's result is bitwise independent of the other
@@ -91,8 +50,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, min_rows: int = 0) -> torch.Tensor:
     """
     n = x.shape[0]
     if n >= min_rows:
-        return F.linear(x, w)
-    return F.linear(F.pad(x, (0, 0, 0, min_rows - n)), w)[:n]
+        return F.linear(x, w, bias)
+    return F.linear(F.pad(x, (0, 0, 0, min_rows - n)), w, bias)[:n]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta,
@@ -149,40 +108,3 @@ def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     scores = scores.view(r, kvh, h // kvh, n, length).masked_fill(~mask[:, :, None], float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     return torch.matmul(probs.view(r, kvh, (h // kvh) * n, length), v).view(r, h, n, d)
-
-
-class DecoderLayer(nn.Module):
-    """One Llama block: ``x + attn(norm(x))`` then ``+ mlp(norm(.))`` with a carried residual.
-
-    Parameters (no grad): ``ln1, ln2 [H]``; ``qkv [(NH + 2 * KVH) * D, H]``; ``o [H, NH * D]``;
-    ``gate_up [2 * I, H]``; ``down [H, I]``. ``min_rows``: see :func:`linear`.
-    """
-
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], min_rows: int = 0) -> None:
-        super().__init__()
-        self.cfg, self.min_rows = cfg, min_rows
-        p = lambda t: nn.Parameter(t, requires_grad=False)  # noqa: E731
-        self.ln1 = p(weights["input_layernorm.weight"])
-        self.ln2 = p(weights["post_attention_layernorm.weight"])
-        self.qkv = p(torch.cat([weights[f"self_attn.{n}_proj.weight"] for n in "qkv"], 0))
-        self.o = p(weights["self_attn.o_proj.weight"])
-        self.gate_up = p(torch.cat([weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"]], 0))
-        self.down = p(weights["mlp.down_proj.weight"])
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, meta: BatchMeta,
-                cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x, residual [T, H]`` (residual None: x is the whole stream) -> (mlp_out, residual)."""
-        cfg, rows = self.cfg, self.min_rows
-        residual = x if residual is None else x + residual
-        qkv = linear(rms_norm(residual, self.ln1, cfg.rms_norm_eps), self.qkv, rows)
-        nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
-        t = x.shape[0]
-        q = apply_rope(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = apply_rope(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-        attn = attend(q, k, v.view(t, cfg.num_kv_heads, cfg.head_dim), meta, k_cache, v_cache,
-                      invariant=rows > 0)
-        residual = linear(attn, self.o, rows) + residual
-        gate, up = linear(rms_norm(residual, self.ln2, cfg.rms_norm_eps), self.gate_up, rows).chunk(2, -1)
-        return linear(F.silu(gate) * up, self.down, rows), residual

@@ -23,7 +23,9 @@ import torch.nn.functional as F
 
 from runtime.model.kernels.attention import choose_num_splits, paged_attention
 from runtime.model.kernels.fused import add_rms_norm, rope_write_kv, silu_mul
-from runtime.model.layers import rms_norm, rope_inv_freq, rope_tables
+from runtime.model.kernels.moe import moe_forward
+from runtime.model.layers import rms_norm
+from runtime.model.rope import model_rope_tables
 from runtime.model.stage import StageModel
 
 
@@ -111,7 +113,7 @@ class PagedStage:
         if max_model_len is None or max_model_len <= stage.rope_cos.shape[0]:
             self.rope_cos, self.rope_sin = stage.rope_cos, stage.rope_sin
         else:
-            cos, sin = rope_tables(rope_inv_freq(self.cfg), max_model_len)
+            cos, sin = model_rope_tables(self.cfg, max_model_len)
             self.rope_cos, self.rope_sin = cos.to(p.device, p.dtype), sin.to(p.device, p.dtype)
 
     @property
@@ -142,17 +144,22 @@ class PagedStage:
         return F.linear(rms_norm(last, st.norm, cfg.rms_norm_eps), st.lm_head).float()
 
     def _layer(self, layer, x, residual, meta: PagedMeta, kv):
-        """One decoder layer in 9 launches: add+norm, QKV GEMM, RoPE+KV write, attention, O GEMM
-        (+ residual), add+norm, gate/up GEMM, SiLU*up, down GEMM."""
+        """One decoder layer; a dense one in 9 launches: add+norm, QKV GEMM (bias folded into
+        it), q/k norm + RoPE + KV write, attention, O GEMM, add+norm, gate/up GEMM, SiLU*up, down
+        GEMM. An MoE layer replaces the last three with :func:`moe_forward`."""
         cfg = self.cfg
         h, d = cfg.num_heads, cfg.head_dim
         normed, residual = add_rms_norm(x, residual, layer.ln1, cfg.rms_norm_eps)
-        qkv = F.linear(normed, layer.qkv)
+        qkv = F.linear(normed, layer.qkv, layer.qkv_bias)
         q = rope_write_kv(qkv, self.rope_cos, self.rope_sin, meta.positions, meta.slot_mapping,
-                          kv[0], kv[1], h)
+                          kv[0], kv[1], h, q_norm=layer.q_norm, k_norm=layer.k_norm,
+                          eps=cfg.rms_norm_eps)
         attn = paged_attention(q, kv[0], kv[1], meta.block_tables, meta.seq_lens,
                                meta.query_start_loc, meta.max_query_len, d ** -0.5,
                                num_splits=meta.num_splits)
-        normed, residual = add_rms_norm(F.linear(attn.view(-1, h * d), layer.o), residual,
-                                        layer.ln2, cfg.rms_norm_eps)
+        normed, residual = add_rms_norm(F.linear(attn.view(-1, h * d), layer.o, layer.o_bias),
+                                        residual, layer.ln2, cfg.rms_norm_eps)
+        if layer.moe:
+            return moe_forward(normed, layer.router, layer.experts_gate_up, layer.experts_down,
+                               cfg.experts_per_token, cfg.moe_renormalize), residual
         return F.linear(silu_mul(F.linear(normed, layer.gate_up)), layer.down), residual

@@ -1,10 +1,17 @@
 """How the decoder layers are cut into pipeline stages.
 
 The cost model counts multiply-accumulates per decoded token (the steady state the pipeline must
-balance): each layer does its projection matmuls (Q, K, V, O, gate, up, down) plus attention over a
-typical context (QK^T and PV: ``2 * num_heads * head_dim * context``); the last stage also runs the
-final RMSNorm, the LM head (``vocab * hidden``) and sampling (a few passes over the vocabulary).
-For SmolLM2-135M the LM head costs about 8 layers, so PP=2 balances at 19/11 rather than 15/15.
+balance): each layer does its projection matmuls (Q, K, V, O, and gate, up, down of a dense MLP)
+plus attention over a typical context (QK^T and PV: ``2 * num_heads * head_dim * context``); an
+MoE layer (Qwen3-MoE, Mixtral) instead does its router (``experts * hidden``), a few passes over the
+router scores (softmax, top-k) and the MLPs of the ``experts_per_token`` experts it activates, not of
+all experts. The last stage also runs the final RMSNorm, the LM head (``vocab * hidden``: Qwen's
+151,936-token head weighs about 5 Qwen3-30B-A3B layers) and sampling (a few passes over the
+vocabulary); the first stage gathers embedding rows (``hidden`` per token, negligible in time: the
+embedding weighs on the first rank's memory, which its KV-cache sizing accounts for, not on its
+step time). For SmolLM2-135M the LM head costs about 8 layers, so PP=2 balances at 19/11 rather
+than 15/15. Models whose layers differ in cost (dense and MoE layers mixed) are cut by a dynamic
+program over contiguous ranges.
 """
 
 from __future__ import annotations
@@ -17,14 +24,25 @@ from runtime.model.errors import PartitionError
 FLAG = "--pp-layer-partition"
 TYPICAL_CONTEXT = 256       # tokens of context assumed for the attention term
 SAMPLING_PASSES = 4         # element passes over the vocabulary per sampled row (softmax, top-k/p)
+ROUTING_PASSES = 4          # element passes over the router scores per token (softmax, top-k, sort)
 
 
-def layer_cost(cfg: ModelConfig, context: int = TYPICAL_CONTEXT) -> float:
-    """MACs per token of one decoder layer: projections + attention over ``context`` tokens."""
+def layer_cost(cfg: ModelConfig, context: int = TYPICAL_CONTEXT, layer: int = 0) -> float:
+    """MACs per token of decoder layer ``layer``: projections + attention over ``context`` tokens
+    + its MLP (dense, or the MoE router, routing and the active experts' MLPs)."""
     h, d = cfg.hidden_size, cfg.head_dim
     proj = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h
-    mlp = 3 * h * cfg.intermediate_size
+    if cfg.is_moe_layer(layer):
+        e = cfg.num_experts
+        mlp = e * h + ROUTING_PASSES * e + cfg.experts_per_token * 3 * h * cfg.moe_intermediate_size
+    else:
+        mlp = 3 * h * cfg.intermediate_size
     return float(proj + mlp + 2 * cfg.num_heads * d * context)
+
+
+def first_stage_extra_cost(cfg: ModelConfig) -> float:
+    """MACs-equivalent per token the first stage adds: the embedding row gather (``hidden``)."""
+    return float(cfg.hidden_size)
 
 
 def last_stage_extra_cost(cfg: ModelConfig) -> float:
@@ -51,7 +69,10 @@ def split_layers(num_layers: int, pp_size: int, cfg: ModelConfig, context: int =
         raise PartitionError(f"cannot split {num_layers} layers into {pp_size} stages")
     if pp_size == 1:
         return [(0, num_layers)]
-    per_layer, extra = measured or (layer_cost(cfg, context), last_stage_extra_cost(cfg))
+    costs = [layer_cost(cfg, context, i) for i in range(num_layers)]
+    if measured is None and len(set(costs)) > 1:
+        return _split_by_costs(costs, pp_size, first_stage_extra_cost(cfg), last_stage_extra_cost(cfg))
+    per_layer, extra = measured or (costs[0], last_stage_extra_cost(cfg))
     best: tuple[float, int] | None = None
     for n_last in range(1, num_layers - pp_size + 2):
         rest = math.ceil((num_layers - n_last) / (pp_size - 1)) * per_layer
@@ -61,6 +82,37 @@ def split_layers(num_layers: int, pp_size: int, cfg: ModelConfig, context: int =
     n_last = best[1]
     q, r = divmod(num_layers - n_last, pp_size - 1)
     return _ranges([q + (i < r) for i in range(pp_size - 1)] + [n_last])
+
+
+def _split_by_costs(costs: list[float], pp_size: int, first_extra: float,
+                    last_extra: float) -> list[tuple[int, int]]:
+    """Contiguous ranges minimising the largest stage cost for per-layer ``costs`` (dynamic
+    program over the end of each stage; ties keep the earliest cut)."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def stage(a: int, b: int, k: int) -> float:
+        return (prefix[b] - prefix[a] + (first_extra if k == 0 else 0.0)
+                + (last_extra if k == pp_size - 1 else 0.0))
+
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(pp_size + 1)]   # best[k][b]: k stages over layers [0, b)
+    cut = [[0] * (n + 1) for _ in range(pp_size + 1)]
+    best[0][0] = 0.0
+    for k in range(1, pp_size + 1):
+        for b in range(k, n - (pp_size - k) + 1):
+            for a in range(k - 1, b):
+                c = max(best[k - 1][a], stage(a, b, k - 1))
+                if c < best[k][b]:
+                    best[k][b], cut[k][b] = c, a
+    ends, b = [], n
+    for k in range(pp_size, 0, -1):
+        ends.append(b)
+        b = cut[k][b]
+    ends.reverse()
+    return _ranges([e - s for s, e in zip([0] + ends[:-1], ends)])
 
 
 def parse_partition(spec: str, num_layers: int, pp_size: int) -> list[tuple[int, int]]:

@@ -12,9 +12,11 @@ from torch import nn
 from runtime.model.batch_meta import BatchMeta, contiguous_block_table
 from runtime.model.config import ModelConfig
 from runtime.model.errors import PartitionError
-from runtime.model.layers import DecoderLayer, linear, rms_norm, rope_inv_freq, rope_tables
+from runtime.model.decoder import DecoderLayer
+from runtime.model.layers import linear, rms_norm
 from runtime.model.registry import resolve_model_path
-from runtime.model.tensor_names import (EMBED, FINAL_NORM, LAYER_SUFFIXES, LM_HEAD, layer_name,
+from runtime.model.rope import model_rope_tables
+from runtime.model.tensor_names import (EMBED, FINAL_NORM, LM_HEAD, layer_name, layer_suffixes,
                                         stage_tensor_names)
 from runtime.model.weights import load_tensors, open_checkpoint
 
@@ -24,7 +26,7 @@ INVARIANT_ROWS = 16  # GEMM rows below which CPU sgemm changes kernel (see layer
 
 
 class StageModel(nn.Module):
-    """Layers ``[layer_start, layer_end)`` of a Llama model plus their paged KV cache.
+    """Layers ``[layer_start, layer_end)`` of a decoder (any declared family) plus their paged KV cache.
 
     Built from a dict of canonical-name tensors (see ``tensor_names.stage_tensor_names``); tensors are
     moved/cast to ``device`` / ``dtype`` when they differ. Use :func:`load_stage` to read them.
@@ -56,14 +58,15 @@ class StageModel(nn.Module):
         p = lambda t: nn.Parameter(t, requires_grad=False)  # noqa: E731
         self.embed = p(weights[EMBED]) if self.is_first else None
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, {s: weights[layer_name(i, s)] for s in LAYER_SUFFIXES}, self.min_rows)
+            DecoderLayer(cfg, {s: weights[layer_name(i, s)] for s in layer_suffixes(cfg, i)},
+                         self.min_rows, i)
             for i in range(self.layer_start, self.layer_end))
         self.norm = p(weights[FINAL_NORM]) if self.is_last else None
         self.lm_head = None
         if self.is_last:  # tied: reuse the first stage's parameter, or the embedding read for it
             tied_here = LM_HEAD not in weights and self.embed is not None
             self.lm_head = self.embed if tied_here else p(weights.get(LM_HEAD, weights.get(EMBED)))
-        cos, sin = rope_tables(rope_inv_freq(cfg, freq_factors), max_model_len)
+        cos, sin = model_rope_tables(cfg, max_model_len, freq_factors)
         self.register_buffer("rope_cos", cos.to(device=device, dtype=dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(device=device, dtype=dtype), persistent=False)
         self.block_size = block_size

@@ -95,6 +95,9 @@ class SamplingState:
         self.has_seed_np = np.zeros(n, dtype=bool)              # [max_num_reqs]
         self.penalized_np = np.zeros(n, dtype=bool)             # [max_num_reqs]
         self.num_logprobs_np = np.full(n, -1, dtype=np.int64)   # [max_num_reqs] -1 = none
+        # Host copies of the device tables exactly as uploaded (mirror validation compares them).
+        self.f32_np = np.zeros((n, 5), dtype=np.float32)        # [max_num_reqs, 5]
+        self.i64_np = np.zeros((n, 4), dtype=np.int64)          # [max_num_reqs, 4]
 
     def admit(self, slots: Sequence[int], params: Sequence, prompt_lens: Sequence[int]) -> None:
         """Write the parameters of newly admitted requests (host copies, then one upload per table).
@@ -129,6 +132,7 @@ class SamplingState:
         i64[:, _SEED] = [0 if x is None else x for x in seed]
         i64[:, _HAS_SEED] = self.has_seed_np[s]
         i64[:, _PROMPT_LEN] = prompt_lens
+        self.f32_np[s], self.i64_np[s] = f32, i64
         idx = to_device(s, self.device)
         self.f32[idx] = to_device(f32, self.device)
         self.i64[idx] = to_device(i64, self.device)

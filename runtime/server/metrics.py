@@ -69,6 +69,8 @@ class EngineCollector(Collector):
                                       value=s["engine_restarts_total"])
         from runtime.server.spec_metrics import spec_metrics  # --spec-tokens (issue #14)
         yield from spec_metrics(s)
+        from runtime.server.mirror_metrics import mirror_metrics  # dropped rows (issue #27)
+        yield from mirror_metrics(s)
         if "replicas" in s:  # --dp: the same figures per replica (issue #14)
             from runtime.dp.metrics import replica_metrics
             yield from replica_metrics(s)

@@ -13,11 +13,13 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ppstate.batch import NewRequest
+from ppstate.batch import NewRequest, SchedulerOutput
+from ppstate.block_digest import check_row_digests, rank_deltas
 from ppstate.mirror import MIRROR_FIELDS, CpuMirror
 from runtime.host_copy import to_device
 from runtime.sampling.sampling_state import SamplingState
 from runtime.sampling_params import SamplingParams
+from runtime.worker import state_check
 from runtime.worker.kernels.post_update import post_update_computed, post_update_sampled
 
 
@@ -36,7 +38,7 @@ class DeviceState:
 
     def __init__(self, max_num_reqs: int, max_model_len: int, width: int, device: torch.device,
                  rank: int, block_size: int = 16) -> None:
-        self.device, self.width, self.max_model_len = device, width, max_model_len
+        self.device, self.width, self.max_model_len, self.rank = device, width, max_model_len, rank
         self.block_size = block_size
         cols = -(-max_model_len // block_size)
         # Block table: the CPU copy feeds the step metadata (no device sync); the device copy is
@@ -51,6 +53,7 @@ class DeviceState:
         self.prefill_len = torch.zeros(max_num_reqs, **i64)                    # [max_num_reqs]
         self.max_seq_len = torch.zeros(max_num_reqs, **i64)                    # [max_num_reqs]
         self.total_len = torch.zeros(max_num_reqs, **i64)                      # [max_num_reqs]
+        self.total_len_np = np.zeros(max_num_reqs, dtype=np.int64)  # [max_num_reqs] host copy
         self.last_sampled_tokens = torch.zeros(max_num_reqs, width, **i64)     # [max_num_reqs, width]
         self.all_token_ids = torch.zeros(max_num_reqs, max_model_len, **i64)   # [max_num_reqs, max_model_len]
         self.mirror = CpuMirror(max_num_reqs, rank=rank)
@@ -66,6 +69,7 @@ class DeviceState:
             self.all_token_ids[s, :n] = to_device(torch.tensor(req.prompt_token_ids, dtype=torch.int64),
                                                   self.device)
             self.total_len[s] = n
+            self.total_len_np[s] = n
             self.prefill_len[s] = n
             self.max_seq_len[s] = req.max_seq_len
             self.num_computed_tokens[s] = req.num_cached_tokens
@@ -88,12 +92,24 @@ class DeviceState:
         mirror."""
         if slots.size == 0:
             return
+        ids = rank_deltas(self.rank, slots, ids)   # ids itself (a mutant hook of the checker)
         self.block_table_np[slots, cols] = ids
         s = to_device(slots, self.device, torch.int64)
         c = to_device(cols, self.device, torch.int64)
         self.block_table[s, c] = to_device(ids, self.device, torch.int32)
         self.num_blocks.scatter_reduce_(0, s, c + 1, reduce="amax")
         self.mirror.apply_block_updates(slots, cols)
+
+    def check_block_digests(self, out: SchedulerOutput) -> None:
+        """Before the forward: the host block-table rows of the step's slots (what the step's
+        metadata is built from) against the scheduler's digests (``out.block_digests``).
+
+        Raises:
+            MirrorDivergence: field ``block_ids (digest vs scheduler)``, naming rank, step, slot
+                and request.
+        """
+        check_row_digests(self.block_table_np, self.mirror.num_blocks_np, out.slots,
+                          out.block_digests, out.step, self.rank, self.owner)
 
     def free(self, slot: int) -> None:
         """Forget the slot's owner (its tensors are re-initialised on the next admission)."""
@@ -120,13 +136,18 @@ class DeviceState:
 
     def apply_sampled(self, idx_mapping: torch.Tensor, sampled: torch.Tensor,
                       num_sampled: torch.Tensor, num_rejected: torch.Tensor,
-                      idx_mapping_np: np.ndarray, num_rejected_np: np.ndarray) -> None:
-        """Sampled phase: write ids, advance ``total_len``, subtract rejected; ``-1`` rows skipped."""
+                      idx_mapping_np: np.ndarray, num_rejected_np: np.ndarray,
+                      num_sampled_np: np.ndarray) -> None:
+        """Sampled phase: write ids, advance ``total_len``, subtract rejected; ``-1`` rows skipped
+        (``*_np``: ``[num_rows]`` host copies of the row arrays; ``num_sampled_np`` advances the
+        host copy of ``total_len``)."""
         post_update_sampled(idx_mapping, sampled.contiguous(), num_sampled.contiguous(),
                             num_rejected.contiguous(),
                             self.last_sampled_tokens, self.all_token_ids, self.total_len,
                             self.num_computed_tokens)
         self.mirror.apply_rejected(idx_mapping_np, num_rejected_np)
+        keep = idx_mapping_np >= 0
+        np.add.at(self.total_len_np, idx_mapping_np[keep], num_sampled_np[keep])
 
     def live_slots(self) -> np.ndarray:
         """``[num_live]`` slots that hold a request."""
@@ -146,7 +167,21 @@ class DeviceState:
         self.mirror.validate(dev, live, step, owners=self.owner)
         self.mirror.validate_blocks(self.block_size, live, step, owners=self.owner,
                                     spec_slack=2 * (self.width - 1))  # drafts' blocks (#14)
+        n, k = self.block_table_np.shape[0], state_check.used_cols(self, live)
+        state_check.compare(state_check.device_flat(self, k).cpu().numpy(),
+                            state_check.host_flat(self, k), n, k, live, step, self.rank, self.owner)
 
     def corrupt(self, slot: int, field: str, delta: int) -> None:
-        """Test hook: add ``delta`` to one device value (mirror untouched) to plant a divergence."""
-        getattr(self, field)[slot] += delta
+        """Test hook: add ``delta`` to one slot's entry of ``field`` (its whole row for a table)
+        on one side only, to plant a divergence. ``field`` is an attribute of this state
+        (``num_computed_tokens``, ``total_len``, ``block_table`` (device), ``block_table_np`` (the
+        host table the step reads), ...) or of its sampling state (``sampling_state.f32``,
+        ``sampling_state.i64``; fp32 values change by ``delta``).
+
+        Raises:
+            AttributeError: unknown field.
+        """
+        obj = self
+        for part in field.split(".")[:-1]:
+            obj = getattr(obj, part)
+        getattr(obj, field.split(".")[-1])[slot] += delta

@@ -177,7 +177,9 @@ class _Worker:
             if pending.ready() or not self._may_hold:
                 self._flush()           # CPU (already complete) or host-blocking receives
         else:
-            self.push.send(tp.encode(tp.ResultMsg.timing_only(out.step, self.rank, busy)))
+            h = self.runner.handler
+            self.push.send(tp.encode(tp.ResultMsg.timing_only(
+                out.step, self.rank, busy, 0 if h is None else h.num_dropped)))
         self.progress.end_step()
 
     def _flush(self) -> None:

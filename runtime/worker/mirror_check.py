@@ -3,7 +3,10 @@
 After a step, :meth:`AsyncMirrorCheck.snapshot` stacks the device fields (``MIRROR_FIELDS`` of
 :class:`~runtime.worker.device_state.DeviceState`) and issues one non-blocking copy into pinned host
 memory, records a CUDA event, and keeps a stacked copy of the CPU mirror as it was at that moment.
-The comparison is one vectorised test over the live slots (fields and KV block counts); only when
+A second copy carries the per-slot state the mirror does not count (block-table rows,
+``total_len``, the sampling tables: :mod:`runtime.worker.state_check`), flat, with a host copy of
+the expected values taken at the same moment. The comparison is one vectorised test over the live
+slots (fields and KV block counts) and one equality of the flat copies; only when
 it fails is the first divergent (field, slot) looked up for the error. The comparison
 runs when the event has completed: :meth:`poll` checks it opportunistically, and the next
 :meth:`snapshot` forces it, so a divergence is reported at the latest one step after it happened.
@@ -28,6 +31,12 @@ import torch
 from ppstate.errors import MirrorDivergence
 from ppstate.events import NULL_SINK, EventSink
 from ppstate.mirror import MIRROR_FIELDS, CpuMirror
+from runtime.worker import state_check
+
+
+def m_slots(state) -> int:
+    """Slots of ``state`` (``max_num_reqs``)."""
+    return state.block_table_np.shape[0]
 
 
 @dataclass
@@ -37,6 +46,7 @@ class _Pending:
     live: np.ndarray               # [num_live] slots compared
     owners: list                   # [max_num_reqs] req ids at snapshot time
     event: object | None
+    cols: int = 1                  # block-table columns in the flat copy
     verdict: tuple[bool, str | None] | None = None   # (ok, message) once compared
 
 
@@ -57,6 +67,11 @@ class AsyncMirrorCheck:
         self.host = [torch.empty(f, m, dtype=torch.int64, pin_memory=pin)
                      for _ in range(2)]                                   # 2 x [F, max_num_reqs]
         self.expected = [np.empty((f, m), dtype=np.int64) for _ in range(2)]  # 2 x [F, max_num_reqs]
+        n, cols = state.block_table_np.shape
+        size = state_check.flat_size(n, cols)                             # the most columns
+        self.host_flat = [torch.empty(size, dtype=torch.int32, pin_memory=pin)
+                          for _ in range(2)]                              # 2 x [flat_size]
+        self.expected_flat = [np.empty(size, dtype=np.int32) for _ in range(2)]
         self._nct = MIRROR_FIELDS.index("num_computed_tokens")
         self._nb = MIRROR_FIELDS.index("num_blocks")
         self.pending: list[_Pending] = []
@@ -80,13 +95,17 @@ class AsyncMirrorCheck:
         k = step % 2
         dev = torch.stack([getattr(self.state, f) for f in MIRROR_FIELDS])   # [F, max_num_reqs]
         self.host[k].copy_(dev, non_blocking=True)
+        cols = state_check.used_cols(self.state, live)
+        size = state_check.flat_size(m_slots(self.state), cols)
+        self.host_flat[k][:size].copy_(state_check.device_flat(self.state, cols), non_blocking=True)
         event = None
         if self.state.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
         mirror = self.state.mirror
         np.stack([mirror.array(f) for f in MIRROR_FIELDS], out=self.expected[k])
-        p = _Pending(step, k, live, list(self.state.owner), event)
+        state_check.host_flat(self.state, cols, self.expected_flat[k][:size])
+        p = _Pending(step, k, live, list(self.state.owner), event, cols)
         self.pending.append(p)
         if self.sink.enabled:
             values = self.expected[k][self._nct, live].tolist()
@@ -145,6 +164,15 @@ class AsyncMirrorCheck:
             except MirrorDivergence as exc:
                 p.verdict = (False, str(exc))
                 raise
+        try:
+            n = m_slots(self.state)
+            size = state_check.flat_size(n, p.cols)
+            state_check.compare(self.host_flat[p.buf][:size].numpy(),
+                                self.expected_flat[p.buf][:size], n, p.cols, p.live, p.step,
+                                self.state.mirror.rank, p.owners)
+        except MirrorDivergence as exc:
+            p.verdict = (False, str(exc))
+            raise
         p.verdict = (True, None)
 
     def _raise(self, p: _Pending, dev: np.ndarray, exp: np.ndarray) -> None:

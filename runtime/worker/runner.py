@@ -172,6 +172,8 @@ class StageRunner:
         self.state.add_requests(out.new_requests)     # also their sampling parameters
         self.state.apply_block_updates(out.block_table_slots, out.block_table_cols,
                                        out.block_table_ids)
+        if self.validate_every and out.step % self.validate_every == 0:
+            self.state.check_block_digests(out)   # the ids the forward reads: the scheduler's
         if self.grammar is not None:
             self.grammar.admit(out)
 
@@ -295,12 +297,15 @@ class StageRunner:
         p = SampledPayload(payload.buf.to(self.device, non_blocking=True))
         idx = to_device(idx_mapping, self.device, torch.int64)
         if self.spec is None:  # no drafts: nothing is ever rejected, so no host read of the
-            # payload's num_rejected column (zeros) on any rank, the last or a receiving one
+            # payload's num_rejected column (zeros) on any rank, the last or a receiving one;
+            # every applied row samples exactly one id
             rejected_np = np.zeros(len(idx_mapping), dtype=np.int64)
+            sampled_np = np.ones(len(idx_mapping), dtype=np.int64)
         else:
-            rejected_np = p.num_rejected.cpu().numpy()
+            counts = p.buf[:, -2:].cpu().numpy()     # [num_rows, 2]: num_sampled, num_rejected
+            sampled_np, rejected_np = counts[:, 0].copy(), counts[:, 1].copy()
         self.state.apply_sampled(idx, p.token_ids, p.num_sampled, p.num_rejected,
-                                 idx_mapping.astype(np.int64), rejected_np)
+                                 idx_mapping.astype(np.int64), rejected_np, sampled_np)
 
     def publish(self, out: SchedulerOutput, mask: np.ndarray | None,
                 payload: SampledPayload) -> None:

@@ -133,8 +133,9 @@ def test_events_carry_rank_step_slot_generation_and_idx_mapping():
     got = [(e.kind, e.step, e.rank, e.data) for e in sink.events]
     assert got == [("pp.enqueue", 3, 1, {"pending": True}),
                    ("pp.free", -1, 1, {"slot": 2, "generation": 1}),
-                   ("pp.consume", 3, 1, {"idx_mapping": [-1, -1]}),
+                   ("pp.consume", 3, 1, {"idx_mapping": [-1, -1], "dropped": 1}),
                    ("pp.enqueue", 4, 1, {"pending": False})]
+    assert h.num_dropped == 1   # the stale row of slot 2; slot 0's row needed no sample
     assert h.generation.dtype == np.int64
     m = need_sampled_mask(out(5, [1], [True]))
     assert m.dtype == np.bool_

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from ppstate.batch import StepResult
+from ppstate.block_digest import digest_of
 from ppstate.errors import SchedulerError
 from ppstate.events import ListSink
 from ppstate.scheduler import RequestSpec, Scheduler, SchedulerConfig
@@ -238,8 +239,20 @@ def test_output_array_dtypes_and_schedule_event_payload():
                           "sampling": {}, "num_cached_tokens": 0, "num_output_tokens": 0}],
         "freed": [],
         # one 16-token KV block (block 0) for the 4 scheduled tokens of slot 0
-        "block_table_slots": [0], "block_table_cols": [0], "block_table_ids": [0]}})
+        "block_table_slots": [0], "block_table_cols": [0], "block_table_ids": [0],
+        # the row's block ids [0] digested: 1 * W_0 + 0 * W_1 (ppstate/block_digest.py)
+        "block_digests": [digest_of([0])]}})
     assert [e.step for e in sink.of_kind("lifecycle")] == [0]
+    assert out.block_digests.dtype == np.int64 and digest_of([0]) == _w0()
+
+
+def _w0() -> int:
+    """W_0 written out: splitmix64(0) | 1, as int64 (an independent statement of the digest)."""
+    x = 0x9E3779B97F4A7C15
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % 2**64
+    x = (x ^ (x >> 31)) | 1
+    return x - 2**64 if x >= 2**63 else x
 
 
 def test_row_cap_is_the_ceiling_of_the_live_share():

@@ -53,9 +53,10 @@ class _Work:
 class LocalGroups:
     """In-process stand-in for :class:`runtime.worker.groups.PPGroups` (overlapped mode only)."""
 
-    def __init__(self, rank: int, pp_size: int, wire: _Wire) -> None:
+    def __init__(self, rank: int, pp_size: int, wire: _Wire,
+                 device: torch.device = torch.device("cpu")) -> None:
         self.rank, self.pp_size, self.wire = rank, pp_size, wire
-        self.device = torch.device("cpu")
+        self.device = device
         self.num_posted = 0
 
     is_first = property(lambda self: self.rank == 0)
@@ -99,12 +100,14 @@ class InprocPipeline:
         mode: ``overlapped`` or ``sync`` (one step in flight; the ranks' PPHandlers have depth 1,
             so rank 0 consumes step s's broadcast at step s + 1, which the scheduler issues only
             after step s's result, i.e. after the last rank posted it).
+        device: where the ranks' state lives (``stages`` built on it); CUDA ranks check their
+            mirrors asynchronously, as in the engine.
     """
 
     def __init__(self, stages, max_num_seqs: int, max_model_len: int = 256,
                  max_prefill_chunk: int = 32, max_num_batched_tokens: int = 256,
                  eos_token_id: int = 2, num_spec_tokens: int = 0, spec_ngram: int = 3,
-                 mode: str = "overlapped") -> None:
+                 mode: str = "overlapped", device: str = "cpu") -> None:
         self.pp = len(stages)
         self.sched = Scheduler(SchedulerConfig(
             pp_size=self.pp, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -118,9 +121,9 @@ class InprocPipeline:
             from runtime.sampling.spec_verify import SpecDecoder
             return SpecDecoder(num_spec_tokens, spec_ngram, r == 0, r == self.pp - 1)
         self.runners = [
-            StageRunner(LocalGroups(r, self.pp, wire), st,
+            StageRunner(LocalGroups(r, self.pp, wire, torch.device(device)), st,
                         DeviceState(max_num_seqs, max_model_len, 1 + num_spec_tokens,
-                                    torch.device("cpu"), r),
+                                    torch.device(device), r),
                         overlapped=mode == "overlapped", validate_every=1, spec=spec(r))
             for r, st in enumerate(stages)]
         self.queues: list[deque[SchedulerOutput]] = [deque() for _ in range(self.pp)]

@@ -68,6 +68,10 @@ def test_slot_reuse_after_abort_with_deferred_entry_in_flight(stages, abort_afte
     assert len(a) >= abort_after and tuple(a) == greedy_reference(tuple(PROMPT_A), len(a))
     pipe.run_until(lambda p: p.idle, MAX_TICKS)
     assert pipe.sched.slots.num_free == 1
+    # the safety net fired and was counted: A's queued rows on rank 0 (generation check), and
+    # A's rows the last rank sampled into the old slot that the scheduler dropped
+    assert pipe.handler(0).num_dropped >= len(in_flight) >= 1
+    assert pipe.sched.kv_stats()["discarded_result_rows"] == pipe.handler(0).num_dropped
 
 
 def test_abort_does_not_disturb_the_request_on_another_slot(make_stages):

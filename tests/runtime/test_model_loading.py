@@ -166,10 +166,10 @@ def test_unsupported_configs(tmp_path):
     save_file({"x": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(UnsupportedModelError, match="'GPT2LMHeadModel' is not supported"):
         load_model_config(tmp_path)
-    with pytest.raises(UnsupportedModelError, match="'yarn' is not supported"):
-        ModelConfig.from_hf_config({**base, "model_type": "llama", "rope_scaling": {"type": "yarn"}})
-    with pytest.raises(UnsupportedModelError, match="GGUF architecture 'qwen2'"):
-        ModelConfig.from_gguf_fields({"general.architecture": "qwen2"})
+    with pytest.raises(UnsupportedModelError, match="'dynamic' is not supported"):
+        ModelConfig.from_hf_config({**base, "model_type": "llama", "rope_scaling": {"type": "dynamic"}})
+    with pytest.raises(UnsupportedModelError, match="GGUF architecture 'gpt2'"):
+        ModelConfig.from_gguf_fields({"general.architecture": "gpt2"})
     legacy = ModelConfig.from_hf_config({**base, "architectures": ["MistralForCausalLM"],
                                          "rope_scaling": {"type": "linear", "factor": 2.0}})
     assert legacy.rope_scaling == {"type": "linear", "factor": 2.0} and legacy.head_dim == 16

@@ -79,3 +79,26 @@ def test_parse_partition_errors_name_the_flag(spec, match):
         parse_partition(spec, 30, 2)
     assert "--pp-layer-partition" in str(err.value)
     assert isinstance(err.value, ValueError)
+
+
+def test_moe_layers_cost_their_active_experts_and_mixed_layers_are_balanced():
+    from runtime.bench.gpu_models import model_config
+    moe = model_config("qwen3-30b-a3b")
+    h, mi = 2048, 768
+    attn = h * (32 + 2 * 4) * 128 + 32 * 128 * h + 2 * 32 * 128 * 256
+    assert layer_cost(moe) == attn + 128 * h + 4 * 128 + 8 * 3 * h * mi   # 8 of 128 experts
+    assert last_stage_extra_cost(moe) / layer_cost(moe) > 4                # Qwen's 151,936-token head
+    assert split_layers(48, 2, moe) == [(0, 27), (27, 48)]   # the head ~ 5.3 layers
+    # dense layers 0-3 (mlp_only_layers, 2x wider than 8 experts): the first stage takes fewer layers
+    mixed = moe.model_copy(update={"moe_dense_layers": (0, 1, 2, 3), "intermediate_size": 12288})
+    costs = [layer_cost(mixed, layer=i) for i in range(48)]
+    assert costs[0] > costs[4]
+    ranges = split_layers(48, 3, mixed)
+    stage = [sum(costs[a:b]) + (last_stage_extra_cost(mixed) if b == 48 else 0) for a, b in ranges]
+    assert split_layers(48, 3, moe) == [(0, 18), (18, 36), (36, 48)]
+    assert ranges == [(0, 16), (16, 35), (35, 48)]
+    best = max(stage)
+    for cut1 in range(1, 47):        # no contiguous cut has a smaller largest stage
+        for cut2 in range(cut1 + 1, 48):
+            alt = [sum(costs[:cut1]), sum(costs[cut1:cut2]), sum(costs[cut2:]) + last_stage_extra_cost(mixed)]
+            assert max(alt) >= best - 1e-6

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgspec
 import numpy as np
 import pytest
@@ -37,6 +39,11 @@ def test_scheduler_output_round_trip_non_empty():
     assert_same_output(back, out)
     assert back.new_requests[0].prompt_token_ids == (1, 2, 3)
     assert back.slots.flags.writeable
+    assert back.block_digests is None             # not sent: nothing for a rank to compare
+    digests = np.array([-7692374666867579918, 0, 2**62], dtype=np.int64)
+    out = dataclasses.replace(out, block_digests=digests)
+    back = tp.to_scheduler_output(tp.decode(tp.encode(tp.from_scheduler_output(out))))
+    assert back.block_digests.dtype == np.int64 and back.block_digests.tolist() == digests.tolist()
 
 
 def test_scheduler_output_round_trip_empty_and_sampling_override():
@@ -71,8 +78,8 @@ def test_step_result_round_trip_and_timing_only():
     assert back.num_sampled.dtype == np.int32 and back.num_sampled.tolist() == [1, 0, 1]
     assert back.num_rejected.tolist() == [0, 0, 0]
     assert back.logprobs == [{"lp": -0.5}, None, {"lp": -1.5}]
-    t = tp.decode(tp.encode(tp.ResultMsg.timing_only(9, 0, 0.125)))
-    assert (t.kind, t.rank, t.busy_s, t.has_result) == ("result", 0, 0.125, False)
+    t = tp.decode(tp.encode(tp.ResultMsg.timing_only(9, 0, 0.125, dropped_rows=3)))
+    assert (t.kind, t.rank, t.busy_s, t.has_result, t.dropped_rows) == ("result", 0, 0.125, False, 3)
     with pytest.raises(tp.TransportError, match="step 9: rank 0 sent no sampled tokens"):
         tp.to_step_result(t)
 

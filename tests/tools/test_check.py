@@ -41,6 +41,8 @@ MUTANT_CASES = {
                                           max_tokens=(1, 1)), 1),
     "no_rejected_correction": (dict(pp_size=2, num_requests=1, prompt_len=(1, 1),
                                     max_tokens=(2, 2), spec_tokens=1), 4),
+    "rank_local_block_shift": (dict(pp_size=2, num_requests=1, prompt_len=(1, 1),
+                                    max_tokens=(1, 1)), 9),
     "grammar_on_rejected": (dict(pp_size=2, num_requests=1, prompt_len=(1, 1),
                                  max_tokens=(2, 2), spec_tokens=1, grammar=True), 4),
 }

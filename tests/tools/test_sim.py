@@ -285,3 +285,18 @@ def test_soak_jobs_report_equals_the_sequential_run():
     seq = soak(seeds)
     assert soak(seeds, jobs=2) == seq
     assert seq["seeds"] == 6 and seq["steps"] > 0
+
+
+def test_rank_local_block_shift_mutant_caught_before_the_forward():
+    """Mutant ``rank_local_block_shift``: rank 1 writes one slot's block ids + 1 per step. The
+    block-id agreement (invariant 9: each row's table is the scheduler's decision, by digest)
+    names rank 1 and the slot at the first step, before its forward reads the wrong blocks."""
+    from ppstate import mutants
+    cfg = SimConfig(pp_size=3, num_requests=4, seed=5, block_size=4, num_kv_blocks=30)
+    assert run_sim(cfg).num_violations == 0
+    with mutants.enabled("rank_local_block_shift"):
+        bad = run_sim(cfg)
+    first = bad.invariant_violations[0]
+    assert first["invariant"] == 9 and first["rank"] == 1 and first["step"] == 0, first
+    assert "block ids of slot" in first["message"] and "differs from the scheduler's" in first["message"]
+    assert {v["rank"] for v in bad.invariant_violations} == {1}

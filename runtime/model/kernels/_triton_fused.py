@@ -48,8 +48,10 @@ def _rope_write_kv_kernel(
     slot_ptr,                  # [T] int64 flat KV index, -1 = no write
     q_out_ptr,                 # [T, H, D] rotated queries
     k_cache_ptr, v_cache_ptr,  # [num_blocks * block_size, KVH, D]
+    qn_ptr, kn_ptr,            # [D] per-head q / k RMSNorm weights (HAS_NORM; else unused)
+    eps,
     H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     D = 2 * HALF
@@ -68,6 +70,14 @@ def _rope_write_kv_kernel(
     x2 = tl.load(qa + HALF, mask=qm, other=0.0)
     dt = x1.dtype
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    if HAS_NORM:  # per-head RMSNorm, rounded as layers.rms_norm: w * (x * rsqrt(var + eps)).to(dt)
+        ss = (tl.reduce(f1 * f1, 1, tl.standard._sum_combine)
+              + tl.reduce(f2 * f2, 1, tl.standard._sum_combine))
+        r = tl.rsqrt(ss / D + eps)[:, None]
+        w1 = tl.load(qn_ptr + dd, mask=dm, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(qn_ptr + HALF + dd, mask=dm, other=0.0).to(tl.float32)[None, :]
+        f1 = (w1 * (f1 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        f2 = (w2 * (f2 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     o1 = ((f1 * c).to(dt).to(tl.float32) - (f2 * s).to(dt).to(tl.float32)).to(dt)
     o2 = ((f2 * c).to(dt).to(tl.float32) + (f1 * s).to(dt).to(tl.float32)).to(dt)
     qo = q_out_ptr + t * H * D + hh[:, None] * D + dd[None, :]
@@ -79,6 +89,14 @@ def _rope_write_kv_kernel(
         ka = row + H * D + hh[:, None] * D + dd[None, :]
         k1 = tl.load(ka, mask=km, other=0.0).to(tl.float32)
         k2 = tl.load(ka + HALF, mask=km, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            ss = (tl.reduce(k1 * k1, 1, tl.standard._sum_combine)
+                  + tl.reduce(k2 * k2, 1, tl.standard._sum_combine))
+            r = tl.rsqrt(ss / D + eps)[:, None]
+            w1 = tl.load(kn_ptr + dd, mask=dm, other=0.0).to(tl.float32)[None, :]
+            w2 = tl.load(kn_ptr + HALF + dd, mask=dm, other=0.0).to(tl.float32)[None, :]
+            k1 = (w1 * (k1 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            k2 = (w2 * (k2 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         r1 = ((k1 * c).to(dt).to(tl.float32) - (k2 * s).to(dt).to(tl.float32)).to(dt)
         r2 = ((k2 * c).to(dt).to(tl.float32) + (k1 * s).to(dt).to(tl.float32)).to(dt)
         ko = k_cache_ptr + slot * KVH * D + hh[:, None] * D + dd[None, :]

@@ -6,7 +6,8 @@ Triton kernels replace them (9 launches per layer in all with the GEMMs and the 
 
 * :func:`add_rms_norm` -- ``residual = x + residual``; ``out = weight * rms_norm(residual)``.
 * :func:`rope_write_kv` -- rotate q and k of the fused QKV output (half-split RoPE), write the
-  rotated k and v into the paged cache through ``slot_mapping`` (-1 skipped), return q.
+  rotated k and v into the paged cache through ``slot_mapping`` (-1 skipped), return q; with
+  ``q_norm`` / ``k_norm`` (Qwen3) each head of q and k is RMS-normalised first, in the same pass.
 * :func:`silu_mul` -- ``silu(gate) * up`` of the fused gate/up output.
 
 Numerics follow ``runtime.model.layers`` (fp32 math, the same roundings to the model dtype).
@@ -45,14 +46,18 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 def rope_write_kv(qkv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
                   positions: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, num_heads: int, backend: str = "auto") -> torch.Tensor:
-    """Rotary embedding of q and k plus the KV-cache write.
+                  v_cache: torch.Tensor, num_heads: int, backend: str = "auto",
+                  q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                  eps: float = 1e-6) -> torch.Tensor:
+    """Per-head q/k RMSNorm (optional), rotary embedding of q and k, and the KV-cache write.
 
     Args:
         qkv: ``[T, (H + 2 KVH) * D]`` contiguous fused projection output.
         cos_table, sin_table: ``[max_len, D / 2]`` in qkv's dtype (``layers.rope_tables``).
         positions: ``[T]`` int64; slot_mapping: ``[T]`` int64 flat KV index, -1 = skip.
         k_cache, v_cache: ``[num_blocks, block_size, KVH, D]`` (written in place).
+        q_norm, k_norm: ``[D]`` RMSNorm weights applied to every head of q / k before RoPE (both
+            or neither); eps: their epsilon.
     Returns:
         rotated q ``[T, H, D]``.
     """
@@ -61,17 +66,21 @@ def rope_write_kv(qkv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.T
     h = num_heads
     if resolve_backend(backend, qkv.device) == "torch":
         q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+        q, k = q.reshape(t, h, d), k.reshape(t, kvh, d)
+        if q_norm is not None:
+            q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
         cos, sin = cos_table.index_select(0, positions), sin_table.index_select(0, positions)
-        q = apply_rope(q.reshape(t, h, d), cos, sin)
-        write_kv_ref(apply_rope(k.reshape(t, kvh, d), cos, sin), v.reshape(t, kvh, d),
-                     k_cache, v_cache, slot_mapping)
+        q = apply_rope(q, cos, sin)
+        write_kv_ref(apply_rope(k, cos, sin), v.reshape(t, kvh, d), k_cache, v_cache, slot_mapping)
         return q
     from runtime.model.kernels._triton_fused import get_kernels
     q = torch.empty(t, h, d, dtype=qkv.dtype, device=qkv.device)
     if t:
         get_kernels(launch_interpreted(qkv.device)).rope_write_kv[(t,)](
             qkv.contiguous(), cos_table, sin_table, positions, slot_mapping, q, k_cache, v_cache,
-            H=h, KVH=kvh, HALF=d // 2, BLOCK_H=_pow2(max(h, kvh)), BLOCK_HALF=_pow2(d // 2))
+            cos_table if q_norm is None else q_norm, cos_table if k_norm is None else k_norm,
+            float(eps), H=h, KVH=kvh, HALF=d // 2, BLOCK_H=_pow2(max(h, kvh)),
+            BLOCK_HALF=_pow2(d // 2), HAS_NORM=q_norm is not None)
     return q
 
 

@@ -1,0 +1,187 @@
+"""``python -m runtime.bench mirror``: host time per step of a rank's mirror validation, on / off.
+
+For each ``--rows`` count N, one rank's :class:`~runtime.worker.device_state.DeviceState` on
+``--device`` holds N decoding requests (``--prompt-len`` tokens, blocks of 16, every slot live),
+and a step runs what the worker runs around the model for N decode rows: the block-table deltas of
+the rows that cross a block, the immediate and the sampled post-update (device kernels and CPU
+mirror). With validation on, the step also runs everything ``--validate-mirrors every`` adds: the
+block-id digest check of the step's rows against the scheduler's digests (before the forward) and
+the after-step check (on CUDA :class:`~runtime.worker.mirror_check.AsyncMirrorCheck`: two stacked
+non-blocking copies, compared when they land; on the CPU ``DeviceState.validate``).
+
+Off and on alternate in one run (``--rounds`` pairs of ``--steps`` steps; CUDA: wall time,
+synchronised at the end of each block; CPU: process CPU time, one torch thread); reported per N: microseconds per step off and on (median over rounds),
+the validation's share ``on / off - 1`` and its microseconds per step; on the CPU also the
+microseconds of the check as it was before issue #27 (the mirror counters only), in the same run. The share of a whole
+engine step is smaller by the model's time (the engine on / off ratio: ``runtime.bench pp
+--overheads``). ``--json-out F`` writes the results (kind ``mirror-validation``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from ppstate.batch import NewRequest, SchedulerOutput
+from ppstate.block_digest import BlockDigests
+from ppstate.mirror import MIRROR_FIELDS
+from runtime.bench.results import subcommand_line, write_result
+from runtime.worker.device_state import DeviceState
+from runtime.worker.mirror_check import AsyncMirrorCheck
+
+BLOCK = 16
+
+
+class RankLoop:
+    """One rank's per-step state work for ``rows`` decode rows (no model)."""
+
+    def __init__(self, rows: int, device: torch.device, prompt_len: int, max_model_len: int) -> None:
+        self.n, self.device = rows, device
+        self.state = DeviceState(rows, max_model_len, 1, device, rank=0, block_size=BLOCK)
+        self.state.add_requests([NewRequest(f"r{s}", s, tuple(range(100, 100 + prompt_len)),
+                                            max_model_len) for s in range(rows)])
+        self.digests = BlockDigests(rows, -(-max_model_len // BLOCK))
+        self.next_block = 0
+        self.tokens = np.full(rows, prompt_len, dtype=np.int64)   # [rows] computed tokens
+        self.held = np.zeros(rows, dtype=np.int64)                # [rows] blocks
+        self.slots = np.arange(rows, dtype=np.int32)
+        self.slots_t = torch.arange(rows, device=device)
+        self.ones_t = torch.ones(rows, dtype=torch.int64, device=device)
+        self.zeros_t = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.sampled = torch.full((rows, 1), 7, dtype=torch.int64, device=device)
+        self.state.mirror.num_computed_tokens_np[:] = 0
+        self._grow(self.tokens)                                   # the prompts' blocks
+        self.state.apply_scheduled(self.slots_t, torch.full((rows,), prompt_len, device=device),
+                                   self.slots.astype(np.int64), self.tokens.copy())
+        self.check = AsyncMirrorCheck(self.state) if device.type == "cuda" else None
+        self.step_no = 0
+
+    def _grow(self, need_tokens: np.ndarray) -> np.ndarray:
+        """Deltas giving each slot blocks for ``need_tokens`` ``[rows]``; returns the slots."""
+        need = -(-need_tokens // BLOCK)
+        grow = np.flatnonzero(need > self.held)
+        slots, cols = [], []
+        for s in grow.tolist():
+            for c in range(int(self.held[s]), int(need[s])):
+                slots.append(s)
+                cols.append(c)
+        s_a, c_a = np.array(slots, dtype=np.int32), np.array(cols, dtype=np.int32)
+        ids = np.arange(self.next_block, self.next_block + len(slots), dtype=np.int32)
+        self.next_block += len(slots)
+        self.held[grow] = need[grow]
+        self.digests.apply([], s_a, c_a, ids)
+        self.state.apply_block_updates(s_a, c_a, ids)
+        return grow
+
+    def step(self, validate: bool | str) -> None:
+        """One decode step of every row (what the worker does besides the model). ``validate``:
+        False, True (everything), or ``"counters"`` (CPU: only the mirror counters' check, as
+        before issue #27: the stacked read, ``CpuMirror.validate`` and ``validate_blocks``)."""
+        self._grow(self.tokens + 1)
+        st = self.state
+        out = SchedulerOutput(self.step_no, (), self.slots, np.ones(self.n, dtype=np.int32),
+                              self.tokens.astype(np.int32), np.ones(self.n, dtype=bool),
+                              block_digests=self.digests.of(self.slots))
+        if validate is True:
+            st.check_block_digests(out)
+        slots64 = self.slots.astype(np.int64)
+        st.apply_scheduled(self.slots_t, self.ones_t, slots64, np.ones(self.n, dtype=np.int64))
+        st.apply_sampled(self.slots_t, self.sampled, self.ones_t, self.zeros_t, slots64,
+                         np.zeros(self.n, dtype=np.int64), np.ones(self.n, dtype=np.int64))
+        self.tokens += 1
+        if validate == "counters":
+            live = st.live_slots()
+            dev = torch.stack([getattr(st, f) for f in MIRROR_FIELDS]).cpu().numpy()
+            st.mirror.validate(dev, live, self.step_no, owners=st.owner)
+            st.mirror.validate_blocks(BLOCK, live, self.step_no, owners=st.owner)
+        elif validate:
+            if self.check is not None:
+                self.check.snapshot(self.step_no)
+            else:
+                st.validate(self.step_no)
+        self.step_no += 1
+
+    def block(self, steps: int, validate: bool | str) -> float:
+        """Seconds per step of ``steps`` steps: wall time on CUDA (synchronised at the end),
+        process CPU time on the CPU (the neighbours' load does not count)."""
+        cuda = self.device.type == "cuda"
+        clock = time.perf_counter if cuda else time.process_time
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = clock()
+        for _ in range(steps):
+            self.step(validate)
+        if validate is True and self.check is not None:
+            self.check.poll(block=True)
+        if cuda:
+            torch.cuda.synchronize()
+        return (clock() - t0) / steps
+
+
+def measure(rows: int, device: str, steps: int, rounds: int, prompt_len: int) -> dict:
+    """Off / on alternated ``rounds`` times at ``rows`` rows (module docstring)."""
+    max_model_len = prompt_len + (3 * rounds + 1) * steps + 2 * BLOCK
+    loop = RankLoop(rows, torch.device(device), prompt_len, max_model_len)
+    loop.block(steps, True)                     # warm-up (allocations, first kernels)
+    off, on, counters = [], [], []
+    for _ in range(rounds):
+        off.append(loop.block(steps, False))
+        on.append(loop.block(steps, True))
+        if device == "cpu":
+            counters.append(loop.block(steps, "counters"))
+    ratios = [b / a for a, b in zip(off, on)]
+    res = {"rows": rows, "device": device, "us_per_step_off": 1e6 * statistics.median(off),
+           "us_per_step_on": 1e6 * statistics.median(on),
+           "validation_us_per_step": 1e6 * (statistics.median(on) - statistics.median(off)),
+           "on_over_off": statistics.median(ratios), "on_over_off_all": ratios,
+           "steps_per_block": steps, "rounds": rounds}
+    if counters:   # the check before issue #27 (mirror counters only), same run
+        res["counters_only_us_per_step"] = 1e6 * (statistics.median(counters) -
+                                                  statistics.median(off))
+    return res
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m runtime.bench mirror", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default="128,256", help="comma list of decode rows (live slots)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--steps", type=int, default=100, help="steps per timed block")
+    p.add_argument("--rounds", type=int, default=5, help="off / on pairs")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--json-out", default=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    try:
+        rows = [int(x) for x in args.rows.split(",")]
+    except ValueError:
+        p.error(f"--rows must be a comma list of integers, got {args.rows!r}")
+    if min(rows) < 1 or args.steps < 1 or args.rounds < 1:
+        p.error("--rows, --steps and --rounds must be >= 1")
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+    results = []
+    for n in rows:
+        r = measure(n, args.device, args.steps, args.rounds, args.prompt_len)
+        results.append(r)
+        before = (f", counters only {r['counters_only_us_per_step']:.1f} us"
+                  if "counters_only_us_per_step" in r else "")
+        print(f"rows {n:4d} on {args.device}: off {r['us_per_step_off']:.1f} us/step, on "
+              f"{r['us_per_step_on']:.1f} us/step (validation {r['validation_us_per_step']:.1f} "
+              f"us{before}, on/off {r['on_over_off']:.3f})", flush=True)
+    if args.json_out:
+        write_result(args.json_out, "mirror-validation", {"results": results}, vars(args),
+                     subcommand_line("mirror", argv))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

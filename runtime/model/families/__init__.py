@@ -1,0 +1,1 @@
+"""Model families declared as data (see :mod:`runtime.model.families.family`)."""

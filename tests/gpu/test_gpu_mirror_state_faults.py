@@ -1,0 +1,45 @@
+"""On CUDA: rank-local faults in a step's per-slot state caught within one step (issue #27).
+
+The CPU test's faults (tests/runtime/test_mirror_state_faults.py) with every rank's state on the
+GPU: the block-id digest is checked on the host before the forward; the device fields go through
+the asynchronous check (two stacked non-blocking copies), whose snapshot of the first step after
+the fault names that step; it is raised while the following step finishes. Skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mirror_faults import cut_maker, plant_and_catch, start
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(scope="module")
+def cut(model_weights):
+    return cut_maker(model_weights, "cuda")
+
+
+@pytest.mark.parametrize("pp,rank", [(2, 1), (2, 0), (3, 1)])
+def test_shifted_block_ids_caught_on_cuda(cut, pp, rank):
+    err = plant_and_catch(start(cut(pp), "cuda"), rank, ("block_table_np", 1))
+    assert err.field in ("block_ids (digest vs scheduler)", "block_table[0]"), str(err)
+
+
+def test_both_copies_wrong_caught_by_the_digest_on_cuda(cut):
+    err = plant_and_catch(start(cut(2), "cuda"), 1, ("block_table_np", 1), ("block_table", 1),
+                          reads=True)
+    assert err.field == "block_ids (digest vs scheduler)"
+
+
+@pytest.mark.parametrize("field,delta,named", [
+    ("block_table", 1, "block_table[0]"),
+    ("total_len", 1, "total_len"),
+    ("sampling_state.f32", 0.25, "sampling.temperature"),
+    ("sampling_state.i64", 1, "sampling.top_k"),
+    ("num_computed_tokens", 2, "num_computed_tokens"),
+])
+def test_fault_in_each_validated_field_on_cuda(cut, field, delta, named):
+    err = plant_and_catch(start(cut(2), "cuda"), 0, (field, delta))
+    assert err.field.startswith(named) and err.cpu != err.device, str(err)
