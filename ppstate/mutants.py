@@ -5,7 +5,7 @@ decision point it breaks, in the code that runs. All are off unless a caller swi
 :func:`enabled` (a context manager; the checker's ``--mutant NAME``). Off, a hook costs one set
 lookup on an empty set.
 
-The six, each a bug another engine shipped or nearly shipped (docs/design.md §9):
+The seven, each a bug another engine shipped or nearly shipped (docs/design.md §9):
 
 ==============================  =================================================================
 ``rank_local_skip``             the last rank decides the broadcast skip from its own state (it
@@ -22,6 +22,9 @@ The six, each a bug another engine shipped or nearly shipped (docs/design.md §9
 ``rank_local_block_shift``      rank 1 writes the block ids of one slot's deltas shifted by one
                                 (a rank-local block-table error: its reads and KV writes go to
                                 other requests' blocks)
+``grammar_on_rejected``         a structured-output request's grammar matcher advances on every
+                                verified position, rejected drafts included (its grammar
+                                position runs ahead of the accepted output; vLLM #45014's class)
 ==============================  =================================================================
 """
 
@@ -44,6 +47,7 @@ MUTANTS: dict[str, str] = {
     "no_rejected_correction": "CPU mirror not corrected for rejected speculative tokens",
     "rank_local_block_shift": "rank 1 applies one slot's block-table deltas with every id + 1 "
                               "(ppstate.block_digest.rank_deltas)",
+    "grammar_on_rejected": "the grammar matcher advances on rejected speculative tokens too",
 }
 
 _active: set[str] = set()

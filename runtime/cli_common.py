@@ -129,6 +129,7 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--spec-tokens", "scheduler.num_spec_tokens", "n-gram speculative decoding: draft tokens "
          "per decode row (0: off; CPU reference path only)"),
     Flag("--spec-ngram", "spec_ngram"),
+    Flag("--chat-template", "chat_template"),
 )
 
 

@@ -54,6 +54,9 @@ class EngineConfig(BaseModel):
                                        description="the scheduler's budgets and PP schedule")
     pp_layer_partition: str | None = Field(default=None, description="layers per stage, e.g. "
                                            "19,11 (default: balanced by estimated cost)")
+    chat_template: str | None = Field(default=None, description="replace the model's chat "
+                                      "template: a Jinja file, or 'hermes' (built-in ChatML that "
+                                      "renders tools and tool calls, docs/structured.md)")
     validate_mirrors: str = Field(default="every", description="compare the CPU mirrors with "
                                   "device state every step, every N steps, or off")
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto: cuda "

@@ -169,8 +169,10 @@ class ResultMsg(_Msg, tag="result"):
 
 class ControlMsg(_Msg, tag="control"):
     """Engine -> rank control. ``corrupt_state`` is a test hook: add ``delta`` to device state
-    ``field`` of ``slot`` on ``rank`` (mirror validation must then fail); it needs all four."""
-    kind: Literal["shutdown", "corrupt_state", "ping"]
+    ``field`` of ``slot`` on ``rank`` (mirror validation must then fail); it needs all four.
+    ``warm_grammar`` (to the last rank, when the server meets its first structured-output
+    request): load the grammar engine in the background, so no step waits for it."""
+    kind: Literal["shutdown", "corrupt_state", "ping", "warm_grammar"]
     rank: int | None = None
     slot: int | None = None
     field: str | None = None

@@ -2,7 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class StructuredSpec(BaseModel):
+    """A structured-output constraint (docs/structured.md): ``kind`` and its source text.
+
+    ``json_schema``: the schema as JSON text; ``json_object``: any JSON object (``value`` empty);
+    ``regex``: a regular expression; ``choice``: a JSON list of strings; ``grammar``: EBNF.
+    Compiled by :mod:`runtime.sampling.grammar` (engine and last rank); the output must match.
+    """
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+    value: str = ""
 
 
 class SamplingParams(BaseModel):
@@ -31,6 +46,7 @@ class SamplingParams(BaseModel):
         prompt_logprobs: vLLM's: the logprob of every prompt token (the first has none) and this
             many top alternatives per position (None: none), computed on the last rank during
             prefill (:mod:`runtime.sampling.prompt_logprobs`).
+        structured: a grammar the output must match (:class:`StructuredSpec`), or None.
 
     Integers are bounded to what the workers' int64 tensors hold (``< 2**63``); the engine also
     round-trips every request through the worker message encoding at admission.
@@ -51,6 +67,7 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0, allow_inf_nan=False)
     logit_bias: list[tuple[int, float]] = Field(default_factory=list, max_length=300)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+    structured: StructuredSpec | None = None
 
     @field_validator("stop")
     @classmethod

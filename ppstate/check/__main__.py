@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
            "request, all with two at pp 2): closed lanes skip their step numbers")
     a("--spec-tokens", type=_nonneg, default=0, metavar="K",
       help="each sampled decode row reports 0..K rejected speculative tokens (default 0)")
+    a("--grammar", action="store_true",
+      help="every request is grammar-constrained: check the last rank's matcher position "
+           "against its accepted output tokens")
     a("--mutant", choices=sorted(MUTANTS), default=None, metavar="NAME",
       help="switch one known-bad variant on (see --list-mutants)")
     a("--list-mutants", action="store_true", help="print the mutants and exit")
@@ -106,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     if ns.mutant == "no_rejected_correction" and ns.spec_tokens == 0:
         p.error("--mutant no_rejected_correction needs --spec-tokens K >= 1 (a rejection to "
                 "correct)")
+    if ns.mutant == "grammar_on_rejected" and not (ns.grammar and ns.spec_tokens):
+        p.error("--mutant grammar_on_rejected needs --grammar and --spec-tokens K >= 1")
     runs, violations, counterexample = [], [], None
     for pp in range(ns.pp, pp_max + 1):
         cfg = CheckConfig(
@@ -113,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             max_tokens=ns.max_tokens, chunk=ns.chunk, max_num_seqs=ns.max_num_seqs,
             max_num_batched_tokens=ns.max_num_batched_tokens, block_size=ns.block_size,
             num_kv_blocks=ns.kv_blocks, abort_anywhere=ns.abort_anywhere,
-            async_engine=ns.async_engine, spec_tokens=ns.spec_tokens, mode=ns.mode,
+            async_engine=ns.async_engine, spec_tokens=ns.spec_tokens, grammar=ns.grammar,
+            mode=ns.mode,
             por=ns.por, mutant=ns.mutant, adaptive_lanes=ns.adaptive_lanes)
         res = explore(cfg, max_states=ns.max_states, canon=ns.canon,
                       jobs=ns.jobs, progress=sys.stderr if ns.progress else None)

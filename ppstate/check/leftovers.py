@@ -175,5 +175,6 @@ def clear_rank_slot(rk, s: int, fields) -> None:
     rk.history[s] = []
     rk.output_cap[s] = rk.sample_seed[s] = rk.last_prompt[s] = 0
     rk.ignore_eos[s] = rk.stopped[s] = False
+    rk.grammar_pos[s] = 0
     for f in fields:
         rk.mirror.array(f)[s] = rk.device[f][s] = 0

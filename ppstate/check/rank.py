@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from ppstate import mutants
 from ppstate.batch import SchedulerOutput
 from ppstate.block_digest import check_row_digests, rank_deltas
 from ppstate.check.backend import BackendMethods
@@ -64,6 +65,8 @@ class CheckRank(BackendMethods):
         self.sample_seed = np.zeros(max_num_reqs, **i64)  # [max_num_reqs]
         self.ignore_eos = np.zeros(max_num_reqs, dtype=bool)  # [max_num_reqs]
         self.stopped = np.zeros(max_num_reqs, dtype=bool)  # [max_num_reqs] EOS sampled (last rank)
+        # --grammar: the last rank's matcher position of each slot (tokens it accepted)
+        self.grammar_pos = np.zeros(max_num_reqs, **i64)   # [max_num_reqs]
         self.last_prompt = np.zeros(max_num_reqs, **i64)  # [max_num_reqs]
         self.running_step = -1   # the step of the attempt in progress (-1 between attempts)
         self.oplog: list[Op] = []      # ops issued by the step in progress (resumed after a block)
@@ -152,6 +155,7 @@ class CheckRank(BackendMethods):
             self.sample_seed[s] = n.sampling["seed"]
             self.ignore_eos[s] = bool(n.sampling.get("ignore_eos", False))
             self.stopped[s] = False
+            self.grammar_pos[s] = kept          # the matcher is rebuilt over the kept outputs
             self.last_prompt[s] = n.prompt_token_ids[-1]
             for f, v in (("num_computed_tokens", n.num_cached_tokens),
                          ("num_computed_prefill_tokens", n.num_cached_tokens),
@@ -232,6 +236,9 @@ class CheckRank(BackendMethods):
             decode = int(out.start_positions[i]) >= int(self.mirror.prefill_len_np[slot])
             if spec_tokens and decode:
                 rejected[i] = self.choose(spec_tokens + 1)
+            if self.world.cfg.grammar:   # the matcher takes the emitted tokens only
+                extra = rejected[i] if mutants.active("grammar_on_rejected") else 0
+                self.grammar_pos[slot] += num_sampled[i] + extra
         return ids, num_sampled, rejected
 
     # ---------------------------------------------------------------- validation
@@ -247,9 +254,21 @@ class CheckRank(BackendMethods):
         elif live.size:
             try:
                 self.mirror.validate(self.device, live, step, owners=self.owner)
+                if self.is_last and self.world.cfg.grammar:
+                    self._validate_grammar(live, step)
                 if check_blocks:
                     self.mirror.validate_blocks(self.world.block_size, live, step, self.owner)
             except Exception as exc:  # noqa: BLE001 - MirrorDivergence, reported as a violation
                 ok, message = False, str(exc)
         self.sink.emit("mirror.check", step=step, rank=self.rank, slots=live.tolist(),
                        num_computed_tokens=values, ok=ok, message=message)
+
+    def _validate_grammar(self, live: np.ndarray, step: int) -> None:
+        """The grammar position of every live slot equals its accepted output tokens on this
+        rank (the mirrored field of structured outputs). Raises MirrorDivergence."""
+        for s in live.tolist():
+            accepted = len(self.history[s])
+            if int(self.grammar_pos[s]) != accepted:
+                raise MirrorDivergence(step=step, slot=s, req_id=self.owner[s],
+                                       field="grammar_position", cpu=int(self.grammar_pos[s]),
+                                       device=accepted, rank=self.rank)

@@ -56,6 +56,9 @@ class CheckConfig:
         async_engine [--async]: issuing a step is a choice too (interleaves freely with
             arrivals, aborts and results) instead of happening as soon as schedule() gives one.
         spec_tokens [--spec-tokens K]: each sampled decode row reports 0..K rejected tokens.
+        grammar [--grammar]: every request is grammar-constrained: the last rank keeps each
+            slot's matcher position, advanced by the emitted tokens only, rebuilt from the kept
+            outputs on re-admission, and checks it equals the slot's accepted output tokens.
         mode [--mode]: overlapped or sync. por [--no-por]: explore rank order too when False.
         mutant [--mutant]: the mutant switched on (``ppstate.mutants``), or None.
         adaptive_lanes [--adaptive-lanes]: the scheduler fills only the lanes its step-cost
@@ -76,6 +79,7 @@ class CheckConfig:
     abort_anywhere: bool = False
     async_engine: bool = False
     spec_tokens: int = 0
+    grammar: bool = False
     mode: Literal["overlapped", "sync"] = "overlapped"
     por: bool = True
     mutant: str | None = None

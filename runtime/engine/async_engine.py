@@ -34,6 +34,8 @@ from runtime.engine.plan import plan_pipeline
 from runtime.engine.request_stream import RequestStream
 from runtime.engine.trace import scheduler_config, start_trace_run, write_trace_header
 from runtime.model.detokenizer import IncrementalDetokenizer
+from runtime.messages import ControlMsg
+from runtime.model.chat_templates import resolve_chat_template
 from runtime.model.tokenizer import Tokenizer, load_tokenizer
 from runtime.sampling_params import SamplingParams
 from runtime.engine.stall import StallDetector
@@ -85,6 +87,8 @@ class AsyncEngine:
         plan = plan_pipeline(config)
         pool = WorkerPool(config, plan)
         tokenizer = load_tokenizer(plan.model_path)
+        if config.chat_template:   # --chat-template FILE|hermes (docs/structured.md)
+            tokenizer.set_chat_template(resolve_chat_template(config.chat_template))
         try:
             await pool.start()
         except BaseException as exc:  # cancellation too: never leave worker processes behind
@@ -164,6 +168,12 @@ class AsyncEngine:
         self._streams[req_id] = stream
         self._wake.set()
         return stream.iterate(self.abort)
+
+    def warm_grammar(self) -> None:
+        """Ask the last rank to load the grammar engine now (structured outputs, in the
+        background); the server calls this when its first constrained request arrives."""
+        if self.is_alive:
+            self.pool.send_control(self.config.scheduler.pp_size - 1, ControlMsg(kind="warm_grammar"))
 
     async def abort(self, req_id: str) -> None:
         """Abort ``req_id`` (idempotent). Its stream ends with finish_reason ``abort`` and its slot

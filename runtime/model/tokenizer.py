@@ -87,6 +87,14 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         return None if self._template is None else self._template.source
 
+    def set_chat_template(self, source: str) -> None:
+        """Replace the chat template (``--chat-template``). Raises ValueError if it does not
+        compile."""
+        specials = dict(self._template.special_tokens) if self._template is not None else {
+            name: (None if i is None else self.backend.id_to_token(i))
+            for name, i in (("bos_token", self._bos), ("eos_token", self._eos))}
+        self._template = ChatTemplate(source, specials)
+
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary entry (byte-level spelling, e.g. 'Ġthe') of an id; None if out of range."""
         return self.backend.id_to_token(token_id)

@@ -20,6 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from runtime.server import responses as R
+from runtime.server.chat_tools import ToolMode
 from runtime.server.choices import Choices, sample_params
 from runtime.server.errors import APIError
 from runtime.server.generation import Generation, GenerationStreamResponse, sse
@@ -31,14 +32,23 @@ from runtime.server.schemas import ChatCompletionRequest
 Handlers = Any
 
 
-async def chat_prompt(h: Handlers, req: ChatCompletionRequest, req_id: str) -> list[int]:
-    """The token ids of the rendered conversation; 400 naming ``messages`` when the template
-    fails (no template, roles it refuses, a ``chat_template_kwargs`` value it cannot use)."""
+async def chat_prompt(h: Handlers, req: ChatCompletionRequest, req_id: str,
+                      tools: ToolMode) -> list[int]:
+    """The token ids of the rendered conversation (with the request's ``tools`` passed to the
+    template as transformers does); 400 naming ``messages[i].field`` for a message missing a
+    field its role needs, or ``messages`` when the template fails (no template, roles it
+    refuses, a ``chat_template_kwargs`` value it cannot use)."""
+    for i, m in enumerate(req.messages):
+        missing = m.missing_field()
+        if missing is not None:
+            raise APIError(f"Missing required parameter: 'messages[{i}].{missing[0]}' "
+                           f"({missing[1]}).", param=f"messages[{i}].{missing[0]}",
+                           code="missing_required_parameter")
     messages = [m.as_template_dict() for m in req.messages]
+    kwargs = {**(req.chat_template_kwargs or {}), **tools.template_kwargs()}
     return await h.tokenize(req_id, "messages", h.engine.tokenizer.encode_chat, messages,
                             add_generation_prompt=req.generation_prompt,
-                            continue_final_message=bool(req.continue_final_message),
-                            **(req.chat_template_kwargs or {}))
+                            continue_final_message=bool(req.continue_final_message), **kwargs)
 
 
 async def chat_completions(h: Handlers, req: ChatCompletionRequest, request: Request) -> Response:
@@ -46,7 +56,8 @@ async def chat_completions(h: Handlers, req: ChatCompletionRequest, request: Req
     arrival = time.perf_counter()
     h.check_model(req.model)
     req_id = f"chatcmpl-{uuid.uuid4().hex}"
-    ids = await chat_prompt(h, req, req_id)
+    tools = ToolMode(req, getattr(h.engine.tokenizer, "chat_template", None))
+    ids = await chat_prompt(h, req, req_id, tools)
     n = req.n or 1
     if n > h.config.scheduler.max_num_seqs:
         raise APIError(f"Invalid value for 'n': {n} samples exceed what this engine holds at "
@@ -55,7 +66,7 @@ async def chat_completions(h: Handlers, req: ChatCompletionRequest, request: Req
     limit_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     limit = h.output_limit(req.output_limit, None, len(ids), "messages", limit_field)
     top_n = (req.top_logprobs or 0) if req.logprobs else None
-    params = h.sampling_params(req, limit, top_n)
+    params = await h.constrain(req, h.sampling_params(req, limit, top_n), tools)
     gens = [Generation(h.engine, h.metrics, req_id if n == 1 else f"{req_id}-{j}", ids,
                        sample_params(params, j), "messages", arrival,
                        fork_of=None if j == 0 else f"{req_id}-0") for j in range(n)]
@@ -65,7 +76,7 @@ async def chat_completions(h: Handlers, req: ChatCompletionRequest, request: Req
     except BaseException:
         await choices.close()
         raise
-    view = _ChatView(h, req, req_id, gens[0].created, len(ids), top_n)
+    view = _ChatView(h, req, req_id, gens[0].created, len(ids), top_n, tools)
     if req.stream:
         return GenerationStreamResponse(view.stream(choices), choices)
     results = await choices.collect(request.receive)
@@ -78,9 +89,12 @@ async def chat_completions(h: Handlers, req: ChatCompletionRequest, request: Req
               if top_n is not None else None)
         reasoning, content = (None, res.text) if h.reasoning_parser is None else \
             split_reasoning(h.reasoning_parser, res.text)
-        out.append(R.ChatChoice(index=k, message=R.AssistantMessage(
-            content=content, reasoning_content=reasoning), logprobs=lp,
-            finish_reason=res.finish_reason))
+        message, finish = tools.reply(content or "", res.finish_reason)
+        if reasoning is not None:
+            message.reasoning_content = reasoning
+        if content is None and not message.tool_calls:
+            message.content = None
+        out.append(R.ChatChoice(index=k, message=message, logprobs=lp, finish_reason=finish))
     body = R.ChatCompletionResponse(
         id=req_id, created=gens[0].created, model=h.model_name, choices=out,
         usage=R.Usage.of(len(ids), sum(r.num_output_tokens for r in results),
@@ -92,9 +106,9 @@ class _ChatView:
     """Stream chunks of a chat completion."""
 
     def __init__(self, h: Handlers, req: ChatCompletionRequest, req_id: str, created: int,
-                 prompt_len: int, top_n: int | None) -> None:
+                 prompt_len: int, top_n: int | None, tools: ToolMode) -> None:
         self.h, self.req, self.req_id, self.created = h, req, req_id, created
-        self.prompt_len, self.top_n = prompt_len, top_n
+        self.prompt_len, self.top_n, self.tools = prompt_len, top_n, tools
         self.token_text = h.token_text(bool(req.return_tokens_as_token_ids))
 
     def chunk(self, index: int, delta: R.Delta, lp=None, finish=None, usage=None,
@@ -109,6 +123,7 @@ class _ChatView:
         m = len(choices.gens)
         parsers = [None if self.h.reasoning_parser is None else ReasoningStream(self.h.reasoning_parser)
                    for _ in range(m)]
+        calls = [self.tools.stream() for _ in range(m)]   # content -> tool_calls deltas
         done, cached = [0] * m, 0
         tok = self.h.engine.tokenizer
         try:
@@ -126,10 +141,18 @@ class _ChatView:
                         r2, c2 = parsers[k].flush()
                         reasoning = _cat(reasoning, r2)
                         content = _cat(content, c2)
-                if content or reasoning or lp is not None:
-                    yield self.chunk(k, R.Delta(content=content, reasoning_content=reasoning), lp)
+                deltas = calls[k].feed(content) if content else []
+                if reasoning:
+                    deltas.insert(0, R.Delta(reasoning_content=reasoning))
+                if lp is not None and not deltas:
+                    deltas = [R.Delta(content="")]
+                for i, d in enumerate(deltas):
+                    yield self.chunk(k, d, lp if i == 0 else None)
                 if out.finished:
-                    yield self.chunk(k, R.Delta(), finish=out.finish_reason)
+                    last, finish = calls[k].finish(out.finish_reason)
+                    for d in last:
+                        yield self.chunk(k, d)
+                    yield self.chunk(k, R.Delta(), finish=finish)
             if self.req.include_usage:
                 yield self.chunk(0, R.Delta(), usage=R.Usage.of(self.prompt_len, sum(done), cached),
                                  choices=False)

@@ -92,7 +92,7 @@ async def completions(h: Handlers, req: CompletionRequest, request: Request) -> 
         field = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         limit = 1 if score_only else h.output_limit(req.max_tokens, 16, len(ids), field, "max_tokens")
         logprobs = req.logprobs if req.logprobs is not None or not ranking else 0
-        params = h.sampling_params(req, limit, logprobs)
+        params = await h.constrain(req, h.sampling_params(req, limit, logprobs))
         for j in range(samples):
             p = sample_params(params, j)
             fork = None if j == 0 else f"{base}-{i}-0"

@@ -48,7 +48,7 @@ class EngineCore:
         from runtime.engine.faults import RequestFailure
         from runtime.sampling_params import SamplingParams
         try:
-            self.engine.add_request(req_id, prompt, SamplingParams.model_construct(**params),
+            self.engine.add_request(req_id, prompt, SamplingParams.model_validate(params),
                                     fork_of=fork_of)
         except RequestRejected as exc:
             return self._reject(frontend, req_id, exc.field, str(exc), "rejected")

@@ -32,7 +32,9 @@ from runtime.server.chat import chat_completions
 from runtime.server.completions import completions as multi_completions, is_plain
 from runtime.server.generation import Generation, GenerationStreamResponse, sse
 from runtime.server.metrics import ServerMetrics
+from runtime.server.chat_tools import ToolMode
 from runtime.server.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from runtime.server.structured import StructuredCompiler, requested
 
 DEFAULT_COMPLETION_TOKENS = 16
 #: temperatures below this are served greedily (as vLLM does): dividing logits by ~0 overflows
@@ -51,6 +53,8 @@ class OpenAIHandlers:
         self.reasoning_parser = reasoning_parser
         self.model_name: str = engine.model_name
         self.vocab_size: int | None = getattr(engine.tokenizer, "vocab_size", None)
+        self.structured = StructuredCompiler(engine.tokenizer,   # grammar cache (docs/structured.md)
+                                             getattr(engine, "warm_grammar", None))
 
     # ---- request -> engine inputs -------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -121,6 +125,23 @@ class OpenAIHandlers:
                                code="invalid_value")
         return pairs
 
+    async def constrain(self, req: GenerationRequest, params: SamplingParams,
+                        tools: ToolMode | None = None) -> SamplingParams:
+        """``params`` with the request's structured-output constraint (compiled off the event
+        loop). Raises APIError: 400 naming the field for a constraint that does not compile, two
+        constraints, or a tool_choice that conflicts with one."""
+        found = requested(req)
+        from_tools = tools.constraint() if tools is not None else None
+        if from_tools is not None and found is not None:
+            raise APIError(f"'{found[1]}' cannot be combined with tool_choice {tools.choice!r} "
+                           "(which constrains the output itself).", param=found[1],
+                           code="invalid_value")
+        found = found or from_tools
+        if found is None:
+            return params
+        await self.structured.check(*found)
+        return params.model_copy(update={"structured": found[0]})
+
     async def tokenize(self, req_id: str, field: str, fn, *args, **kwargs) -> list[int]:
         """``fn(*args, **kwargs)`` (a tokenizer call) in a worker thread and a request scope.
 
@@ -163,7 +184,7 @@ class OpenAIHandlers:
             ids = list(prompt)
             self.check_token_ids(ids, "prompt")
         limit = self.output_limit(req.max_tokens, DEFAULT_COMPLETION_TOKENS, len(ids), "prompt", "max_tokens")
-        params = self.sampling_params(req, limit, req.logprobs)
+        params = await self.constrain(req, self.sampling_params(req, limit, req.logprobs))
         gen = Generation(self.engine, self.metrics, req_id, ids, params, "prompt", arrival)
         gen.start()
         token_text = self.token_text(bool(req.return_tokens_as_token_ids))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import codecs
 
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_serializer
 
@@ -96,16 +96,20 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     """The reply; ``reasoning_content`` (the model's ``<think>`` part) only with a reasoning
-    parser (``--reasoning-parser``), left out otherwise."""
+    parser (``--reasoning-parser``); ``tool_calls`` only when the model called tools
+    (docs/structured.md), and then ``content`` may be null."""
     role: Literal["assistant"] = "assistant"
     content: str | None
     reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer
-    def _drop_reasoning(self) -> dict:
-        out = {"role": self.role, "content": self.content}
+    def _drop_absent(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.reasoning_content is not None:
             out["reasoning_content"] = self.reasoning_content
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
         return out
 
 
@@ -131,11 +135,14 @@ class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    #: OpenAI's ``tool_calls`` deltas: ``{"index", "id", "type", "function": {"name", "arguments"}}``
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer
-    def _drop_none(self) -> dict[str, str]:
+    def _drop_none(self) -> dict[str, Any]:
         return {k: v for k, v in (("role", self.role), ("content", self.content),
-                                  ("reasoning_content", self.reasoning_content)) if v is not None}
+                                  ("reasoning_content", self.reasoning_content),
+                                  ("tool_calls", self.tool_calls)) if v is not None}
 
 
 class ChatChunkChoice(BaseModel):

@@ -20,6 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from runtime.server.request_checks import (MAX_N, check_logit_bias, check_prompt_field,
                                             check_template_kwargs)
+from runtime.server.structured_schemas import (ResponseFormat, StructuredOutputs, Tool, ToolCall,
+                                               ToolChoice)
 
 MAX_STOP_STRINGS = 4
 INT64_MAX = 2**63 - 1
@@ -62,6 +64,13 @@ class GenerationRequest(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=MAX_REPETITION_PENALTY)
     logit_bias: dict[str, float] | None = None
     return_tokens_as_token_ids: bool | None = None
+    # structured outputs (docs/structured.md); at most one of them per request
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -163,23 +172,60 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One chat message. ``developer`` is treated as ``system``."""
+    """One chat message. ``developer`` is treated as ``system``. An assistant message may carry
+    ``tool_calls`` (then ``content`` may be null); a ``tool`` message answers one call and needs
+    its ``tool_call_id``."""
     model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
     def _check_content(cls, v: Any) -> Any:
-        if isinstance(v, str) or (isinstance(v, list) and all(isinstance(p, dict) for p in v)):
+        if v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(p, dict) for p in v)):
             return v
         raise ValueError("must be a string or a list of text parts")
 
-    def as_template_dict(self) -> dict[str, str]:
-        """``{"role", "content"}`` as the chat template expects (text parts joined)."""
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+    @field_validator("tool_calls")
+    @classmethod
+    def _check_tool_calls(cls, v: list[ToolCall] | None, info: ValidationInfo) -> list[ToolCall] | None:
+        if v is not None and info.data.get("role") != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return v
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _check_tool_call_id(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is not None and info.data.get("role") != "tool":
+            raise ValueError("only tool messages carry a tool_call_id")
+        return v
+
+    def missing_field(self) -> tuple[str, str] | None:
+        """``(field, reason)`` when a field this role needs is absent (checked by the handler,
+        which names ``messages[i].<field>`` in its 400), else None."""
+        if self.role == "tool" and self.tool_call_id is None:
+            return "tool_call_id", "a tool message needs the tool_call_id of the call it answers"
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            return "content", ("content is required (it may be null only on an assistant "
+                               "message with tool_calls)")
+        return None
+
+    def as_template_dict(self) -> dict[str, Any]:
+        """The message as the chat template expects it (text parts joined; ``tool_calls`` with
+        parsed arguments and ``tool_call_id``, as transformers passes them)."""
+        c = self.content
+        text = c if isinstance(c, str) or c is None else "".join(p.text for p in c)
+        d: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            d["tool_calls"] = [t.as_template_dict() for t in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            d["name"] = self.name
+        return d
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -195,6 +241,10 @@ class ChatCompletionRequest(GenerationRequest):
     continue_final_message: bool | None = None
     #: extra variables for the chat template (e.g. Qwen3's ``enable_thinking``)
     chat_template_kwargs: dict[str, Any] | None = None
+    #: tool calling (docs/structured.md): function tools, how the model may use them
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @field_validator("continue_final_message")
     @classmethod

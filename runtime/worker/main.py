@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from functools import partial
 
 import torch
 import zmq
@@ -96,9 +97,14 @@ class _Worker:
                                  "path only (the CUDA fast path does not verify drafts yet)")
             from runtime.sampling.spec_verify import SpecDecoder
             spec = SpecDecoder(k, cfg.spec_ngram, self.groups.is_first, self.groups.is_last)
+        grammar = None
+        if self.groups.is_last:   # structured outputs: built on the first constrained request
+            from runtime.worker.grammar_hooks import GrammarHooks
+            grammar = GrammarHooks(partial(grammar_state, self.args.model_path,
+                                           stage.cfg.vocab_size, cfg.scheduler.max_num_seqs))
         self.runner = StageRunner(self.groups, stage, state, cfg.scheduler.mode == "overlapped",
                                   cfg.validate_every, sink, fast=fast, graphs=graphs,
-                                  progress=self.progress, spec=spec)
+                                  progress=self.progress, spec=spec, grammar=grammar)
         self.sink = sink
 
     def _fast_path(self, stage, cfg: EngineConfig, device: torch.device):
@@ -146,6 +152,10 @@ class _Worker:
             if msg.kind == "corrupt_state":
                 self.runner.state.corrupt(msg.slot, msg.field, msg.delta)
                 continue
+            if msg.kind == "warm_grammar":
+                if self.runner.grammar is not None:
+                    self.runner.grammar.warm()
+                continue
             if msg.kind == "step":
                 self._step(msg)
                 if not pull.poll(0):    # no next step queued: send this one's result now
@@ -183,6 +193,17 @@ class _Worker:
 
     def report(self, exc: BaseException) -> None:
         self.push.send(tp.encode(tp.ErrorMsg.from_exception(self.rank, self.step, exc)))
+
+
+def grammar_state(model_path: str, vocab_size: int, max_num_reqs: int):
+    """The last rank's :class:`~runtime.sampling.grammar_state.GrammarState` for the model's
+    tokenizer (``vocab_size``: the logit width)."""
+    from runtime.model.tokenizer import load_tokenizer
+    from runtime.sampling.grammar import GrammarCompilerCache, tokenizer_info
+    from runtime.sampling.grammar_state import GrammarState
+    tok = load_tokenizer(model_path)
+    return GrammarState(GrammarCompilerCache(tokenizer_info(tok, vocab_size), str(model_path)),
+                        max_num_reqs)
 
 
 def report_error(result_addr: str, rank: int, exc: BaseException, linger_ms: int = 5000) -> None:

@@ -36,6 +36,7 @@ from runtime.sampling.sampler import sample
 from runtime.sampling.spec_verify import SpecDecoder, logprob_rows as spec_logprob_rows
 from runtime.worker.cuda_graphs import DecodeGraphs
 from runtime.worker.device_state import DeviceState
+from runtime.worker.grammar_hooks import GrammarHooks
 from runtime.worker.groups import PPGroups
 from runtime.worker.mirror_check import AsyncMirrorCheck
 from runtime.worker.pending_result import (LogprobRows, PendingResult, ReadyLogprobs,
@@ -95,12 +96,15 @@ class StageRunner:
         graphs: captured decode-only CUDA graphs of ``fast``, or None (eager).
         progress: where the rank reports its phase (read by its heartbeat; stall detection).
         spec: speculative decoding hooks (``--spec-tokens`` > 0), or None.
+        grammar: structured-output hooks of the last rank
+            (:class:`~runtime.worker.grammar_hooks.GrammarHooks`), or None.
     """
 
     def __init__(self, groups: PPGroups, stage: StageModel, state: DeviceState, overlapped: bool,
                  validate_every: int, sink: EventSink = NULL_SINK,
                  fast: PagedStage | None = None, graphs: DecodeGraphs | None = None,
-                 progress: Progress | None = None, spec: SpecDecoder | None = None) -> None:
+                 progress: Progress | None = None, spec: SpecDecoder | None = None,
+                 grammar: GrammarHooks | None = None) -> None:
         self.g, self.stage, self.state = groups, stage, state
         self.progress = progress if progress is not None else Progress(groups.rank, hook=None)
         self.fast, self.graphs = fast, graphs
@@ -122,6 +126,7 @@ class StageRunner:
         self.timing = StepTiming()
         self.running_step = -1   # the step being run (its consumes may be of skipped numbers)
         self.spec = spec
+        self.grammar = grammar
 
     @property
     def handler(self) -> PPHandler | None:
@@ -155,6 +160,8 @@ class StageRunner:
     def end_step(self, out: SchedulerOutput) -> None:
         self.progress.enter("post")
         if self.validate_every and out.step % self.validate_every == 0:
+            if self.grammar is not None:
+                self.grammar.validate(self.state, out.step, self.g.rank)
             if self.mirror_check is not None:
                 self.mirror_check.snapshot(out.step)   # compared when its copy lands
             else:
@@ -171,6 +178,8 @@ class StageRunner:
                                        out.block_table_ids)
         if self.validate_every and out.step % self.validate_every == 0:
             self.state.check_block_digests(out)   # the ids the forward reads: the scheduler's
+        if self.grammar is not None:
+            self.grammar.admit(out)
 
     # ---- RankBackend: forward ----------------------------------------------------------------
     def prepare_inputs(self, out: SchedulerOutput) -> _Inputs:
@@ -193,6 +202,10 @@ class StageRunner:
             if self._prompt_plan is not None:
                 meta = dataclasses.replace(meta, last_token=to_device(
                     self._prompt_plan.index.astype(np.int64), self.device, torch.int64))
+        if self.grammar is not None:    # the bitmask fills while the forward runs
+            spec = self.spec
+            self.grammar.start_fill(out, None if spec is None else spec.rows,
+                                    None if spec is None else spec.first)
         ids = self.state.input_ids(meta.token_slots, meta.positions) if self.g.is_first else None
         return _Inputs(meta, ids)
 
@@ -258,8 +271,12 @@ class StageRunner:
         if self._prompt_plan is not None:   # back to one logit row per step row
             logits, self._prompt_lps = self._prompt_plan.split(logits, self.state.all_token_ids)
             self._prompt_plan = None
+        if mask is not None and self.grammar is not None:
+            self.grammar.mask(logits)
         if mask is not None and self.spec is not None:  # speculative decoding (#14)
             v, rows = self.spec.sample(out, mask, logits, self.state, payload.buf)
+            if self.grammar is not None:
+                self.grammar.accept_spec(out.slots[rows], v.token_ids, v.num_sampled)
             ks = self.state.sampling_state.num_logprobs_np[out.slots[rows]]
             self._logprobs = ReadyLogprobs(spec_logprob_rows(v, rows, r, ks))
         elif mask is not None:
@@ -280,6 +297,8 @@ class StageRunner:
                 so = sample(logits.float(), batch, history)
                 payload.token_ids[:, 0] = so.token_ids
                 payload.num_sampled[:] = 1
+            if self.grammar is not None:
+                self.grammar.accept_plain(s_rows, so.token_ids)
             self._logprobs = LogprobRows.of(so, rows, r,
                                             self.state.sampling_state.num_logprobs_np[s_rows])
         if self.sink.enabled:

@@ -43,6 +43,8 @@ MUTANT_CASES = {
                                     max_tokens=(2, 2), spec_tokens=1), 4),
     "rank_local_block_shift": (dict(pp_size=2, num_requests=1, prompt_len=(1, 1),
                                     max_tokens=(1, 1)), 9),
+    "grammar_on_rejected": (dict(pp_size=2, num_requests=1, prompt_len=(1, 1),
+                                 max_tokens=(2, 2), spec_tokens=1, grammar=True), 4),
 }
 
 
@@ -204,6 +206,15 @@ def test_parallel_bfs_matches_one_process():
     kw, invariant = MUTANT_CASES["short_cadence"]
     one, two = (explore(CheckConfig(mutant="short_cadence", **kw), jobs=j) for j in (1, 2))
     assert two.violations[0]["invariant"] == invariant and two.path == one.path
+
+
+def test_grammar_position_clean_with_aborts_rejections_and_preemption():
+    """Structured outputs (#31): every request grammar-constrained, drafts rejected, requests
+    aborted anywhere and preempted (3 KV blocks): the last rank's matcher position always equals
+    the accepted output tokens."""
+    res = explore(CheckConfig(pp_size=2, num_requests=2, prompt_len=(1, 2), max_tokens=(2, 2),
+                              spec_tokens=1, grammar=True, abort_anywhere=True, num_kv_blocks=3))
+    assert res.complete and res.violations == [] and res.states > 250, res.violations[:2]
 
 
 def test_baseline_clean_pp3_sync_and_spec_tokens():
