@@ -61,6 +61,16 @@ class EngineConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto", description="auto: float32 on the CPU, bfloat16 on CUDA")
     torch_threads: int = Field(default=1, ge=1, description="torch intra-op threads per rank (CPU)")
+    cpu_path: Literal["exact", "fast"] = Field(
+        default="exact", description="CPU ranks: exact = the fp32, batch-invariant reference "
+        "(token-for-token equal to transformers; tests); fast = weights kept quantized, ONNX "
+        "Runtime int8 GEMMs (docs/cpu_fast_path.md; runtime.serve's default)")
+    cpu_threads: int | None = Field(default=None, ge=1, description="fast CPU path: threads the "
+                                    "ranks of the pipeline share, split evenly between stages "
+                                    "and each rank pinned to its own cores (default: all cores)")
+    cpu_weight_bits: int = Field(default=8, description="fast CPU path: bits of the layer weights, "
+                                 "4 or 8 (8: GGUF values to 1/510 of a block's range; 4: half "
+                                 "the memory)")
     step_timeout_s: float = Field(default=120.0, gt=0, description="seconds any receive, "
                                   "collective or step may take (then the engine fails)")
     heartbeat_timeout_s: float = Field(default=6.0, gt=1.0, description="seconds a rank may be "
@@ -98,6 +108,13 @@ class EngineConfig(BaseModel):
                                   "(python -m runtime.bench contention --json-out FILE, or bench "
                                   "pp --calibrate, writes one) for --adaptive-lanes and "
                                   "--dynamic-chunks; default: the CPU values of ppstate.step_cost")
+
+    @field_validator("cpu_weight_bits")
+    @classmethod
+    def _check_bits(cls, v: int) -> int:
+        if v not in (4, 8):
+            raise ValueError("must be 4 or 8")
+        return v
 
     @field_validator("step_cost")
     @classmethod
