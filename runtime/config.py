@@ -68,9 +68,6 @@ class EngineConfig(BaseModel):
     cpu_threads: int | None = Field(default=None, ge=1, description="fast CPU path: threads the "
                                     "ranks of the pipeline share, split evenly between stages "
                                     "and each rank pinned to its own cores (default: all cores)")
-    cpu_weight_bits: int = Field(default=8, description="fast CPU path: bits of the layer weights, "
-                                 "4 or 8 (8: GGUF values to 1/510 of a block's range; 4: half "
-                                 "the memory)")
     step_timeout_s: float = Field(default=120.0, gt=0, description="seconds any receive, "
                                   "collective or step may take (then the engine fails)")
     heartbeat_timeout_s: float = Field(default=6.0, gt=1.0, description="seconds a rank may be "
@@ -108,13 +105,6 @@ class EngineConfig(BaseModel):
                                   "(python -m runtime.bench contention --json-out FILE, or bench "
                                   "pp --calibrate, writes one) for --adaptive-lanes and "
                                   "--dynamic-chunks; default: the CPU values of ppstate.step_cost")
-
-    @field_validator("cpu_weight_bits")
-    @classmethod
-    def _check_bits(cls, v: int) -> int:
-        if v not in (4, 8):
-            raise ValueError("must be 4 or 8")
-        return v
 
     @field_validator("step_cost")
     @classmethod

@@ -110,8 +110,7 @@ class _Worker:
             pin = cfg.launcher == "spawn" and cfg.dp_size == 1
             threads, cores = plan_threads(cfg.cpu_threads, cfg.scheduler.pp_size, self.rank)
             apply_threads(threads, cores if pin else None)
-            return load_fast_stage(self.args.model_path, self.args.layer_range,
-                                   bits=cfg.cpu_weight_bits, **common)
+            return load_fast_stage(self.args.model_path, self.args.layer_range, **common)
         return load_stage(self.args.model_path, self.args.layer_range, dtype=dtype,
                           device=device, batch_invariant=True, **common)
 
