@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
 #: ``python -m runtime.bench SUBCOMMAND ...`` -> module whose ``main(argv)`` runs it
 SUBCOMMANDS = {"gpu": "runtime.bench.gpu", "serve": "runtime.bench.serve",
                "pp": "runtime.bench.pp", "sched": "runtime.bench.sched",
-               "contention": "runtime.bench.contention"}
+               "contention": "runtime.bench.contention", "cpu-serve": "runtime.bench.cpu_serve",
+               "cpu-kernels": "runtime.bench.cpu_kernels"}
 
 
 if __name__ == "__main__":

@@ -31,9 +31,14 @@ def agreement() -> dict:
     """Reference and fast stage (whole embedded model) on the held prompts, compared once."""
     rows = [load_tokenizer(default_model_path()).encode(p) for p in HELD_PROMPTS]
     kw = dict(max_num_reqs=len(rows), max_model_len=max(len(r) for r in rows) + 8)
-    ref = load_stage("default", (0, 30), progress=False, **kw)
-    fast = load_fast_stage("default", (0, 30), **kw)
-    return compare(ref, fast, rows, new_tokens=4)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # as a rank runs; 2 threads on a loaded 2-core machine crawl
+    try:
+        ref = load_stage("default", (0, 30), progress=False, **kw)
+        fast = load_fast_stage("default", (0, 30), **kw)
+        return compare(ref, fast, rows, new_tokens=4)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_gguf_blocks_read_exactly():
