@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--single-prompts", type=int, default=3, help="requests of the 1-stream run")
     p.add_argument("--port", type=int, default=8391)
+    p.add_argument("--kv-cache-memory", default="128MB", help="ppstate: KV cache per rank (the "
+                   "same for both paths, so the ranks' RSS differ by the weights)")
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--json-out", default=None)
     return p
@@ -127,7 +129,8 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
                             str(args.port), "-t", str(cores), "-np", str(args.concurrency),
                             "-c", str(args.concurrency * (args.input_len + args.output_len + 16))]
     for name, flags in CONFIGS.items():
-        out[name] = [sys.executable, "-m", "runtime.serve", "--port", str(args.port), *flags]
+        out[name] = [sys.executable, "-m", "runtime.serve", "--port", str(args.port), *flags,
+                     "--kv-cache-memory", args.kv_cache_memory]
     if args.only:
         keep = args.only.split(",")
         out = {k: v for k, v in out.items() if k in keep}

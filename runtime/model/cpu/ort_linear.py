@@ -1,9 +1,9 @@
 """A linear layer over GGUF blocks run by ONNX Runtime's ``MatMulNBits`` (com.microsoft contrib
 op; CPU kernels from MLAS): ``y [T, N] = x [T, K] @ w.T`` with ``w`` never dequantized in memory.
 
-Each weight is one tiny ONNX graph (one node) in its own session; all sessions share one
-process-wide intra-op thread pool (:func:`init_threads`), so a rank uses exactly the threads it was
-given however many layers it holds. ``accuracy_level`` picks the compute type: 4 quantizes the
+Each weight is one tiny ONNX graph (one node) in its own session (:func:`init_threads` sets
+their threads); the stage itself uses the fused graphs of :mod:`runtime.model.cpu.segments`, this
+module serves the kernel benchmark (``python -m runtime.bench cpu-kernels``). ``accuracy_level`` picks the compute type: 4 quantizes the
 activations to int8 per block (fastest; integer dot products), 1 computes in fp32 (weights
 dequantized block by block on the fly). Inputs and outputs are torch tensors sharing memory with
 the numpy arrays ONNX Runtime reads / returns (no copy).
@@ -19,21 +19,19 @@ from onnx import TensorProto, helper, numpy_helper
 
 from runtime.model.cpu.gguf_blocks import BLOCK, BlockWeight
 
-_threads: int | None = None
+_threads = 1   # intra-op threads of each session (init_threads)
 
 
 def init_threads(threads: int) -> None:
-    """Size ONNX Runtime's process-wide thread pool (once per process, before any session).
+    """Threads each ONNX Runtime session of this process computes with (sessions opened later).
 
-    Raises:
-        RuntimeError: called again with a different count (the pool cannot be resized).
+    Every session gets its own pool of ``threads - 1`` helper threads that sleep between runs
+    (spinning off): a rank's sessions run one at a time, and on a loaded or shared machine
+    spinning helpers (or one process-wide spinning pool) take the cores the other stage and
+    the Python thread need.
     """
     global _threads
-    if _threads is None:
-        ort.set_global_thread_pool_sizes(threads, 1)
-        _threads = threads
-    elif _threads != threads:
-        raise RuntimeError(f"ONNX Runtime threads already set to {_threads}, asked for {threads}")
+    _threads = max(1, int(threads))
 
 
 def _graph(w: BlockWeight, accuracy_level: int) -> bytes:
@@ -55,13 +53,8 @@ def _graph(w: BlockWeight, accuracy_level: int) -> bytes:
 
 
 def _session(w: BlockWeight, accuracy_level: int) -> ort.InferenceSession:
-    so = ort.SessionOptions()
-    so.use_per_session_threads = _threads is None
-    so.intra_op_num_threads = 1 if _threads is None else 0
-    so.inter_op_num_threads = 1
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(_graph(w, accuracy_level), so, providers=["CPUExecutionProvider"])
+    from runtime.model.cpu.segments import open_session
+    return open_session(_graph(w, accuracy_level))
 
 
 class QuantLinear:

@@ -92,14 +92,10 @@ class _Builder:
 
 
 def open_session(model: bytes) -> ort.InferenceSession:
-    """A CPU session on the process-wide thread pool (``ort_linear.init_threads``) when one is
-    set, else one on the calling thread only."""
+    """A CPU session with ``ort_linear.init_threads`` intra-op threads, spinning off."""
     from runtime.model.cpu import ort_linear
     so = ort.SessionOptions()
-    shared = ort_linear._threads is not None
-    so.use_per_session_threads = not shared
-    if not shared:
-        so.intra_op_num_threads = so.inter_op_num_threads = 1
+    so.intra_op_num_threads, so.inter_op_num_threads = ort_linear._threads, 1
     so.log_severity_level = 3
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")

@@ -33,9 +33,11 @@ def plan_threads(total: int | None, pp_size: int, rank: int,
 
 
 def apply_threads(threads: int, cores: list[int] | None) -> None:
-    """Pin this process to ``cores`` (when given) and size torch's and ONNX Runtime's pools."""
+    """Pin this process to ``cores`` (when given); ``threads`` for ONNX Runtime's GEMM segments,
+    one torch thread (attention of a step is small and its ops are short: waking a second
+    thread costs more than it saves)."""
     from runtime.model.cpu.ort_linear import init_threads
     if cores:
         os.sched_setaffinity(0, cores)
-    torch.set_num_threads(threads)
+    torch.set_num_threads(1)
     init_threads(threads)
