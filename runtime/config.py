@@ -67,7 +67,9 @@ class EngineConfig(BaseModel):
         "Runtime int8 GEMMs (docs/cpu_fast_path.md; runtime.serve's default)")
     cpu_threads: int | None = Field(default=None, ge=1, description="fast CPU path: threads the "
                                     "ranks of the pipeline share, split evenly between stages "
-                                    "and each rank pinned to its own cores (default: all cores)")
+                                    "(default: all cores)")
+    cpu_pin: bool = Field(default=True, description="fast CPU path: pin each rank to its own "
+                          "share of the cores (spawn launcher, one pipeline)")
     step_timeout_s: float = Field(default=120.0, gt=0, description="seconds any receive, "
                                   "collective or step may take (then the engine fails)")
     heartbeat_timeout_s: float = Field(default=6.0, gt=1.0, description="seconds a rank may be "

@@ -107,7 +107,7 @@ class _Worker:
         if device.type == "cpu" and cfg.cpu_path == "fast" and cfg.scheduler.num_spec_tokens == 0:
             from runtime.model.cpu.fast_stage import load_fast_stage
             from runtime.model.cpu.threads import apply_threads, plan_threads
-            pin = cfg.launcher == "spawn" and cfg.dp_size == 1
+            pin = cfg.cpu_pin and cfg.launcher == "spawn" and cfg.dp_size == 1
             threads, cores = plan_threads(cfg.cpu_threads, cfg.scheduler.pp_size, self.rank)
             apply_threads(threads, cores if pin else None)
             return load_fast_stage(self.args.model_path, self.args.layer_range, **common)
