@@ -114,3 +114,11 @@ def test_engine_pp2_fast_path_matches_fast_stage(tmp_path):
     finally:
         eng.close()
     assert [g["token_ids"] for g in got] == want
+
+
+def test_fast_path_partition_weighs_the_cheaper_lm_head():
+    from runtime.engine.plan import plan_layers
+    from runtime.model.stage import load_model_config
+    cfg = load_model_config("default")
+    assert plan_layers(EngineConfig(pp_size=2), cfg) == [(0, 19), (19, 30)]
+    assert plan_layers(EngineConfig(pp_size=2, cpu_path="fast"), cfg) == [(0, 16), (16, 30)]
