@@ -68,8 +68,9 @@ class EngineConfig(BaseModel):
     cpu_threads: int | None = Field(default=None, ge=1, description="fast CPU path: threads the "
                                     "ranks of the pipeline share, split evenly between stages "
                                     "(default: all cores)")
-    cpu_pin: bool = Field(default=True, description="fast CPU path: pin each rank to its own "
-                          "share of the cores (spawn launcher, one pipeline)")
+    cpu_pin: bool = Field(default=False, description="fast CPU path: pin each rank to its own "
+                          "share of the cores (spawn launcher, one pipeline; on a machine shared "
+                          "with other jobs pinning measured 1.3-3x slower)")
     step_timeout_s: float = Field(default=120.0, gt=0, description="seconds any receive, "
                                   "collective or step may take (then the engine fails)")
     heartbeat_timeout_s: float = Field(default=6.0, gt=1.0, description="seconds a rank may be "

@@ -32,7 +32,7 @@ from runtime.model.registry import default_model_path
 CONFIGS = {  # name -> ppstate serve flags
     "fast-pp1": ["--pp", "1", "--cpu-path", "fast"],
     "fast-pp2": ["--pp", "2", "--cpu-path", "fast"],
-    "fast-pp2-unpinned": ["--pp", "2", "--cpu-path", "fast", "--no-cpu-pin"],
+    "fast-pp2-pinned": ["--pp", "2", "--cpu-path", "fast", "--cpu-pin"],
     "exact-pp1": ["--pp", "1", "--cpu-path", "exact"],
     "exact-pp2": ["--pp", "2", "--cpu-path", "exact"],
 }
@@ -130,7 +130,7 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
                             str(args.port), "-t", str(cores), "-np", str(args.concurrency),
                             "-c", str(args.concurrency * (args.input_len + args.output_len + 16))]
     for name, flags in CONFIGS.items():
-        if name.endswith("-unpinned") and not args.only:
+        if name.endswith("-pinned") and not args.only:
             continue
         out[name] = [sys.executable, "-m", "runtime.serve", "--port", str(args.port), *flags,
                      "--kv-cache-memory", args.kv_cache_memory]

@@ -1,8 +1,11 @@
 """How the ranks of one pipeline share the machine's cores on the CPU fast path.
 
 The stages of a pipeline run at the same time (overlapped schedule), so each rank gets its own
-share of the cores, pinned, rather than every rank spreading over all of them (two stages would
-then fight for the same cores and both slow down; ``python -m runtime.bench contention``).
+share of the threads rather than every rank spreading over all cores (two stages would then fight
+for the same cores and both slow down; ``python -m runtime.bench contention``). Pinning each rank
+to its own cores (``--cpu-pin``) is off by default: on the shared 2-core machine a pinned rank
+could not move off a core busy with other jobs, and PP=2 served 1.3-3x slower pinned
+(``benchmarks/results/cpu-serve-2026-12-02-round2.json``).
 """
 
 from __future__ import annotations
