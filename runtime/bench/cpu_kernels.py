@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from runtime.model.cpu.gguf_blocks import from_gguf, requantize
-from runtime.model.cpu.ort_linear import QuantLinear, init_threads
+from runtime.model.cpu.ort_linear import QuantLinear
+from runtime.model.cpu.sessions import init_threads
 from runtime.model.gguf_file import tensor_data
 from runtime.model.registry import default_model_path
 from runtime.model.weights import open_checkpoint

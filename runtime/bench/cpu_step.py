@@ -19,7 +19,7 @@ import torch
 from runtime.bench.results import command_line, write_result
 from runtime.model.batch_meta import BatchMeta
 from runtime.model.cpu.fast_stage import load_fast_stage
-from runtime.model.cpu.ort_linear import init_threads
+from runtime.model.cpu.sessions import init_threads
 from runtime.model.stage import load_stage
 
 CONTEXT = 64

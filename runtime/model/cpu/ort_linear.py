@@ -1,7 +1,7 @@
 """A linear layer over GGUF blocks run by ONNX Runtime's ``MatMulNBits`` (com.microsoft contrib
 op; CPU kernels from MLAS): ``y [T, N] = x [T, K] @ w.T`` with ``w`` never dequantized in memory.
 
-Each weight is one tiny ONNX graph (one node) in its own session (:func:`init_threads` sets
+Each weight is one tiny ONNX graph (one node) in its own session (``sessions.init_threads`` sets
 their threads); the stage itself uses the fused graphs of :mod:`runtime.model.cpu.segments`, this
 module serves the kernel benchmark (``python -m runtime.bench cpu-kernels``). ``accuracy_level`` picks the compute type: 4 quantizes the
 activations to int8 per block (fastest; integer dot products), 1 computes in fp32 (weights
@@ -18,21 +18,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from runtime.model.cpu.gguf_blocks import BLOCK, BlockWeight
-
-_threads = 1   # intra-op threads of each session (init_threads)
-
-
-def init_threads(threads: int) -> None:
-    """Threads each ONNX Runtime session of this process computes with (sessions opened later).
-
-    Every session gets its own pool of ``threads - 1`` helper threads that sleep between runs
-    (spinning off): a rank's sessions run one at a time, and on a loaded or shared machine
-    spinning helpers (or one process-wide spinning pool) take the cores the other stage and
-    the Python thread need.
-    """
-    global _threads
-    _threads = max(1, int(threads))
-
+from runtime.model.cpu.sessions import open_session
 
 def _graph(w: BlockWeight, accuracy_level: int) -> bytes:
     """The one-node ONNX model ``Y = MatMulNBits(X, B, scales[, zero_points])``, serialized."""
@@ -53,7 +39,6 @@ def _graph(w: BlockWeight, accuracy_level: int) -> bytes:
 
 
 def _session(w: BlockWeight, accuracy_level: int) -> ort.InferenceSession:
-    from runtime.model.cpu.segments import open_session
     return open_session(_graph(w, accuracy_level))
 
 

@@ -23,6 +23,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from runtime.model.cpu.gguf_blocks import BLOCK, BlockWeight
+from runtime.model.cpu.sessions import open_session
 
 MS = "com.microsoft"
 
@@ -89,20 +90,6 @@ class _Builder:
                                                         helper.make_opsetid(MS, 1)])
         model.ir_version = 9
         return open_session(model.SerializeToString())
-
-
-def open_session(model: bytes) -> ort.InferenceSession:
-    """A CPU session with ``ort_linear.init_threads`` intra-op threads, spinning off, and no
-    memory arena (a rank holds ~30 sessions; arenas kept each one's largest prefill activations,
-    +480 MiB RSS after one 512-token chunk)."""
-    from runtime.model.cpu import ort_linear
-    so = ort.SessionOptions()
-    so.intra_op_num_threads, so.inter_op_num_threads = ort_linear._threads, 1
-    so.log_severity_level = 3
-    so.enable_cpu_mem_arena = False
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
 
 
 _F = TensorProto.FLOAT

@@ -39,7 +39,7 @@ def apply_threads(threads: int, cores: list[int] | None) -> None:
     """Pin this process to ``cores`` (when given); ``threads`` for ONNX Runtime's GEMM segments,
     one torch thread (attention of a step is small and its ops are short: waking a second
     thread costs more than it saves)."""
-    from runtime.model.cpu.ort_linear import init_threads
+    from runtime.model.cpu.sessions import init_threads
     if cores:
         os.sched_setaffinity(0, cores)
     torch.set_num_threads(1)
