@@ -105,6 +105,10 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--device", "device"),
     Flag("--dtype", "dtype"),
     Flag("--torch-threads", "torch_threads"),
+    Flag("--cpu-path", "cpu_path", "CPU ranks: exact = fp32 reference (equal to transformers); "
+         "fast = quantized weights, ONNX Runtime int8 GEMMs (runtime.serve defaults to fast)"),
+    Flag("--cpu-threads", "cpu_threads"),
+    Flag("--cpu-pin", "cpu_pin"),
     Flag("--step-timeout", "step_timeout_s"),
     Flag("--heartbeat-timeout", "heartbeat_timeout_s"),
     Flag("--stall-timeout", "stall_timeout_s"),

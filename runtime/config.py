@@ -64,6 +64,16 @@ class EngineConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto", description="auto: float32 on the CPU, bfloat16 on CUDA")
     torch_threads: int = Field(default=1, ge=1, description="torch intra-op threads per rank (CPU)")
+    cpu_path: Literal["exact", "fast"] = Field(
+        default="exact", description="CPU ranks: exact = the fp32, batch-invariant reference "
+        "(token-for-token equal to transformers; tests); fast = weights kept quantized, ONNX "
+        "Runtime int8 GEMMs (docs/cpu_fast_path.md; runtime.serve's default)")
+    cpu_threads: int | None = Field(default=None, ge=1, description="fast CPU path: threads the "
+                                    "ranks of the pipeline share, split evenly between stages "
+                                    "(default: all cores)")
+    cpu_pin: bool = Field(default=False, description="fast CPU path: pin each rank to its own "
+                          "share of the cores (spawn launcher, one pipeline; on a machine shared "
+                          "with other jobs pinning measured 1.3-3x slower)")
     step_timeout_s: float = Field(default=120.0, gt=0, description="seconds any receive, "
                                   "collective or step may take (then the engine fails)")
     heartbeat_timeout_s: float = Field(default=6.0, gt=1.0, description="seconds a rank may be "

@@ -82,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --restart-workers: seconds before the first restart, doubled for "
                    "each later one (at most 30 s)")
     add_engine_flags(p)
+    p.set_defaults(cpu_path="fast")  # serving: quantized CPU path (tests keep EngineConfig's exact)
     return p
 
 

@@ -127,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
 SUBCOMMANDS = {"gpu": "runtime.bench.gpu", "serve": "runtime.bench.serve",
                "pp": "runtime.bench.pp", "sched": "runtime.bench.sched",
                "contention": "runtime.bench.contention", "mirror": "runtime.bench.mirror",
-               "keepalive": "runtime.bench.keepalive"}
+               "keepalive": "runtime.bench.keepalive", "cpu-serve": "runtime.bench.cpu_serve",
+               "cpu-kernels": "runtime.bench.cpu_kernels"}
 
 
 if __name__ == "__main__":

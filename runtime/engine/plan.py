@@ -70,8 +70,13 @@ def plan_layers(config: EngineConfig, model_cfg: ModelConfig) -> list[tuple[int,
         ValueError: bad ``pp_layer_partition`` (message names ``--pp-layer-partition``).
     """
     n, pp = model_cfg.num_layers, config.scheduler.pp_size
-    return (parse_partition(config.pp_layer_partition, n, pp) if config.pp_layer_partition
-            else split_layers(n, pp, model_cfg))
+    if config.pp_layer_partition:
+        return parse_partition(config.pp_layer_partition, n, pp)
+    measured = None
+    if config.cpu_path == "fast" and not uses_cuda(config.device):   # quantized LM head: cheaper
+        from runtime.model.cpu import HEAD_COST_LAYERS
+        measured = (1.0, HEAD_COST_LAYERS)
+    return split_layers(n, pp, model_cfg, measured=measured)
 
 
 def check_resources(config: EngineConfig, model_cfg: ModelConfig) -> None:

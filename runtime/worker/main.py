@@ -72,10 +72,7 @@ class _Worker:
         self.groups = init_groups(self.rank, cfg.scheduler.pp_size, self.args.init_method, device,
                                   cfg.step_timeout_s)
         dtype = pick_dtype(cfg, device)
-        stage = load_stage(self.args.model_path, self.args.layer_range, dtype=dtype,
-                           device=device, max_num_reqs=cfg.scheduler.max_num_seqs,
-                           max_model_len=cfg.scheduler.max_model_len, progress=(self.rank == 0),
-                           block_size=cfg.scheduler.block_size, num_blocks=1)
+        stage = self._load_stage(cfg, device, dtype)
         start, end = self.args.layer_range
         self.num_kv_blocks = rank_num_blocks(cfg, stage.cfg, end - start, dtype, device)
         stage.allocate_kv_cache(self.num_kv_blocks)
@@ -106,6 +103,22 @@ class _Worker:
                                   cfg.validate_every, sink, fast=fast, graphs=graphs,
                                   progress=self.progress, spec=spec, grammar=grammar)
         self.sink = sink
+
+    def _load_stage(self, cfg: EngineConfig, device: torch.device, dtype: torch.dtype):
+        """The rank's layers: the CPU fast path (quantized weights, this rank's share of the
+        cores; ``docs/cpu_fast_path.md``) or the reference ``StageModel``."""
+        common = dict(max_num_reqs=cfg.scheduler.max_num_seqs, progress=(self.rank == 0),
+                      max_model_len=cfg.scheduler.max_model_len,
+                      block_size=cfg.scheduler.block_size, num_blocks=1)
+        if device.type == "cpu" and cfg.cpu_path == "fast" and cfg.scheduler.num_spec_tokens == 0:
+            from runtime.model.cpu.fast_stage import load_fast_stage
+            from runtime.model.cpu.threads import apply_threads, plan_threads
+            pin = cfg.cpu_pin and cfg.launcher == "spawn" and cfg.dp_size == 1
+            threads, cores = plan_threads(cfg.cpu_threads, cfg.scheduler.pp_size, self.rank)
+            apply_threads(threads, cores if pin else None)
+            return load_fast_stage(self.args.model_path, self.args.layer_range, **common)
+        return load_stage(self.args.model_path, self.args.layer_range, dtype=dtype,
+                          device=device, batch_invariant=True, **common)
 
     def _fast_path(self, stage, cfg: EngineConfig, device: torch.device):
         """CUDA: the Triton fast path over the stage's cache, and (unless ``--enforce-eager``)

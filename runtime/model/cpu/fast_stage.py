@@ -1,0 +1,153 @@
+"""One pipeline stage on the CPU fast path: quantized GEMMs in ONNX Runtime segments
+(:mod:`runtime.model.cpu.segments`), attention in torch over the same paged KV cache and with the
+same code as the reference path (``runtime.model.layers.attend``, SDPA form).
+
+Drop-in for :class:`~runtime.model.stage.StageModel` in a worker: same ``forward(meta, ...)``
+contract (first stage ``input_ids [T]``; later ones ``hidden, residual [T, H]``; the last returns
+fp32 logits ``[R, V]``), same KV cache layout and ``allocate_kv_cache``, same input checks. Results
+are close to, not equal to, the reference (int8 activations, 8- or 4-bit weights): see
+``docs/cpu_fast_path.md`` for the measured agreement.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from runtime.model.batch_meta import BatchMeta, contiguous_block_table
+from runtime.model.cpu.quant_weights import read_embedding, read_head, read_layer
+from runtime.model.cpu.segments import head_segment, mid_segment, tail_segment
+from runtime.model.errors import PartitionError
+from runtime.model.layers import apply_rope, attend, rope_inv_freq, rope_tables
+from runtime.model.registry import resolve_model_path
+from runtime.model.stage import StageModel
+from runtime.model.weights import open_checkpoint
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return np.ascontiguousarray(t.numpy())
+
+
+class CpuFastStage(nn.Module):
+    """Layers ``[start, end)`` with quantized weights (see module doc); build with
+    :func:`load_fast_stage`.
+
+    Attributes:
+        kv_cache: ``[L, 2, num_blocks, block_size, KVH, D]`` fp32 (as ``StageModel``).
+        weight_bytes: bytes of the quantized weights held by the ONNX Runtime sessions plus the
+            embedding.
+    """
+
+    allocate_kv_cache = StageModel.allocate_kv_cache
+    _check = StageModel._check
+
+    def __init__(self, ckpt, layer_range: tuple[int, int], *, max_num_reqs: int,
+                 max_model_len: int, block_size: int = 16, num_blocks: int | None = None,
+                 bits: int = 8, accuracy_level: int = 4, progress: bool = False) -> None:
+        super().__init__()
+        cfg = self.cfg = ckpt.config
+        self.layer_start, self.layer_end = layer_range
+        self.is_first, self.is_last = self.layer_start == 0, self.layer_end == cfg.num_layers
+        self.max_num_reqs, self.max_model_len, self.block_size = max_num_reqs, max_model_len, block_size
+        eps, n = cfg.rms_norm_eps, self.layer_end - self.layer_start
+        self.embed = read_embedding(ckpt) if self.is_first else None
+        head = read_head(ckpt) if self.is_last else None
+        self.weight_bytes = 0 if self.embed is None else self.embed.q.numel() + self.embed.scales.numel() * 4
+        self.layers, self.segments, prev = [None] * n, [], None
+        for j in tqdm(range(n), desc="quantized layers", disable=not progress, leave=False):
+            layer = read_layer(ckpt, self.layer_start + j, bits)
+            self.weight_bytes += sum(w.packed.nbytes + w.scales.nbytes + (
+                0 if w.zero_points is None else w.zero_points.nbytes)
+                for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+            self.segments.append(head_segment(layer, accuracy_level, eps) if prev is None
+                                 else mid_segment(prev, layer, accuracy_level, eps))
+            prev = layer
+        self.segments.append(tail_segment(prev, accuracy_level, eps, head))
+        if head is not None:
+            self.weight_bytes += head[1].packed.nbytes + head[1].scales.nbytes
+        self.norm_weight = nn.Parameter(torch.from_numpy(prev.ln1.copy()), requires_grad=False)
+        cos, sin = rope_tables(rope_inv_freq(cfg, ckpt.rope_freq_factors()
+                                             if hasattr(ckpt, "rope_freq_factors") else None),
+                               max_model_len)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.default_block_table = contiguous_block_table(max_num_reqs, max_model_len, block_size)
+        self.register_buffer("kv_cache", torch.zeros(0), persistent=False)
+        self.allocate_kv_cache(num_blocks or self.default_block_table.numel(), torch.float32, "cpu")
+
+    @torch.inference_mode()
+    def forward(self, meta: BatchMeta, input_ids: torch.Tensor | None = None,
+                hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+        """One step (T tokens, R rows); contract and errors of ``StageModel.forward``."""
+        if meta.own_layout:
+            meta = BatchMeta.build(meta.slots.cpu(), meta.start_positions.cpu(), meta.query_lens.cpu(),
+                                   self.kv_cache.device, self.default_block_table, self.block_size)
+        self._check(meta, input_ids, hidden)
+        if self.is_first:
+            hidden = self.embed(input_ids)
+            residual = torch.zeros_like(hidden)
+        elif residual is None:
+            residual = torch.zeros_like(hidden)
+        cos = self.rope_cos.index_select(0, meta.positions)
+        sin = self.rope_sin.index_select(0, meta.positions)
+        qkv, res = self.segments[0].run(None, {"x": _np(hidden.float()), "res": _np(residual.float())})
+        last = len(self.layers) - 1
+        for i in range(last + 1):
+            attn = _np(self._attend(torch.from_numpy(qkv), meta, cos, sin, i))
+            if i < last:
+                qkv, res = self.segments[i + 1].run(None, {"x": attn, "res": res})
+        if self.is_last:
+            rows = _np(meta.last_token.to(torch.int64))
+            return torch.from_numpy(self.segments[-1].run(None, {"x": attn, "res": res, "rows": rows})[0])
+        out, res = self.segments[-1].run(None, {"x": attn, "res": res})
+        return torch.from_numpy(out), torch.from_numpy(res)
+
+    def _attend(self, qkv: torch.Tensor, meta: BatchMeta, cos: torch.Tensor, sin: torch.Tensor,
+                i: int) -> torch.Tensor:
+        """RoPE, KV write and attention of local layer ``i``: ``qkv [T, (NH + 2 KVH) D]`` ->
+        ``[T, NH D]``."""
+        cfg, t = self.cfg, qkv.shape[0]
+        nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
+        q = apply_rope(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = apply_rope(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        return attend(q, k, v.reshape(t, cfg.num_kv_heads, cfg.head_dim), meta,
+                      self.kv_cache[i, 0], self.kv_cache[i, 1], invariant=False)
+
+
+def load_fast_stage(model: str | Path, layer_range: tuple[int, int], *, max_num_reqs: int,
+                    max_model_len: int, block_size: int = 16, num_blocks: int | None = None,
+                    bits: int = 8, accuracy_level: int = 4, progress: bool = False) -> CpuFastStage:
+    """Load the stage owning layers ``[start, end)`` for the CPU fast path (see
+    :class:`CpuFastStage`; ``bits``: 8 or 4 for the layer GEMMs; ``accuracy_level``: the
+    ``MatMulNBits`` compute type, 4 = int8 activations, 1 = fp32).
+
+    Raises:
+        PartitionError: invalid layer range; the errors of resolving / reading the checkpoint.
+    """
+    ckpt = open_checkpoint(resolve_model_path(model))
+    start, end = layer_range
+    if not 0 <= start < end <= ckpt.config.num_layers:
+        raise PartitionError(f"layer range {layer_range} is invalid for {ckpt.config.num_layers} layers")
+    stage = CpuFastStage(ckpt, layer_range, max_num_reqs=max_num_reqs, max_model_len=max_model_len,
+                         block_size=block_size, num_blocks=num_blocks, bits=bits,
+                         accuracy_level=accuracy_level, progress=progress).eval()
+    _release_free_memory()
+    return stage
+
+
+def _release_free_memory() -> None:
+    """Hand the loader's freed temporaries (fp32 blocks, serialized graphs) back to the OS
+    (glibc keeps them otherwise: ~140 MiB of RSS per rank)."""
+    import ctypes
+    import gc
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):   # not glibc
+        pass
