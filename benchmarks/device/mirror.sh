@@ -25,9 +25,9 @@ timeout 100 python3 -m pytest -p no:cacheprovider -q -rs --durations=15 \
 echo "pytest rc=$?" | tee -a "$log"
 tail -4 "$out/mirror-tests.log"
 
-timeout 40 python3 -m runtime.bench mirror --rows 128,256 --device cuda --steps 200 --rounds 7 \
+timeout 40 python3 -m runtime.bench mirror --rows 128,256 --device cuda --steps 30 --rounds 7 \
   --json-out "$out/mirror-micro-gpu.json" >> "$log" 2>&1
-timeout 30 python3 -m runtime.bench mirror --rows 128,256 --device cpu --steps 100 --rounds 5 \
+timeout 30 python3 -m runtime.bench mirror --rows 128,256 --device cpu --steps 30 --rounds 5 \
   --json-out "$out/mirror-micro-cpu.json" >> "$log" 2>&1
 
 folder=/tmp/smollm2-random

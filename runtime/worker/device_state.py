@@ -147,7 +147,7 @@ class DeviceState:
                             self.num_computed_tokens)
         self.mirror.apply_rejected(idx_mapping_np, num_rejected_np)
         keep = idx_mapping_np >= 0
-        np.add.at(self.total_len_np, idx_mapping_np[keep], num_sampled_np[keep])
+        self.total_len_np[idx_mapping_np[keep]] += num_sampled_np[keep]   # a step's slots are distinct
 
     def live_slots(self) -> np.ndarray:
         """``[num_live]`` slots that hold a request."""
