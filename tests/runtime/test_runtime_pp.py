@@ -204,11 +204,11 @@ def test_finished_and_aborted_ids_are_served_again_live_ids_rejected(pp2):
 
 
 def test_low_concurrency_sequential_requests(pp2):
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    """One request at a time: each alone in the pipeline from prefill to its last decode step."""
     for i, p in enumerate(_prompts(4, 3, 12, seed=3)):
-        r = pp2.generate([p], params, prefix=f"seq{i}-")[0]
-        assert len(r["token_ids"]) == 16 and r["finish_reason"] == "length"
-        assert tuple(r["token_ids"]) == greedy_reference(tuple(p), 16)
+        r = pp2.generate([p], GREEDY, prefix=f"seq{i}-")[0]
+        assert len(r["token_ids"]) == NEW_TOKENS and r["finish_reason"] == "length"
+        assert tuple(r["token_ids"]) == greedy_reference(tuple(p), NEW_TOKENS)
 
 
 def test_long_prompt_alone_chunked_pipeline_no_stall(pp2):
