@@ -1,21 +1,43 @@
-"""`python -m runtime.generate` user errors: one line naming the flag, no traceback, no workers."""
+"""`python -m runtime.generate` user errors: one line naming the flag, no traceback, no workers.
+
+The CLI's ``main`` runs in the test process (a subprocess per case only added a Python + torch
+start-up each); the real ``python -m runtime.generate`` entry point runs in test_torchrun.py. An
+exception escaping ``main`` fails the test, as a traceback on stderr would have; a logged
+traceback is caught through ``caplog``.
+"""
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import logging
+import multiprocessing as mp
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from runtime.config import EngineConfig
 from runtime.engine.plan import check_resources
+from runtime.generate import main
 from runtime.model.stage import load_model_config
 
 
-def _generate(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "runtime.generate", "--prompt", "Hello", *args],
-                          capture_output=True, text=True, timeout=120)
+@pytest.fixture
+def generate(capsys, caplog):
+    """``generate(*flags)``: ``main(["--prompt", "Hello", *flags])`` as the CLI runs it, returning
+    ``(returncode, stderr)`` (argparse errors exit with code 2, as from the shell)."""
+    caplog.set_level(logging.DEBUG)
+
+    def run(*args: str) -> SimpleNamespace:
+        before = {c.pid for c in mp.active_children()}
+        try:
+            rc = main(["--prompt", "Hello", *args])
+        except SystemExit as exc:
+            rc = exc.code
+        err = capsys.readouterr().err
+        assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+        assert not [c for c in mp.active_children() if c.pid not in before], "a worker started"
+        return SimpleNamespace(returncode=rc, stderr=err)
+    return run
 
 
 @pytest.mark.parametrize("args, rc, expected", [
@@ -29,16 +51,16 @@ def _generate(*args: str) -> subprocess.CompletedProcess:
     (["--max-model-len", "999999"], 1,
      "error: --max-model-len: 999999 exceeds the model's context length 8192"),
 ])
-def test_user_errors_are_one_line_naming_the_flag(args, rc, expected):
-    res = _generate(*args)
+def test_user_errors_are_one_line_naming_the_flag(generate, args, rc, expected):
+    res = generate(*args)
     assert res.returncode == rc, res.stderr
     assert expected in res.stderr
     assert "Traceback" not in res.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
-def test_cuda_without_cuda_is_refused_before_any_worker_starts():
-    res = _generate("--device", "cuda")
+def test_cuda_without_cuda_is_refused_before_any_worker_starts(generate):
+    res = generate("--device", "cuda")
     assert res.returncode == 1
     assert "error: --device: cuda was asked for but torch sees no CUDA device" in res.stderr
 

@@ -204,30 +204,24 @@ def test_finished_and_aborted_ids_are_served_again_live_ids_rejected(pp2):
 
 
 def test_low_concurrency_sequential_requests(pp2):
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    """One request at a time: each alone in the pipeline from prefill to its last decode step."""
     for i, p in enumerate(_prompts(4, 3, 12, seed=3)):
-        r = pp2.generate([p], params, prefix=f"seq{i}-")[0]
-        assert len(r["token_ids"]) == 16 and r["finish_reason"] == "length"
-        assert tuple(r["token_ids"]) == greedy_reference(tuple(p), 16)
+        r = pp2.generate([p], GREEDY, prefix=f"seq{i}-")[0]
+        assert len(r["token_ids"]) == NEW_TOKENS and r["finish_reason"] == "length"
+        assert tuple(r["token_ids"]) == greedy_reference(tuple(p), NEW_TOKENS)
 
 
-@pytest.fixture(scope="module")
-def pp2_chunk64():
-    eng = _engine(pp_size=2, max_prefill_chunk=64)
-    yield eng
-    eng.close()
-
-
-def test_long_prompt_alone_chunked_pipeline_no_stall(pp2_chunk64):
+def test_long_prompt_alone_chunked_pipeline_no_stall(pp2):
+    """320 tokens alone: 10 prefill chunks of 32 through both stages, then decode."""
     prompt = _prompts(1, 320, 320, seed=4)[0]
-    r = pp2_chunk64.generate([prompt], GREEDY, prefix="long-")[0]
+    r = pp2.generate([prompt], GREEDY, prefix="long-")[0]
     assert tuple(r["token_ids"]) == greedy_reference(tuple(prompt), NEW_TOKENS)
 
 
-def test_planted_device_corruption_on_rank1_stops_engine(pp2_chunk64):
-    """Runs last on this engine: it kills it."""
+def test_planted_device_corruption_on_rank1_stops_engine(pp2):
+    """Runs last on this engine (the last test of the module using ``pp2``): it kills it."""
     from runtime import transport as tp
-    eng = pp2_chunk64.engine
+    eng = pp2.engine
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
 
     async def go():
@@ -245,7 +239,7 @@ def test_planted_device_corruption_on_rank1_stops_engine(pp2_chunk64):
                 return out
         return None
 
-    last = pp2_chunk64.run(go(), timeout=120)
+    last = pp2.run(go(), timeout=120)
     assert last is not None and last.finished and last.error is not None
     assert "MirrorDivergence" in last.error and "rank 1" in last.error
     assert "num_computed_tokens" in last.error

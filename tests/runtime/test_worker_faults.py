@@ -4,6 +4,9 @@ The engine must notice (process exit, or no heartbeat for ``heartbeat_timeout_s`
 case runs with ``step_timeout_s`` far above the test's own timeout so only the heartbeat can
 catch it), fail every in-flight request (non-stream: HTTP 503 JSON; stream: an error event, then
 ``[DONE]``), answer 503 on ``/health`` and leave no worker process behind.
+
+The frozen case runs on the engine of the held-up-loop test (``heartbeat_timeout_s=2``), after
+that test: one engine start less, and the freeze is noticed after 2 s of silence instead of 6.
 """
 
 from __future__ import annotations
@@ -35,18 +38,50 @@ def sse(text: str) -> list:
             for b in text.strip().split("\n\n")]
 
 
+def _fault_engine(**kw) -> AppEngine:
+    return AppEngine(EngineConfig(pp_size=2, max_model_len=96, max_num_seqs=4, max_prefill_chunk=32,
+                                  max_num_batched_tokens=64, step_timeout_s=3600.0, **kw))
+
+
+@pytest.fixture(scope="module")
+def hb2_engine():
+    """``heartbeat_timeout_s=2``: first held up (it must survive), then frozen (it must die)."""
+    eng = _fault_engine(heartbeat_timeout_s=2.0)
+    yield eng
+    if not getattr(eng, "closed", False):
+        eng.close()
+
+
+def test_engine_loop_held_up_longer_than_the_heartbeat_timeout_is_not_a_rank_failure(hb2_engine):
+    """The 10,000-request load run on a starved machine once read a late-read heartbeat as a
+    silent rank; silence is judged after draining what the ranks already sent."""
+    import time
+
+    from runtime.sampling_params import SamplingParams
+    eng = hb2_engine
+
+    async def hold_up():
+        time.sleep(3 * eng.engine.config.heartbeat_timeout_s)  # the whole loop blocked
+    eng.run(hold_up())
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    r = eng.run(eng.collect("after-hold", [100, 200, 300], params))
+    assert eng.engine.is_alive and eng.engine.error is None
+    assert r["finish_reason"] == "length" and len(r["token_ids"]) == 5
+
+
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
-def test_rank_killed_or_frozen_mid_decode_fails_every_request(fault):
-    before = {c.pid for c in _rank_children()}  # engines other tests share stay alive
-    eng = AppEngine(EngineConfig(pp_size=2, max_model_len=96, max_num_seqs=4, max_prefill_chunk=32,
-                                 max_num_batched_tokens=64, step_timeout_s=3600.0))
+def test_rank_killed_or_frozen_mid_decode_fails_every_request(fault, request):
+    # SIGSTOP: the engine the held-up test left alive (runs after it in this module)
+    eng = request.getfixturevalue("hb2_engine") if fault == "SIGSTOP" else _fault_engine()
     procs = list(eng.engine.pool.procs)
+    before = {c.pid for c in _rank_children()} - {p.pid for p in procs}  # other tests' engines
     try:
         async def go():
             plain = asyncio.ensure_future(eng.apost(COMP, BODY))
             stream = asyncio.ensure_future(eng.apost(COMP, {**BODY, "stream": True}))
-            sched = eng.engine.sched
-            while not (sched.num_running == 2 and eng.engine.stats()["generated_tokens_total"] >= 6):
+            sched, stats = eng.engine.sched, eng.engine.stats
+            base = stats()["generated_tokens_total"]  # the SIGSTOP engine has served before
+            while not (sched.num_running == 2 and stats()["generated_tokens_total"] >= base + 6):
                 await asyncio.sleep(0.01)            # both decoding, tokens delivered
             os.kill(procs[1].pid, getattr(signal, fault))
             return await plain, await stream
@@ -68,25 +103,6 @@ def test_rank_killed_or_frozen_mid_decode_fails_every_request(fault):
         assert eng.engine.error in err["message"]
     finally:
         eng.close()
+        eng.closed = True
     assert [p.is_alive() for p in procs] == [False, False]   # no orphan ranks
     assert not [c for c in _rank_children() if c.pid not in before]
-
-
-def test_engine_loop_held_up_longer_than_the_heartbeat_timeout_is_not_a_rank_failure():
-    """The 10,000-request load run on a starved machine once read a late-read heartbeat as a
-    silent rank; silence is judged after draining what the ranks already sent."""
-    import time
-
-    from runtime.sampling_params import SamplingParams
-    eng = AppEngine(EngineConfig(pp_size=2, max_model_len=64, max_num_seqs=4,
-                                 heartbeat_timeout_s=2.0, step_timeout_s=3600.0))
-    try:
-        async def hold_up():
-            time.sleep(3 * eng.engine.config.heartbeat_timeout_s)  # the whole loop blocked
-        eng.run(hold_up())
-        params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-        r = eng.run(eng.collect("after-hold", [100, 200, 300], params))
-        assert eng.engine.is_alive and eng.engine.error is None
-        assert r["finish_reason"] == "length" and len(r["token_ids"]) == 5
-    finally:
-        eng.close()

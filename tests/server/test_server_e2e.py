@@ -3,10 +3,16 @@
 One server start per module (~45 s on the 2-core machine); the transformers reference loads while
 the server starts. Greedy outputs are compared as token ids: the server returns them through
 logprobs with vLLM's ``return_tokens_as_token_ids`` extension, so the comparison is exact.
+
+The same start checks issue #12's process behaviour (item 5 and the /health-while-loading bug):
+``/health`` is 503 ``loading`` before the model is up, and the last test stops the server with
+SIGTERM while a stream is open: the stream ends with an error event naming the shutdown and
+``[DONE]``, the server exits 0 and leaves no worker process and no ipc socket file behind.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -48,13 +54,27 @@ class ServerProcess:
             stdout=subprocess.PIPE, stderr=self.log, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.lines: list[str] = []
         self.ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
+        self.first_line = threading.Event()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        self.loading_health: tuple[int, dict] | None = None  # GET /health right after line 1
 
     def _read(self) -> None:
         for line in self.proc.stdout:
             self.lines.append(line)
+            self.first_line.set()
             if line.startswith("ready: "):
                 self.ready.set()
+        self.first_line.set()
+
+    def check_health_while_loading(self, timeout: float) -> None:
+        """GET /health at the URL the first line ("loading model ...") names, before ready."""
+        assert self.first_line.wait(timeout) and self.lines, "the server printed nothing"
+        first = self.lines[0]
+        assert first.startswith("loading model") and "/health answers 503" in first, first
+        url = first.split(" stage(s) (")[1].split("; ")[1].split("/health")[0]
+        r = httpx.get(f"{url}/health", timeout=60)       # the model is still loading
+        self.loading_health = (r.status_code, r.json())
 
     def wait_ready(self, timeout: float) -> str:
         if not self.ready.wait(timeout):
@@ -78,16 +98,24 @@ class ServerProcess:
 
 
 @pytest.fixture(scope="module")
-def server():
+def served():
+    """The module's server process, ready (``.url``); stopped with SIGINT at the end unless the
+    last test stopped it already."""
     proc = ServerProcess("--pp", "2", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8")
     try:
+        proc.check_health_while_loading(READY_TIMEOUT_S)
         hf_model()  # load the reference while the server starts
-        url = proc.wait_ready(READY_TIMEOUT_S)
+        proc.url = proc.wait_ready(READY_TIMEOUT_S)
     except BaseException:
         proc.stop()
         raise
-    yield url
-    assert proc.stop() == 0  # SIGINT: clean shutdown of server and workers
+    yield proc
+    assert proc.stop() == 0  # clean shutdown of server and workers
+
+
+@pytest.fixture(scope="module")
+def server(served) -> str:
+    return served.url
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +141,11 @@ def metric_samples(url: str) -> dict:
     text = httpx.get(f"{url}/metrics").text
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_health_is_503_loading_before_the_model_is_up(served):
+    status, body = served.loading_health
+    assert status == 503 and body["status"] == "loading"
 
 
 def test_models(client):
@@ -243,7 +276,6 @@ def test_disconnect_aborts(server, stream):
 def _post_then_drop_when_running(url: str, body: dict) -> None:
     """POST ``body`` to /v1/completions over a raw socket and close the socket as soon as
     /metrics shows the request running (an observed event, not a read timeout)."""
-    import json
     import socket
     host, port = url.removeprefix("http://").rsplit(":", 1)
     payload = json.dumps(body).encode()
@@ -271,3 +303,87 @@ def test_metrics_parse_and_hold_series(server):
     assert s[("ppstate_rank_busy_seconds_total", (("rank", "1"),))] > 0
     assert 0.0 <= s[("ppstate_pipeline_bubble_fraction", ())] < 1.0
     assert s[("ppstate_engine_steps_total", ())] > 0 and s[("ppstate_generation_tokens_total", ())] > 0
+
+
+# ---- last: SIGTERM with a stream open stops this module's server -----------------------------
+def children(pid: int) -> list[int]:
+    """Pids whose parent is ``pid`` (from /proc)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = Path(f"/proc/{d}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d))
+    return out
+
+
+def bound_ipc_paths(pid: int) -> set[str]:
+    """Paths of the unix sockets process ``pid`` holds (its zmq ipc endpoints)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[len("socket:["):-1])
+    paths = set()
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        parts = line.split()
+        if len(parts) >= 8 and parts[6] in inodes and "ppstate-" in parts[7]:
+            paths.add(parts[7])
+    return paths
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigterm_with_an_open_stream_ends_it_and_leaves_nothing(served):
+    """Runs last in this module: it stops the server."""
+    proc, url = served.proc, served.url
+    workers = children(proc.pid)
+    ipc = bound_ipc_paths(proc.pid)
+    assert len([w for w in workers if alive(w)]) >= 2 and len(ipc) == 3  # results + 2 step sockets
+    events: list[str] = []
+    two = threading.Event()
+
+    def read_stream() -> None:
+        body = {"model": "default", "prompt": "1 2 3", "max_tokens": 40, "stream": True,
+                "ignore_eos": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as resp:
+            events.append(str(resp.status_code))
+            for ln in resp.iter_lines():
+                if ln.startswith("data: "):
+                    events.append(ln[len("data: "):])
+                    if len(events) == 3:
+                        two.set()
+        two.set()
+
+    reader = threading.Thread(target=read_stream)
+    reader.start()
+    assert two.wait(120)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
+    served.reader.join(30)
+    assert any(x.startswith("shutting down: ending open streams") for x in served.lines)  # says why
+    reader.join(60)
+    assert events[0] == "200" and events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["code"] == "server_shutting_down" and "shutting down" in err["message"], err
+    assert 2 <= len(events) - 3 < 40                   # tokens came, the request did not finish
+    # no orphan: multiprocessing's resource tracker (a child of the server) exits on its own once
+    # the server's end of its pipe closes, a moment after the server; give it up to 10 s
+    for _ in range(100):
+        if not [w for w in workers if alive(w)]:
+            break
+        time.sleep(0.1)
+    assert [w for w in workers if alive(w)] == []
+    assert all(not os.path.exists(p) for p in ipc)     # no leaked socket files
+    assert not os.path.exists(os.path.dirname(next(iter(ipc))))

@@ -11,6 +11,7 @@ import os
 import signal
 
 import httpx
+import pytest
 
 from runtime.serve import bind_socket, parse_cli, serve, url_of
 from runtime.server.startup import LOADING_MESSAGE
@@ -86,7 +87,8 @@ def test_health_is_503_loading_then_200_then_engine_death_exits_1():
     assert asyncio.run(scenario()) == (1, 1)
 
 
-def test_signal_while_loading_cancels_the_start_and_exits_130():
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_while_loading_cancels_the_start_and_exits_130(sig):
     async def scenario():
         sock = bind_socket("127.0.0.1", 0)
         args, config = parse_cli(["--port", "0"])
@@ -102,7 +104,7 @@ def test_signal_while_loading_cancels_the_start_and_exits_130():
         task = asyncio.create_task(serve(config, args, sock, start_engine=start))
         async with httpx.AsyncClient(base_url=url_of(sock, "127.0.0.1"), timeout=30) as c:
             assert (await get_when_listening(c, "/health")).status_code == 503
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), sig)
         code = await task
         sock.close()
         return code, cancelled.is_set()

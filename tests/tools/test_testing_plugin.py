@@ -1,6 +1,8 @@
 """ppstate's pytest plugin (runtime.testing.plugin) and ppstate.testing: the README example run
-alone with pytester, mutants caught by assert_invariants with invariant and step named, the
-failure report's trace path, and pp_engine's teardown after a test that raises mid-stream."""
+with pytester in a folder of its own (no conftest, no ini file), mutants caught by
+assert_invariants with invariant and step named, the failure report's trace path, and
+pp_engine's teardown after a test that raises mid-stream (run in the same pytest subprocess as
+the example: one interpreter start for both)."""
 
 from __future__ import annotations
 
@@ -33,13 +35,6 @@ def test_readme_example_is_the_example_file():
     section = readme[readme.index("## Testing your own PP configuration"):]
     block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     assert block == EXAMPLE.read_text(encoding="utf-8")
-
-
-@pytest.mark.slow
-def test_readme_example_passes_alone_in_an_empty_folder(pytester):
-    shutil.copy(EXAMPLE, pytester.path / EXAMPLE.name)
-    res = pytester.runpytest_subprocess(*PLUGIN_ARGS, "-p", "no:cacheprovider")
-    res.assert_outcomes(passed=2)
 
 
 def _chunked_abort_run(pipe):
@@ -116,31 +111,42 @@ def test_failing_test_report_names_its_trace(pytester, tmp_path):
     assert [v["invariant"] for v in res.invariant_violations] == [6]  # "a" never finished
 
 
+RAISES = """
+    import os
+    import pytest
+    from runtime.sampling_params import SamplingParams
+
+    @pytest.mark.asyncio
+    async def test_raises_mid_stream(pp_engine):
+        engine = await pp_engine(pp_size=2, max_model_len=64, max_num_seqs=2)
+        with open(os.environ["PPSTATE_TEST_PIDS"], "w") as fh:
+            fh.write(" ".join(str(p.pid) for p in engine.pool.procs))
+        params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+        async for out in engine.add_request("r", [504, 3575, 282], params):
+            if out.new_token_ids:
+                raise RuntimeError("boom mid-stream")
+"""
+
+
 @pytest.mark.slow
-def test_pp_engine_teardown_after_raise_mid_stream_leaves_no_process(pytester, tmp_path,
-                                                                      monkeypatch):
+def test_readme_example_passes_and_pp_engine_teardown_after_raise_leaves_no_process(
+        pytester, tmp_path, monkeypatch):
+    """The README example, copied as is into pytester's empty folder, passes both its tests;
+    next to it, a test that raises mid-stream fails with its own error and its engine's
+    teardown leaves no worker process."""
+    shutil.copy(EXAMPLE, pytester.path / EXAMPLE.name)
     pids_file = tmp_path / "pids"
     monkeypatch.setenv("PPSTATE_TEST_PIDS", str(pids_file))
-    pytester.makepyfile(test_raises="""
-        import os
-        import pytest
-        from runtime.sampling_params import SamplingParams
-
-        @pytest.mark.asyncio
-        async def test_raises_mid_stream(pp_engine):
-            engine = await pp_engine(pp_size=2, max_model_len=64, max_num_seqs=2)
-            with open(os.environ["PPSTATE_TEST_PIDS"], "w") as fh:
-                fh.write(" ".join(str(p.pid) for p in engine.pool.procs))
-            params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
-            async for out in engine.add_request("r", [504, 3575, 282], params):
-                if out.new_token_ids:
-                    raise RuntimeError("boom mid-stream")
-    """)
-    res = pytester.runpytest_subprocess(*PLUGIN_ARGS, "-p", "no:cacheprovider")
+    pytester.makepyfile(test_raises=RAISES)
+    res = pytester.runpytest_subprocess(*PLUGIN_ARGS, "-p", "no:cacheprovider", "-rA")
+    res.assert_outcomes(passed=2, failed=1)
+    res.stdout.fnmatch_lines_random([
+        f"PASSED {EXAMPLE.name}::test_abort_mid_decode_frees_the_slot",
+        f"PASSED {EXAMPLE.name}::test_chunked_prefill_gives_the_unchunked_tokens",
+        "FAILED test_raises.py::test_raises_mid_stream*"])
     # the test's own error; teardown raised nothing (it errors when a worker is left alive, see
     # runtime.testing.plugin; daemon workers would also die with the pytest process, so the
     # fixture's own check is what catches a teardown that forgot an engine)
-    res.assert_outcomes(failed=1)
     res.stdout.fnmatch_lines(["*RuntimeError: boom mid-stream*", "*ppstate traces*"])
     pids = [int(p) for p in pids_file.read_text().split()]
     assert len(pids) == 2
