@@ -1,7 +1,7 @@
 """Prompt logprobs on CUDA (the fast path: Triton attention over the paged KV cache, widened
 logit rows on the last rank), through the real engine at PP=1 and PP=2 with the prompt split
 into chunks: each prompt token's logprob equals transformers' log-softmax at its position (fp32:
-to 2e-3; bf16: to 0.15, and far closer to the right position than to its neighbour), the first
+to 1e-2, TF32 attention; bf16: to 0.15, and far closer to the right position than to its neighbour), the first
 token has none, and a logit_bias of +100 still forces its token on the device tables."""
 
 from __future__ import annotations
@@ -53,7 +53,9 @@ def test_prompt_logprobs_on_cuda_equal_transformers(tiny, pp, dtype):
     assert plp is not None and len(plp) == len(PROMPT) and plp[0] is None
     got = torch.tensor([e.logprob for e in plp[1:]])
     want = torch.tensor([float(ref[p - 1, PROMPT[p]]) for p in range(1, len(PROMPT))])
-    tol = 2e-3 if dtype == "float32" else 0.15
+    # fp32: the Triton attention's tl.dot runs fp32 inputs as TF32 (10-bit mantissa); measured
+    # 5.6e-3 max on an H200 (2026-12-02), so 1e-2; the neighbour check below stays 10x apart
+    tol = 1e-2 if dtype == "float32" else 0.15
     assert (got - want).abs().max() < tol, (got - want).abs().max()
     shifted = torch.tensor([float(ref[p, PROMPT[p]]) for p in range(1, len(PROMPT) - 1)])
     assert (got[:-1] - shifted).abs().mean() > 10 * (got - want).abs().mean()
