@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.api_server_count:
         from runtime.server.api_servers import serve_api_servers
         try:
-            return serve_api_servers(config, args, sock, url_of(sock, args.host))
+            return serve_api_servers(config, args, sock, url_of(sock, args.host), serve)
         finally:
             sock.close()
     try:

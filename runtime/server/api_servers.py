@@ -39,11 +39,12 @@ CORE_STOP_S = 30.0
 
 
 def frontend_main(config: EngineConfig, args: argparse.Namespace, sock: socket.socket, index: int,
-                  in_addr: str, out_addr: str, ready_q) -> None:
-    """Process entry point of API server ``index`` (spawn target)."""
+                  in_addr: str, out_addr: str, ready_q, serve) -> None:
+    """Process entry point of API server ``index`` (spawn target); ``serve`` is
+    :func:`runtime.serve.serve` (passed in, pickled by name, so this module does not import the
+    CLI that imports it)."""
     import asyncio
 
-    from runtime.serve import serve
     from runtime.server.remote_engine import RemoteEngine
     os.setpgid(0, 0)   # a Ctrl-C on the terminal reaches the main process only
 
@@ -76,8 +77,9 @@ class _Signals:
 
 
 def serve_api_servers(config: EngineConfig, args: argparse.Namespace, sock: socket.socket,
-                      url: str) -> int:
-    """Run the engine core and ``args.api_server_count`` API servers until a signal or a failure.
+                      url: str, serve) -> int:
+    """Run the engine core and ``args.api_server_count`` API servers until a signal or a failure;
+    each API server runs ``serve`` (:func:`runtime.serve.serve`) around a remote engine.
 
     Returns:
         The exit status: 0 after a signal, 1 when the engine or an API server failed.
@@ -97,7 +99,7 @@ def serve_api_servers(config: EngineConfig, args: argparse.Namespace, sock: sock
     core.start()
     ready_q = ctx.Queue()
     fronts = [ctx.Process(target=frontend_main, name=f"ppstate-api-{k}",
-                          args=(config, args, sock, k, in_addr, out_addrs[k], ready_q))
+                          args=(config, args, sock, k, in_addr, out_addrs[k], ready_q, serve))
               for k in range(n)]
     for p in fronts:
         p.start()

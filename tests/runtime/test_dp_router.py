@@ -41,7 +41,7 @@ class FakeReplica:
         self.model_name, self.tokenizer = "m", object()
         self.tokens = 0
 
-    def add_request(self, req_id, ids, params):
+    def add_request(self, req_id, ids, params, fork_of=None):
         if req_id in self.sched.live:
             raise RequestRejected("request_id", "live")
         self.sched.live.add(req_id)
