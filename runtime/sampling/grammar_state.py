@@ -7,7 +7,10 @@ Structured outputs live where sampling happens, on the last rank (docs/structure
   preemption (its prompt now ends with its earlier output tokens) has its matcher rebuilt by
   accepting those output tokens again, so recompute resumes the grammar where it stopped.
 * **fill** (:meth:`GrammarState.start_fill`): the step's bitmask ``[N, ceil(V / 32)]`` int32 is
-  filled in the same thread while the forward runs; with speculative drafts each of a row's
+  filled in the same background thread while the forward runs: one call of xgrammar's
+  ``BatchGrammarMatcher`` for every row without drafts (``threads`` C++ threads, the GIL released;
+  ``PPSTATE_GRAMMAR_THREADS`` overrides the default), into a pinned host buffer when CUDA is in use
+  (copied to the device without blocking, one kernel masks every constrained row); with speculative drafts each of a row's
   ``1 + k`` logit rows gets the mask after the drafts before it (the matcher accepts the drafts
   tentatively and rolls them back at once; a draft the grammar refuses leaves the later rows
   unmasked: their samples are never emitted, since the refused draft cannot match the sample).
@@ -21,6 +24,7 @@ Structured outputs live where sampling happens, on the last rank (docs/structure
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +43,54 @@ def _bit_row(token_ids: list[int], words: int) -> torch.Tensor:
     return torch.from_numpy(row.view(np.int32).copy())
 
 
+def default_threads() -> int:
+    """Threads of the batched bitmask fill: ``PPSTATE_GRAMMAR_THREADS``, else with CUDA in use
+    half the host's cores (at most 8: the host is idle while the GPU runs the forward), without
+    it a quarter (at most 4: the CPU forward keeps its cores), and at least 1."""
+    env = os.environ.get("PPSTATE_GRAMMAR_THREADS")
+    if env:
+        return max(1, int(env))
+    cores = os.cpu_count() or 1
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return max(1, min(8, cores // 2))
+    return max(1, min(4, cores // 4))
+
+
+class _HostBitmasks:
+    """A ring of two host bitmask buffers ``[capacity, W]`` int32, pinned when CUDA is in use:
+    the step after next reuses a buffer only once its copy to the device has finished (an event
+    recorded after the copy)."""
+
+    def __init__(self, words: int) -> None:
+        self.words = words
+        self._bufs: list[torch.Tensor | None] = [None, None]
+        self._events: list[Any] = [None, None]
+        self._turn = 0
+
+    def take(self, n: int) -> tuple[int, torch.Tensor]:
+        """The next buffer's first ``n`` rows (``[n, W]``, to be set) and its ring index."""
+        i = self._turn = 1 - self._turn
+        if self._events[i] is not None:
+            self._events[i].synchronize()
+            self._events[i] = None
+        buf = self._bufs[i]
+        if buf is None or buf.shape[0] < n:
+            pin = torch.cuda.is_available() and torch.cuda.is_initialized()
+            buf = self._bufs[i] = torch.empty((max(n, 2 * (0 if buf is None else buf.shape[0])),
+                                               self.words), dtype=torch.int32, pin_memory=pin)
+        return i, buf[:n]
+
+    def to_device(self, i: int, bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``bitmask`` (buffer ``i``'s rows) on ``device``; a CUDA copy does not block the host."""
+        if device.type != "cuda":
+            return bitmask
+        out = bitmask.to(device, non_blocking=bitmask.is_pinned())
+        ev = torch.cuda.Event()
+        ev.record()
+        self._events[i] = ev
+        return out
+
+
 class GrammarViolation(RuntimeError):
     """An emitted token the slot's grammar refuses (the bitmask was not applied: a bug)."""
 
@@ -46,9 +98,11 @@ class GrammarViolation(RuntimeError):
 @dataclass
 class GrammarFill:
     """A step's bitmask being filled: ``future`` gives the ``[N, W]`` int32 CPU bitmask
-    (all ones on rows without a grammar); ``rows`` are the ``[G]`` logit rows it masks."""
+    (all ones on rows without a grammar); ``rows`` are the ``[G]`` logit rows it masks;
+    ``buf``: its host buffer's ring index (-1: not a ring buffer)."""
     future: Future
     rows: list[int]
+    buf: int = -1
 
 
 class GrammarState:
@@ -57,9 +111,11 @@ class GrammarState:
     Args:
         cache: compiles specs for this model's tokenizer.
         max_num_reqs: slots.
+        threads: C++ threads of the batched fill (:func:`default_threads` when None).
     """
 
-    def __init__(self, cache: GrammarCompilerCache, max_num_reqs: int) -> None:
+    def __init__(self, cache: GrammarCompilerCache, max_num_reqs: int,
+                 threads: int | None = None) -> None:
         self._xgr = load_xgrammar()
         self.cache = cache
         self.vocab_size = cache.vocab_size
@@ -68,6 +124,9 @@ class GrammarState:
         self.active_np = np.zeros(max_num_reqs, dtype=bool)           # [max_num_reqs]
         self.num_accepted = np.zeros(max_num_reqs, dtype=np.int64)    # [max_num_reqs] output tokens
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self.threads = threads or default_threads()
+        self._batch = self._xgr.BatchGrammarMatcher(self.threads)
+        self._host = _HostBitmasks(self.words)
         self._stop_row = _bit_row(cache.info.stop_token_ids, self.words)   # [W] int32
         # JSON kinds: xgrammar lets raw control bytes (< 0x20) into strings, which JSON forbids
         # (RFC 8259 §7) and parsers refuse; with no free whitespace they are never valid there
@@ -125,10 +184,40 @@ class GrammarState:
         if not rows:
             return None
         masked = [first + j for _, first, drafts in rows for j in range(1 + len(drafts))]
-        return GrammarFill(self._pool.submit(self._fill, n_logit_rows, rows), masked)
+        i, bitmask = self._host.take(n_logit_rows)
+        return GrammarFill(self._pool.submit(self._fill, bitmask, rows), masked, i)
 
-    def _fill(self, n: int, rows: list[tuple[int, int, list[int]]]) -> torch.Tensor:
-        bitmask = torch.full((n, self.words), -1, dtype=torch.int32)   # [N, W], all allowed
+    def _fill(self, bitmask: torch.Tensor, rows: list[tuple[int, int, list[int]]]) -> torch.Tensor:
+        """Fill ``bitmask`` ``[N, W]``: all ones, then rows without drafts in one batched call,
+        terminated rows with the stop row, rows with drafts one by one."""
+        bitmask.fill_(-1)
+        plain, plain_rows, stop_rows, json_rows = [], [], [], []
+        drafted = []
+        for slot, first, drafts in rows:
+            m = self.matcher(slot)
+            if drafts:
+                drafted.append((slot, first, drafts))
+            elif m.is_terminated():   # the grammar is complete: only a stop token may follow
+                stop_rows.append(first)
+            else:
+                plain.append(m)
+                plain_rows.append(first)
+                if self._json_np[slot]:
+                    json_rows.append(first)
+        if plain:
+            self._batch.batch_fill_next_token_bitmask(plain, bitmask, plain_rows)
+        if stop_rows:
+            bitmask[stop_rows] = self._stop_row
+        if json_rows:
+            idx = torch.as_tensor(json_rows)
+            bitmask[idx] = bitmask.index_select(0, idx) & self._json_row
+        if drafted:
+            self._fill_rowwise(bitmask, drafted)
+        return bitmask
+
+    def _fill_rowwise(self, bitmask: torch.Tensor, rows: list[tuple[int, int, list[int]]]) -> torch.Tensor:
+        """Fill ``bitmask`` ``[N, W]`` row by row, each row's drafts accepted tentatively (the
+        speculative path, and the reference of the batched fill)."""
         for slot, first, drafts in rows:
             m = self.matcher(slot)
             taken = 0
@@ -149,11 +238,14 @@ class GrammarState:
     def apply(self, logits: torch.Tensor, fill: GrammarFill) -> None:
         """Set the refused tokens' logits to ``-inf`` in place. ``logits``: ``[N, V']`` with
         ``V' >= V`` (columns past the tokenizer's vocabulary are refused too)."""
-        bitmask = fill.future.result().to(logits.device, non_blocking=True)
+        host = fill.future.result()
+        bitmask = self._host.to_device(fill.buf, host, logits.device) if fill.buf >= 0 \
+            else host.to(logits.device)
+        every = len(fill.rows) == logits.shape[0] and fill.rows == list(range(logits.shape[0]))
         if logits.shape[1] > self.vocab_size:
-            logits[fill.rows, self.vocab_size:] = float("-inf")
+            logits[slice(None) if every else fill.rows, self.vocab_size:] = float("-inf")
         self._xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size,
-                                              indices=fill.rows)
+                                              indices=None if every else fill.rows)
 
     def accept(self, slot: int, tokens: list[int]) -> None:
         """Advance the slot's matcher by the tokens the step emitted for it.
@@ -167,6 +259,19 @@ class GrammarState:
                 raise GrammarViolation(f"slot {slot}: emitted token {t} is refused by its grammar "
                                        f"after {self.num_accepted[slot]} accepted tokens")
             self.num_accepted[slot] += 1
+
+    def accept_batch(self, slots: list[int], tokens: list[int]) -> None:
+        """Advance each of ``slots`` (``[S]``, constrained) by one emitted token ``tokens[i]`` in
+        one batched call. Raises: GrammarViolation naming the first slot whose grammar refuses."""
+        ms = [self.matcher(s) for s in slots]
+        live = [i for i, m in enumerate(ms) if not m.is_terminated()]
+        ok = self._batch.batch_accept_token([ms[i] for i in live], [int(tokens[i]) for i in live])
+        for i, good in zip(live, ok):
+            if not good:
+                s = slots[i]
+                raise GrammarViolation(f"slot {s}: emitted token {tokens[i]} is refused by its "
+                                       f"grammar after {self.num_accepted[s]} accepted tokens")
+        self.num_accepted[np.asarray(slots, dtype=np.int64)] += 1
 
     # ---- mirrored field ------------------------------------------------------------------------
     def validate(self, output_tokens: np.ndarray, live: np.ndarray, step: int,

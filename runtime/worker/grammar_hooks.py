@@ -103,8 +103,7 @@ class GrammarHooks:
             return
         active = np.flatnonzero(g.active_np[slots])
         ids = token_ids.reshape(-1)[torch.as_tensor(active, device=token_ids.device)].tolist()
-        for j, t in zip(active, ids):
-            g.accept(int(slots[j]), [int(t)])
+        g.accept_batch(slots[active].tolist(), ids)
 
     def accept_spec(self, slots: np.ndarray, token_ids: np.ndarray, num_sampled: np.ndarray) -> None:
         """Verified rows: ``token_ids`` ``[S, K + 1]``, of which the first ``num_sampled[i]``

@@ -59,3 +59,34 @@ def test_constrained_greedy_decode_on_device(state):
     obj = json.loads(text)
     assert set(obj) == {"id", "tag"} and 0 <= obj["id"] <= 999 and obj["tag"] in ("a", "b")
     assert g.num_accepted[1] == len(ids)
+
+
+def test_batched_fill_through_pinned_buffers_masks_like_the_reference(state):
+    """128-row style path on the device: pinned ring buffers copied without blocking, one kernel
+    over every row (no row list); each step's device mask equals the row-by-row CPU reference."""
+    from runtime.sampling.grammar_state import GrammarState
+    tok, g0 = state
+    torch.cuda.init()
+    g = GrammarState(g0.cache, 8, threads=4)
+    ref = GrammarState(g0.cache, 8, threads=1)
+    spec = {"kind": "json_schema", "value": json.dumps(SCHEMA)}
+    for s in range(8):
+        g.admit(s, spec, [])
+        ref.admit(s, spec, [])
+    layout = [(s, s, []) for s in range(8)]
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    for step in range(12):
+        logits = torch.randn(8, tok.vocab_size, device="cuda", generator=gen)
+        want = logits.cpu()
+        bm = ref._fill_rowwise(torch.full((8, ref.words), -1, dtype=torch.int32), layout)
+        ref._xgr.apply_token_bitmask_inplace(want, bm, vocab_size=ref.vocab_size)
+        fill = g.start_fill(8, layout)
+        g.apply(logits, fill)
+        assert fill.future.result().is_pinned()
+        assert torch.equal(torch.isinf(logits.cpu()), torch.isinf(want)), f"step {step}"
+        toks = logits.argmax(-1).tolist()
+        g.accept_batch(list(range(8)), toks)
+        for s, t in enumerate(toks):
+            ref.accept(s, [t])
+    assert g.num_accepted.tolist() == ref.num_accepted.tolist() == [12] * 8
+    g.close(), ref.close()
