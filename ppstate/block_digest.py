@@ -149,6 +149,8 @@ def check_row_digests(table: np.ndarray, num_blocks: np.ndarray, slots: np.ndarr
     if expected is None or slots.size == 0:
         return
     got = row_digests(table, num_blocks, slots)
+    if got.tobytes() == np.ascontiguousarray(expected, dtype=np.int64).tobytes():
+        return   # one memcmp on the common path
     bad = np.flatnonzero(got != expected)
     if bad.size:
         i = int(bad[0])

@@ -9,7 +9,8 @@ block-id digest check of the step's rows against the scheduler's digests (before
 the after-step check (on CUDA :class:`~runtime.worker.mirror_check.AsyncMirrorCheck`: two stacked
 non-blocking copies, compared when they land; on the CPU ``DeviceState.validate``).
 
-Off and on alternate in one run (``--rounds`` pairs of ``--steps`` steps; CUDA: wall time,
+Off, on and the check as #27 first landed it (:mod:`runtime.bench.mirror_before`, same coverage,
+reported as ``before_*``) alternate in one run (``--rounds`` triples of ``--steps`` steps; CUDA: wall time,
 synchronised at the end of each block; CPU: process CPU time, one torch thread); reported per N: microseconds per step off and on (median over rounds),
 the validation's share ``on / off - 1`` and its microseconds per step; on the CPU also the
 microseconds of the check as it was before issue #27 (the mirror counters only), in the same run. The share of a whole
@@ -29,6 +30,7 @@ import torch
 from ppstate.batch import NewRequest, SchedulerOutput
 from ppstate.block_digest import BlockDigests
 from ppstate.mirror import MIRROR_FIELDS
+from runtime.bench.mirror_before import BeforeCheck
 from runtime.bench.results import subcommand_line, write_result
 from runtime.worker.device_state import DeviceState
 from runtime.worker.mirror_check import AsyncMirrorCheck
@@ -58,6 +60,7 @@ class RankLoop:
         self.state.apply_scheduled(self.slots_t, torch.full((rows,), prompt_len, device=device),
                                    self.slots.astype(np.int64), self.tokens.copy())
         self.check = AsyncMirrorCheck(self.state) if device.type == "cuda" else None
+        self.before = BeforeCheck(self.state)
         self.step_no = 0
 
     def _grow(self, need_tokens: np.ndarray) -> np.ndarray:
@@ -79,8 +82,10 @@ class RankLoop:
 
     def step(self, validate: bool | str) -> None:
         """One decode step of every row (what the worker does besides the model). ``validate``:
-        False, True (everything), or ``"counters"`` (CPU: only the mirror counters' check, as
-        before issue #27: the stacked read, ``CpuMirror.validate`` and ``validate_blocks``)."""
+        False, True (everything), ``"before"`` (everything, as #27 first did it:
+        :mod:`runtime.bench.mirror_before`) or ``"counters"`` (CPU: only the mirror counters'
+        check, as before issue #27: the stacked read, ``CpuMirror.validate`` and
+        ``validate_blocks``)."""
         self._grow(self.tokens + 1)
         st = self.state
         out = SchedulerOutput(self.step_no, (), self.slots, np.ones(self.n, dtype=np.int32),
@@ -88,6 +93,8 @@ class RankLoop:
                               block_digests=self.digests.of(self.slots))
         if validate is True:
             st.check_block_digests(out)
+        elif validate == "before":
+            self.before.digests(out)
         slots64 = self.slots.astype(np.int64)
         st.apply_scheduled(self.slots_t, self.ones_t, slots64, np.ones(self.n, dtype=np.int64))
         st.apply_sampled(self.slots_t, self.sampled, self.ones_t, self.zeros_t, slots64,
@@ -98,6 +105,8 @@ class RankLoop:
             dev = torch.stack([getattr(st, f) for f in MIRROR_FIELDS]).cpu().numpy()
             st.mirror.validate(dev, live, self.step_no, owners=st.owner)
             st.mirror.validate_blocks(BLOCK, live, self.step_no, owners=st.owner)
+        elif validate == "before":
+            self.before.after_step(self.step_no)
         elif validate:
             if self.check is not None:
                 self.check.snapshot(self.step_no)
@@ -117,6 +126,8 @@ class RankLoop:
             self.step(validate)
         if validate is True and self.check is not None:
             self.check.poll(block=True)
+        if validate == "before":
+            self.before.finish()
         if cuda:
             torch.cuda.synchronize()
         return (clock() - t0) / steps
@@ -124,13 +135,15 @@ class RankLoop:
 
 def measure(rows: int, device: str, steps: int, rounds: int, prompt_len: int) -> dict:
     """Off / on alternated ``rounds`` times at ``rows`` rows (module docstring)."""
-    max_model_len = prompt_len + (3 * rounds + 1) * steps + 2 * BLOCK
+    max_model_len = prompt_len + (4 * rounds + 2) * steps + 2 * BLOCK
     loop = RankLoop(rows, torch.device(device), prompt_len, max_model_len)
     loop.block(steps, True)                     # warm-up (allocations, first kernels)
-    off, on, counters = [], [], []
+    loop.block(steps, "before")
+    off, on, before, counters = [], [], [], []
     for _ in range(rounds):
         off.append(loop.block(steps, False))
         on.append(loop.block(steps, True))
+        before.append(loop.block(steps, "before"))
         if device == "cpu":
             counters.append(loop.block(steps, "counters"))
     ratios = [b / a for a, b in zip(off, on)]
@@ -138,6 +151,10 @@ def measure(rows: int, device: str, steps: int, rounds: int, prompt_len: int) ->
            "us_per_step_on": 1e6 * statistics.median(on),
            "validation_us_per_step": 1e6 * (statistics.median(on) - statistics.median(off)),
            "on_over_off": statistics.median(ratios), "on_over_off_all": ratios,
+           "before_us_per_step_on": 1e6 * statistics.median(before),
+           "before_validation_us_per_step": 1e6 * (statistics.median(before) -
+                                                   statistics.median(off)),
+           "before_over_off": statistics.median([b / a for a, b in zip(off, before)]),
            "steps_per_block": steps, "rounds": rounds}
     if counters:   # the check before issue #27 (mirror counters only), same run
         res["counters_only_us_per_step"] = 1e6 * (statistics.median(counters) -
@@ -176,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
                   if "counters_only_us_per_step" in r else "")
         print(f"rows {n:4d} on {args.device}: off {r['us_per_step_off']:.1f} us/step, on "
               f"{r['us_per_step_on']:.1f} us/step (validation {r['validation_us_per_step']:.1f} "
-              f"us{before}, on/off {r['on_over_off']:.3f})", flush=True)
+              f"us{before}, on/off {r['on_over_off']:.3f}; as #27 landed: validation "
+              f"{r['before_validation_us_per_step']:.1f} us, on/off {r['before_over_off']:.3f})",
+              flush=True)
     if args.json_out:
         write_result(args.json_out, "mirror-validation", {"results": results}, vars(args),
                      subcommand_line("mirror", argv))
