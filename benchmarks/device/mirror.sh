@@ -52,7 +52,9 @@ for name in ("mirror-micro-gpu", "mirror-micro-cpu"):
     if f.exists():
         summary[name] = [{k: r[k] for k in ("rows", "us_per_step_off", "us_per_step_on",
                                              "validation_us_per_step", "on_over_off",
-                                             "before_validation_us_per_step", "before_over_off")
+                                             "before_validation_us_per_step", "before_over_off",
+                                             "check_us_per_step", "before_check_us_per_step",
+                                             "pieces_us")
                           if k in r}
                          for r in json.loads(f.read_text())["results"]["results"]]
 for c in (128, 256):
