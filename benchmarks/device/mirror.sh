@@ -4,7 +4,8 @@
 #    copies wrong, a fault in each newly validated field, all caught within one step naming rank
 #    and slot (tests/gpu/test_gpu_mirror_state_faults.py), the async check's own tests, digests;
 # 2. a rank's validation on / off per step at 128 and 256 decode rows, alternated in one run, on
-#    CUDA and on the host CPU (python -m runtime.bench mirror);
+#    CUDA and on the host CPU (python -m runtime.bench mirror), with the check as #27 first
+#    landed it alternated in the same run (before_* keys);
 # 3. the engine (PP=1, random-weight SmolLM2-135M shape, bf16, CUDA graphs) with
 #    --validate-mirrors every vs off, alternated in one run, at 128 and 256 concurrent requests
 #    (python -m runtime.bench pp --overheads --overheads-of mirror_validation): throughput and
@@ -50,7 +51,11 @@ for name in ("mirror-micro-gpu", "mirror-micro-cpu"):
     f = out / f"{name}.json"
     if f.exists():
         summary[name] = [{k: r[k] for k in ("rows", "us_per_step_off", "us_per_step_on",
-                                             "validation_us_per_step", "on_over_off")}
+                                             "validation_us_per_step", "on_over_off",
+                                             "before_validation_us_per_step", "before_over_off",
+                                             "check_us_per_step", "before_check_us_per_step",
+                                             "pieces_us")
+                          if k in r}
                          for r in json.loads(f.read_text())["results"]["results"]]
 for c in (128, 256):
     f = out / f"pp-mirror-{c}.json"

@@ -9,9 +9,13 @@ block-id digest check of the step's rows against the scheduler's digests (before
 the after-step check (on CUDA :class:`~runtime.worker.mirror_check.AsyncMirrorCheck`: two stacked
 non-blocking copies, compared when they land; on the CPU ``DeviceState.validate``).
 
-Off and on alternate in one run (``--rounds`` pairs of ``--steps`` steps; CUDA: wall time,
+Off, on and the check as #27 first landed it (:mod:`runtime.bench.mirror_before`, same coverage,
+reported as ``before_*``) alternate in one run (``--rounds`` triples of ``--steps`` steps; CUDA: wall time,
 synchronised at the end of each block; CPU: process CPU time, one torch thread); reported per N: microseconds per step off and on (median over rounds),
-the validation's share ``on / off - 1`` and its microseconds per step; on the CPU also the
+the validation's share ``on / off - 1`` and its microseconds per step (``on - off``, and the time
+spent inside the check calls themselves, ``check_us_per_step``: less exposed to the load of a
+shared machine; on CUDA it includes the wait for the previous step's copy), and each check
+timed alone on the final state, now and as #27 landed (``pieces_us``, :func:`pieces`); on the CPU also the
 microseconds of the check as it was before issue #27 (the mirror counters only), in the same run. The share of a whole
 engine step is smaller by the model's time (the engine on / off ratio: ``runtime.bench pp
 --overheads``). ``--json-out F`` writes the results (kind ``mirror-validation``).
@@ -29,6 +33,7 @@ import torch
 from ppstate.batch import NewRequest, SchedulerOutput
 from ppstate.block_digest import BlockDigests
 from ppstate.mirror import MIRROR_FIELDS
+from runtime.bench.mirror_before import BeforeCheck
 from runtime.bench.results import subcommand_line, write_result
 from runtime.worker.device_state import DeviceState
 from runtime.worker.mirror_check import AsyncMirrorCheck
@@ -58,6 +63,9 @@ class RankLoop:
         self.state.apply_scheduled(self.slots_t, torch.full((rows,), prompt_len, device=device),
                                    self.slots.astype(np.int64), self.tokens.copy())
         self.check = AsyncMirrorCheck(self.state) if device.type == "cuda" else None
+        self.before = BeforeCheck(self.state)
+        self.clock = time.perf_counter if device.type == "cuda" else time.process_time
+        self.check_s = 0.0   # time spent inside the validation calls (both kinds), summed
         self.step_no = 0
 
     def _grow(self, need_tokens: np.ndarray) -> np.ndarray:
@@ -79,35 +87,47 @@ class RankLoop:
 
     def step(self, validate: bool | str) -> None:
         """One decode step of every row (what the worker does besides the model). ``validate``:
-        False, True (everything), or ``"counters"`` (CPU: only the mirror counters' check, as
-        before issue #27: the stacked read, ``CpuMirror.validate`` and ``validate_blocks``)."""
+        False, True (everything), ``"before"`` (everything, as #27 first did it:
+        :mod:`runtime.bench.mirror_before`) or ``"counters"`` (CPU: only the mirror counters'
+        check, as before issue #27: the stacked read, ``CpuMirror.validate`` and
+        ``validate_blocks``)."""
         self._grow(self.tokens + 1)
         st = self.state
         out = SchedulerOutput(self.step_no, (), self.slots, np.ones(self.n, dtype=np.int32),
                               self.tokens.astype(np.int32), np.ones(self.n, dtype=bool),
                               block_digests=self.digests.of(self.slots))
+        t0 = self.clock()
         if validate is True:
             st.check_block_digests(out)
+        elif validate == "before":
+            self.before.digests(out)
+        self.check_s += self.clock() - t0
         slots64 = self.slots.astype(np.int64)
         st.apply_scheduled(self.slots_t, self.ones_t, slots64, np.ones(self.n, dtype=np.int64))
         st.apply_sampled(self.slots_t, self.sampled, self.ones_t, self.zeros_t, slots64,
                          np.zeros(self.n, dtype=np.int64), np.ones(self.n, dtype=np.int64))
         self.tokens += 1
+        t0 = self.clock()
         if validate == "counters":
             live = st.live_slots()
             dev = torch.stack([getattr(st, f) for f in MIRROR_FIELDS]).cpu().numpy()
             st.mirror.validate(dev, live, self.step_no, owners=st.owner)
             st.mirror.validate_blocks(BLOCK, live, self.step_no, owners=st.owner)
+        elif validate == "before":
+            self.before.after_step(self.step_no)
         elif validate:
             if self.check is not None:
                 self.check.snapshot(self.step_no)
             else:
                 st.validate(self.step_no)
+        self.check_s += self.clock() - t0
         self.step_no += 1
 
     def block(self, steps: int, validate: bool | str) -> float:
         """Seconds per step of ``steps`` steps: wall time on CUDA (synchronised at the end),
-        process CPU time on the CPU (the neighbours' load does not count)."""
+        process CPU time on the CPU (the neighbours' load does not count). Also sets
+        ``inside_s``: seconds per step spent inside the validation calls themselves."""
+        self.check_s = 0.0
         cuda = self.device.type == "cuda"
         clock = time.perf_counter if cuda else time.process_time
         if cuda:
@@ -115,22 +135,58 @@ class RankLoop:
         t0 = clock()
         for _ in range(steps):
             self.step(validate)
+        t1 = self.clock()
         if validate is True and self.check is not None:
             self.check.poll(block=True)
+        if validate == "before":
+            self.before.finish()
+        self.check_s += self.clock() - t1
+        self.inside_s = self.check_s / steps   # the last compares included (poll / finish)
         if cuda:
             torch.cuda.synchronize()
         return (clock() - t0) / steps
 
 
+def pieces(loop: RankLoop, calls: int = 300, repeats: int = 5) -> dict:
+    """Microseconds per call of each check alone on the loop's current state (no state change
+    between calls: the healthy path), now and as #27 landed, interleaved; the minimum over
+    ``repeats`` (the least disturbed by a shared machine's load)."""
+    st, step = loop.state, loop.step_no
+    out = SchedulerOutput(step, (), loop.slots, np.ones(loop.n, dtype=np.int32),
+                          loop.tokens.astype(np.int32), np.ones(loop.n, dtype=bool),
+                          block_digests=loop.digests.of(loop.slots))
+    after_now = ((lambda: loop.check.snapshot(step)) if loop.check is not None
+                 else (lambda: st.validate(step)))
+    fns = {"digest_now": lambda: st.check_block_digests(out),
+           "digest_before": lambda: loop.before.digests(out),
+           "after_step_now": after_now,
+           "after_step_before": lambda: loop.before.after_step(step)}
+    best = {k: float("inf") for k in fns}
+    for _ in range(repeats):
+        for k, f in fns.items():
+            t0 = loop.clock()
+            for _ in range(calls):
+                f()
+            if loop.check is not None:
+                loop.check.poll(block=True)
+                loop.before.finish()
+            best[k] = min(best[k], (loop.clock() - t0) / calls)
+    return {k: 1e6 * v for k, v in best.items()}
+
+
 def measure(rows: int, device: str, steps: int, rounds: int, prompt_len: int) -> dict:
     """Off / on alternated ``rounds`` times at ``rows`` rows (module docstring)."""
-    max_model_len = prompt_len + (3 * rounds + 1) * steps + 2 * BLOCK
+    max_model_len = prompt_len + (4 * rounds + 2) * steps + 2 * BLOCK
     loop = RankLoop(rows, torch.device(device), prompt_len, max_model_len)
     loop.block(steps, True)                     # warm-up (allocations, first kernels)
-    off, on, counters = [], [], []
+    loop.block(steps, "before")
+    off, on, before, counters, inside_on, inside_before = [], [], [], [], [], []
     for _ in range(rounds):
         off.append(loop.block(steps, False))
         on.append(loop.block(steps, True))
+        inside_on.append(loop.inside_s)
+        before.append(loop.block(steps, "before"))
+        inside_before.append(loop.inside_s)
         if device == "cpu":
             counters.append(loop.block(steps, "counters"))
     ratios = [b / a for a, b in zip(off, on)]
@@ -138,7 +194,14 @@ def measure(rows: int, device: str, steps: int, rounds: int, prompt_len: int) ->
            "us_per_step_on": 1e6 * statistics.median(on),
            "validation_us_per_step": 1e6 * (statistics.median(on) - statistics.median(off)),
            "on_over_off": statistics.median(ratios), "on_over_off_all": ratios,
+           "before_us_per_step_on": 1e6 * statistics.median(before),
+           "before_validation_us_per_step": 1e6 * (statistics.median(before) -
+                                                   statistics.median(off)),
+           "before_over_off": statistics.median([b / a for a, b in zip(off, before)]),
+           "check_us_per_step": 1e6 * statistics.median(inside_on),
+           "before_check_us_per_step": 1e6 * statistics.median(inside_before),
            "steps_per_block": steps, "rounds": rounds}
+    res["pieces_us"] = pieces(loop)
     if counters:   # the check before issue #27 (mirror counters only), same run
         res["counters_only_us_per_step"] = 1e6 * (statistics.median(counters) -
                                                   statistics.median(off))
@@ -176,7 +239,12 @@ def main(argv: list[str] | None = None) -> int:
                   if "counters_only_us_per_step" in r else "")
         print(f"rows {n:4d} on {args.device}: off {r['us_per_step_off']:.1f} us/step, on "
               f"{r['us_per_step_on']:.1f} us/step (validation {r['validation_us_per_step']:.1f} "
-              f"us{before}, on/off {r['on_over_off']:.3f})", flush=True)
+              f"us{before}, on/off {r['on_over_off']:.3f}; as #27 landed: validation "
+              f"{r['before_validation_us_per_step']:.1f} us, on/off {r['before_over_off']:.3f}); "
+              f"inside the check calls: {r['check_us_per_step']:.1f} us now, "
+              f"{r['before_check_us_per_step']:.1f} us as #27 landed", flush=True)
+        print("  each check alone (us per call): " +
+              ", ".join(f"{k} {v:.1f}" for k, v in r["pieces_us"].items()), flush=True)
     if args.json_out:
         write_result(args.json_out, "mirror-validation", {"results": results}, vars(args),
                      subcommand_line("mirror", argv))

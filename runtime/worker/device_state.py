@@ -45,14 +45,14 @@ class DeviceState:
         # what kernels read. Both change only through apply_block_updates / add_requests.
         self.block_table_np = np.zeros((max_num_reqs, cols), dtype=np.int32)  # [max_num_reqs, cols]
         self.block_table = torch.zeros(max_num_reqs, cols, dtype=torch.int32, device=device)
-        self.num_blocks = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)  # [max_num_reqs]
         self.output_offset_np = np.zeros(max_num_reqs, dtype=np.int64)  # [max_num_reqs] outputs prefilled
         i64 = dict(dtype=torch.int64, device=device)
-        self.num_computed_tokens = torch.zeros(max_num_reqs, **i64)            # [max_num_reqs]
-        self.num_computed_prefill_tokens = torch.zeros(max_num_reqs, **i64)    # [max_num_reqs]
-        self.prefill_len = torch.zeros(max_num_reqs, **i64)                    # [max_num_reqs]
-        self.max_seq_len = torch.zeros(max_num_reqs, **i64)                    # [max_num_reqs]
-        self.total_len = torch.zeros(max_num_reqs, **i64)                      # [max_num_reqs]
+        # The mirrored counters (MIRROR_FIELDS order, as CpuMirror.values) and total_len are rows
+        # of one buffer, so a check reads them with one copy (no stack): [F + 1, max_num_reqs]
+        self.fields = torch.zeros(len(MIRROR_FIELDS) + 1, max_num_reqs, **i64)
+        for i, f in enumerate(MIRROR_FIELDS):   # num_computed_tokens, ..., num_blocks: views
+            setattr(self, f, self.fields[i])                                   # [max_num_reqs]
+        self.total_len = self.fields[len(MIRROR_FIELDS)]                       # [max_num_reqs]
         self.total_len_np = np.zeros(max_num_reqs, dtype=np.int64)  # [max_num_reqs] host copy
         self.last_sampled_tokens = torch.zeros(max_num_reqs, width, **i64)     # [max_num_reqs, width]
         self.all_token_ids = torch.zeros(max_num_reqs, max_model_len, **i64)   # [max_num_reqs, max_model_len]
@@ -163,13 +163,14 @@ class DeviceState:
         live = self.live_slots()
         if live.size == 0:
             return
-        dev = torch.stack([getattr(self, f) for f in MIRROR_FIELDS]).cpu().numpy()  # [F, max_num_reqs]
-        self.mirror.validate(dev, live, step, owners=self.owner)
+        if self.device.type == "cpu":   # the tensors are host memory: compare them in place
+            self.mirror.validate(self.fields.numpy()[:-1], live, step, owners=self.owner)
+        else:
+            dev = self.fields[:-1].cpu().numpy()                               # [F, max_num_reqs]
+            self.mirror.validate(dev, live, step, owners=self.owner)
         self.mirror.validate_blocks(self.block_size, live, step, owners=self.owner,
                                     spec_slack=2 * (self.width - 1))  # drafts' blocks (#14)
-        n, k = self.block_table_np.shape[0], state_check.used_cols(self, live)
-        state_check.compare(state_check.device_flat(self, k).cpu().numpy(),
-                            state_check.host_flat(self, k), n, k, live, step, self.rank, self.owner)
+        state_check.check_now(self, live, step)
 
     def corrupt(self, slot: int, field: str, delta: int) -> None:
         """Test hook: add ``delta`` to one slot's entry of ``field`` (its whole row for a table)

@@ -1,12 +1,12 @@
 """Mirror validation off the critical path (invariant 4 checked every step without a host sync).
 
-After a step, :meth:`AsyncMirrorCheck.snapshot` stacks the device fields (``MIRROR_FIELDS`` of
-:class:`~runtime.worker.device_state.DeviceState`) and issues one non-blocking copy into pinned host
-memory, records a CUDA event, and keeps a stacked copy of the CPU mirror as it was at that moment.
-A second copy carries the per-slot state the mirror does not count (block-table rows,
-``total_len``, the sampling tables: :mod:`runtime.worker.state_check`), flat, with a host copy of
-the expected values taken at the same moment. The comparison is one vectorised test over the live
-slots (fields and KV block counts) and one equality of the flat copies; only when
+After a step, :meth:`AsyncMirrorCheck.snapshot` issues one non-blocking copy into pinned host
+memory of everything checked, flat (:mod:`runtime.worker.state_check`): the device fields
+(``MIRROR_FIELDS`` of :class:`~runtime.worker.device_state.DeviceState`, rows of one buffer),
+``total_len``, the block-table rows and the sampling tables; records a CUDA event; and writes the
+host copies of the expected values, as they are at that moment, in the same layout. The
+comparison is one equality of the two flat arrays and one vectorised test of the KV block counts
+over the live slots; only when
 it fails is the first divergent (field, slot) looked up for the error. The comparison
 runs when the event has completed: :meth:`poll` checks it opportunistically, and the next
 :meth:`snapshot` forces it, so a divergence is reported at the latest one step after it happened.
@@ -61,12 +61,7 @@ class AsyncMirrorCheck:
 
     def __init__(self, state, sink: EventSink = NULL_SINK, rank: int | None = None) -> None:
         self.state, self.sink, self.rank = state, sink, rank
-        m = state.mirror.num_computed_tokens_np.shape[0]
-        f = len(MIRROR_FIELDS)
         pin = state.device.type == "cuda"
-        self.host = [torch.empty(f, m, dtype=torch.int64, pin_memory=pin)
-                     for _ in range(2)]                                   # 2 x [F, max_num_reqs]
-        self.expected = [np.empty((f, m), dtype=np.int64) for _ in range(2)]  # 2 x [F, max_num_reqs]
         n, cols = state.block_table_np.shape
         size = state_check.flat_size(n, cols)                             # the most columns
         self.host_flat = [torch.empty(size, dtype=torch.int32, pin_memory=pin)
@@ -93,8 +88,6 @@ class AsyncMirrorCheck:
                                num_computed_tokens=[], ok=True, message=None)
             return
         k = step % 2
-        dev = torch.stack([getattr(self.state, f) for f in MIRROR_FIELDS])   # [F, max_num_reqs]
-        self.host[k].copy_(dev, non_blocking=True)
         cols = state_check.used_cols(self.state, live)
         size = state_check.flat_size(m_slots(self.state), cols)
         self.host_flat[k][:size].copy_(state_check.device_flat(self.state, cols), non_blocking=True)
@@ -102,13 +95,11 @@ class AsyncMirrorCheck:
         if self.state.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        mirror = self.state.mirror
-        np.stack([mirror.array(f) for f in MIRROR_FIELDS], out=self.expected[k])
         state_check.host_flat(self.state, cols, self.expected_flat[k][:size])
         p = _Pending(step, k, live, list(self.state.owner), event, cols)
         self.pending.append(p)
         if self.sink.enabled:
-            values = self.expected[k][self._nct, live].tolist()
+            values = self.state.mirror.num_computed_tokens_np[live].tolist()
             self.sink.emit_when(lambda: p.verdict is not None or p.event is None
                                 or p.event.query(), "mirror.check", step, self.rank,
                                 lambda: self._check_fields(p, values))
@@ -152,35 +143,29 @@ class AsyncMirrorCheck:
 
     def _compare(self, p: _Pending) -> None:
         self.checked_steps += 1
-        dev, exp = self.host[p.buf].numpy(), self.expected[p.buf]
-        e = exp[:, p.live]                                             # [F, num_live]
+        n = m_slots(self.state)
+        size = state_check.flat_size(n, p.cols)
+        dev_flat, exp_flat = self.host_flat[p.buf][:size].numpy(), self.expected_flat[p.buf][:size]
+        exp = state_check.unpack(exp_flat, n, p.cols)[0]                  # [F, max_num_reqs]
         bs, slack = self.state.block_size, 2 * (self.state.width - 1)  # spec drafts' blocks
-        held, computed = e[self._nb], e[self._nct]
-        if not (np.array_equal(e, dev[:, p.live])
-                and (held >= -(-computed // bs)).all()
-                and (held <= -(-(computed + slack) // bs)).all()):
-            try:
-                self._raise(p, dev, exp)
-            except MirrorDivergence as exc:
-                p.verdict = (False, str(exc))
-                raise
+        held, computed = exp[self._nb, p.live], exp[self._nct, p.live]   # [num_live] each
         try:
-            n = m_slots(self.state)
-            size = state_check.flat_size(n, p.cols)
-            state_check.compare(self.host_flat[p.buf][:size].numpy(),
-                                self.expected_flat[p.buf][:size], n, p.cols, p.live, p.step,
-                                self.state.mirror.rank, p.owners)
+            if not state_check.same(dev_flat, exp_flat):   # names the first (field, slot)
+                state_check.compare(dev_flat, exp_flat, n, p.cols, p.live, p.step,
+                                    self.state.mirror.rank, p.owners)
+            if not ((held >= -(-computed // bs)).all()
+                    and (held <= -(-(computed + slack) // bs)).all()):
+                self._raise_blocks(p, exp)
         except MirrorDivergence as exc:
             p.verdict = (False, str(exc))
             raise
         p.verdict = (True, None)
 
-    def _raise(self, p: _Pending, dev: np.ndarray, exp: np.ndarray) -> None:
-        """The first divergence of ``p``, as ``CpuMirror.validate`` / ``validate_blocks`` name it."""
+    def _raise_blocks(self, p: _Pending, exp: np.ndarray) -> None:
+        """The first slot of ``p`` whose block count breaks invariant 9, as
+        ``CpuMirror.validate_blocks`` names it (``exp``: the counters ``[F, max_num_reqs]``)."""
         expected = CpuMirror(exp.shape[1], rank=self.state.mirror.rank)
         for i, f in enumerate(MIRROR_FIELDS):
             np.copyto(expected.array(f), exp[i])
-        expected.validate({f: dev[i] for i, f in enumerate(MIRROR_FIELDS)}, p.live, p.step,
-                          owners=p.owners)
         expected.validate_blocks(self.state.block_size, p.live, p.step, owners=p.owners,
                                  spec_slack=2 * (self.state.width - 1))

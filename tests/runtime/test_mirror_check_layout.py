@@ -1,0 +1,62 @@
+"""The one-copy layout of the after-step check (runtime/worker/state_check.py) names every field.
+
+A rank's DeviceState on the CPU (the per-step state work of ``runtime.bench mirror``: block deltas
+and both post-updates for 8 decode rows) is checked by the asynchronous check (one flat copy of
+counters, ``total_len``, block table and sampling tables) and by the synchronous one (in-place
+comparison); a fault planted on one side of one field in slot 5 is named by both, with the field,
+slot, request and both values.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from ppstate.errors import MirrorDivergence
+from runtime.bench.mirror import RankLoop
+from runtime.worker.mirror_check import AsyncMirrorCheck
+
+FAULTS = [("num_computed_tokens", "num_computed_tokens"), ("max_seq_len", "max_seq_len"),
+          ("mirror.num_blocks_np", "num_blocks"), ("total_len", "total_len"),
+          ("total_len_np", "total_len"), ("block_table", "block_table[0]"),
+          ("sampling_state.f32", "sampling.temperature"), ("sampling_state.i64", "sampling.top_k")]
+
+
+def _plant(state, field: str) -> None:
+    obj = state
+    for part in field.split(".")[:-1]:
+        obj = getattr(obj, part)
+    getattr(obj, field.split(".")[-1])[5] += 1
+
+
+@pytest.mark.parametrize("field,named", FAULTS)
+def test_fault_named_by_async_and_sync_check(field, named):
+    loop = RankLoop(8, torch.device("cpu"), prompt_len=32, max_model_len=300)
+    check = AsyncMirrorCheck(loop.state, rank=0)
+    for _ in range(3):                       # healthy steps pass
+        loop.step(False)
+        check.snapshot(loop.step_no - 1)
+    assert check.checked_steps == 3
+    loop.step(False)
+    _plant(loop.state, field)
+    with pytest.raises(MirrorDivergence) as exc:
+        check.snapshot(loop.step_no - 1)
+    e = exc.value
+    assert (e.field, e.slot, e.req_id, e.step) == (named, 5, "r5", 3)
+    assert abs(e.cpu - e.device) >= 1
+    with pytest.raises(MirrorDivergence) as sync:
+        loop.state.validate(3)
+    assert (sync.value.field, sync.value.slot, sync.value.cpu, sync.value.device) == \
+        (named, 5, e.cpu, e.device)
+
+
+def test_counters_are_rows_of_one_buffer():
+    """The mirrored counters and total_len are views of ``DeviceState.fields`` (one copy reads
+    them): a write through the attribute shows in the buffer."""
+    loop = RankLoop(4, torch.device("cpu"), prompt_len=32, max_model_len=100)
+    st = loop.state
+    st.num_blocks[2] += 7
+    st.total_len[1] += 3
+    assert st.fields[4, 2].item() == st.num_blocks[2].item()
+    assert st.fields[5].tolist() == st.total_len.tolist() == [32, 35, 32, 32]
+    diff = st.fields.numpy()[:5] - st.mirror.values                  # [F, 4]
+    assert np.flatnonzero(diff).tolist() == [4 * 4 + 2] and diff[4, 2] == 7
