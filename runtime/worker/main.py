@@ -110,7 +110,8 @@ class _Worker:
         common = dict(max_num_reqs=cfg.scheduler.max_num_seqs, progress=(self.rank == 0),
                       max_model_len=cfg.scheduler.max_model_len,
                       block_size=cfg.scheduler.block_size, num_blocks=1)
-        if device.type == "cpu" and cfg.cpu_path == "fast" and cfg.scheduler.num_spec_tokens == 0:
+        if device.type == "cpu" and cfg.cpu_path == "fast" and cfg.scheduler.num_spec_tokens == 0 \
+                and self._fast_path_fits():
             from runtime.model.cpu.fast_stage import load_fast_stage
             from runtime.model.cpu.threads import apply_threads, plan_threads
             pin = cfg.cpu_pin and cfg.launcher == "spawn" and cfg.dp_size == 1
@@ -119,6 +120,18 @@ class _Worker:
             return load_fast_stage(self.args.model_path, self.args.layer_range, **common)
         return load_stage(self.args.model_path, self.args.layer_range, dtype=dtype,
                           device=device, batch_invariant=True, **common)
+
+    def _fast_path_fits(self) -> bool:
+        """Whether the CPU fast path implements this model; if not, rank 0 says so and every rank
+        loads the exact path (the same choice on all ranks: it depends on the model only)."""
+        from runtime.model.cpu.fast_stage import fast_path_unsupported
+        from runtime.model.registry import resolve_model_path
+        from runtime.model.weights import open_checkpoint
+        reason = fast_path_unsupported(open_checkpoint(resolve_model_path(self.args.model_path)).config)
+        if reason is not None and self.rank == 0:
+            print(f"CPU fast path: {reason} is not implemented there; serving with the exact path",
+                  flush=True)
+        return reason is None
 
     def _fast_path(self, stage, cfg: EngineConfig, device: torch.device):
         """CUDA: the Triton fast path over the stage's cache, and (unless ``--enforce-eager``)

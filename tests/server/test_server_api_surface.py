@@ -36,7 +36,8 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(folder):
-    proc = ServerProcess("--model", folder, "--pp", "2", "--max-model-len", str(MAX_MODEL_LEN),
+    proc = ServerProcess("--model", folder, "--pp", "2", "--cpu-path", "exact",
+                         "--max-model-len", str(MAX_MODEL_LEN),
                          "--max-num-seqs", "8", "--max-prefill-chunk", "16",
                          "--reasoning-parser", "deepseek_r1")
     try:

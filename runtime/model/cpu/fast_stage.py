@@ -21,9 +21,10 @@ from tqdm.auto import tqdm
 from runtime.model.batch_meta import BatchMeta, contiguous_block_table
 from runtime.model.cpu.quant_weights import read_embedding, read_head, read_layer
 from runtime.model.cpu.segments import head_segment, mid_segment, tail_segment
-from runtime.model.errors import PartitionError
+from runtime.model.errors import PartitionError, UnsupportedModelError
 from runtime.model.layers import apply_rope, attend, rope_inv_freq, rope_tables
 from runtime.model.registry import resolve_model_path
+from runtime.model.rope import rope_type
 from runtime.model.stage import StageModel
 from runtime.model.weights import open_checkpoint
 
@@ -120,6 +121,24 @@ class CpuFastStage(nn.Module):
                       self.kv_cache[i, 0], self.kv_cache[i, 1], invariant=False)
 
 
+def fast_path_unsupported(cfg) -> str | None:
+    """Why the CPU fast path cannot run the model of ``cfg`` (a ``ModelConfig``), or None.
+
+    The fast path's fused segments implement the Llama/Mistral decoder layer (no Q/K/V/O biases, no
+    per-head q/k norm, a dense MLP) with default, linear or llama3 RoPE; a model using another
+    piece of its family (docs/families.md) runs on the exact path instead.
+    """
+    pieces = [name for name, used in (("qkv bias", cfg.qkv_bias), ("o bias", cfg.o_bias),
+                                      ("q/k norm", cfg.qk_norm), ("experts", cfg.num_experts > 0))
+              if used]
+    kind = rope_type(cfg.rope_scaling)
+    if kind not in ("default", "linear", "llama3"):
+        pieces.append(f"rope {kind}")
+    if cfg.family != "llama" or pieces:
+        return f"family {cfg.family!r}" + (f" with {', '.join(pieces)}" if pieces else "")
+    return None
+
+
 def load_fast_stage(model: str | Path, layer_range: tuple[int, int], *, max_num_reqs: int,
                     max_model_len: int, block_size: int = 16, num_blocks: int | None = None,
                     bits: int = 8, accuracy_level: int = 4, progress: bool = False) -> CpuFastStage:
@@ -129,8 +148,12 @@ def load_fast_stage(model: str | Path, layer_range: tuple[int, int], *, max_num_
 
     Raises:
         PartitionError: invalid layer range; the errors of resolving / reading the checkpoint.
+        UnsupportedModelError: a model the fast path does not implement (:func:`fast_path_unsupported`).
     """
     ckpt = open_checkpoint(resolve_model_path(model))
+    reason = fast_path_unsupported(ckpt.config)
+    if reason is not None:
+        raise UnsupportedModelError(f"the CPU fast path does not run {reason}; use --cpu-path exact")
     start, end = layer_range
     if not 0 <= start < end <= ckpt.config.num_layers:
         raise PartitionError(f"layer range {layer_range} is invalid for {ckpt.config.num_layers} layers")
