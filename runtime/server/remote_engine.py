@@ -26,7 +26,7 @@ from runtime.engine.admission import admission_checks, check_kv_fit, check_promp
 from runtime.engine.errors import EngineDeadError, RequestRejected
 from runtime.engine.faults import ENGINE, REQUEST, SHUTDOWN
 from runtime.engine.outputs import RequestOutput
-from runtime.engine.request_stream import merge_into
+from runtime.engine.request_stream import RequestStream, merge_into
 from runtime.sampling_params import SamplingParams
 from runtime.server.core_messages import CORE_SILENCE_S, decode, encode, unpack_output
 
@@ -60,24 +60,9 @@ class RemoteStream:
         self.put(RequestOutput(self.req_id, [], "", True, reason, self.num_prompt_tokens, 0,
                                None, error, kind))
 
-    async def iterate(self, on_close) -> AsyncIterator[RequestOutput]:
-        """Yield increments until the final one; ``on_close(req_id)`` if the reader leaves early."""
-        done = False
-        loop = asyncio.get_running_loop()
-        try:
-            while not done:
-                while (out := self._pending) is None:
-                    self._waiter = loop.create_future()
-                    try:
-                        await self._waiter
-                    finally:
-                        self._waiter = None
-                self._pending = None
-                done = out.finished
-                yield out
-        finally:
-            if not done:
-                await on_close(self.req_id)
+    #: the engine stream's own loop (one pending increment, one waiter; ``on_close(req_id)`` when
+    #: the reader leaves before the final increment): the same slots, so the same code
+    iterate = RequestStream.iterate
 
 
 class RemoteEngine:
