@@ -1,7 +1,7 @@
 """Invariant and progress checks of the model checker, fed by the ranks, the scheduler and the
 client side of one explored world.
 
-Reuses the simulator's :class:`~ppstate.sim.checks.InvariantChecker` for the rules that need no
+Reuses :class:`~ppstate.oracle.invariants.InvariantChecker` for the rules that need no
 fixed workload: budgets, balance and cadence of each issued step and the block pool (7, 5, 9, via
 ``on_issue``), the broadcast decision of every rank against an independent statement of the rule
 and across ranks (1, ``record_post``), slot ownership on free / admit and on deferred apply (2),
@@ -27,7 +27,7 @@ import numpy as np
 from ppstate.events import EventSink
 from ppstate.request import TokenUpdate
 from ppstate.scheduler import Scheduler
-from ppstate.sim.checks import InvariantChecker
+from ppstate.oracle.invariants import InvariantChecker
 
 if TYPE_CHECKING:
     from ppstate.batch import SchedulerOutput

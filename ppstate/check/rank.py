@@ -9,7 +9,7 @@ after the forward; sampled phase: ``-`` rejected tokens). Communication goes thr
 ops already issued (:attr:`CheckRank.oplog`) answered from the log instead of issued again.
 
 Sampling is the checker's choice: each row that needs a sample yields the deterministic "model"
-token (:func:`ppstate.sim.workload.model_token`) or EOS, and with ``spec_tokens = K`` each decode
+token (:func:`ppstate.oracle.model.model_token`) or EOS, and with ``spec_tokens = K`` each decode
 row reports 0..K rejected speculative tokens.
 """
 
@@ -29,7 +29,7 @@ from ppstate.events import EventSink
 from ppstate.mirror import MIRROR_FIELDS, CpuMirror
 from ppstate.pp_handler import PPHandler
 from ppstate.rank_step import RankStep
-from ppstate.sim.workload import EOS_TOKEN, model_token
+from ppstate.oracle.model import EOS_TOKEN, model_token
 
 
 

@@ -31,7 +31,7 @@ from ppstate.check.monitor import Monitor, MonitorSink
 from ppstate.check.rank import CheckRank
 from ppstate.events import NULL_SINK, RecordingSink
 from ppstate.scheduler import RequestSpec, Scheduler
-from ppstate.sim.workload import EOS_TOKEN, FIRST_TOKEN
+from ppstate.oracle.model import EOS_TOKEN, FIRST_TOKEN
 
 
 #: step-cost coefficients of ``--adaptive-lanes`` (:class:`ppstate.step_cost.StepCostModel`,

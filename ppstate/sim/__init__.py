@@ -3,8 +3,8 @@
 
 Modules: :mod:`~ppstate.sim.simulator` (event loop, timing rules), :mod:`~ppstate.sim.rank` (a
 rank's backend: device model, mirrors, KV), :mod:`~ppstate.sim.kv` (KV cache contents),
-:mod:`~ppstate.sim.checks` (the invariant checker), :mod:`~ppstate.sim.workload` (seeded workload
-and config), :mod:`~ppstate.sim.trace` (recording a run), :mod:`~ppstate.sim.cli`
+:mod:`~ppstate.sim.workload` (seeded workload and config; the invariant checker and the token
+rule are the verification layer's, :mod:`ppstate.oracle`), :mod:`~ppstate.sim.trace` (recording a run), :mod:`~ppstate.sim.cli`
 (``python -m ppstate.sim``), :mod:`~ppstate.sim.soak` (``python -m ppstate.sim.soak``).
 """
 

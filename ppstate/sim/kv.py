@@ -18,7 +18,7 @@ from ppstate.batch import SchedulerOutput
 from ppstate.block_digest import rank_deltas, row_digests
 
 if TYPE_CHECKING:
-    from ppstate.sim.checks import InvariantChecker
+    from ppstate.oracle.invariants import InvariantChecker
 
 UNKNOWN = -2
 

@@ -22,7 +22,8 @@ import json
 
 from ppstate.lanes import choose_lanes
 from ppstate.sim.simulator import Simulator
-from ppstate.sim.workload import SimConfig, SimRequest
+from ppstate.oracle.model import SimRequest
+from ppstate.sim.workload import SimConfig
 
 MODES = {"sync": {"mode": "sync"}, "overlapped": {"mode": "overlapped"},
          "adaptive": {"mode": "overlapped", "adaptive_lanes": True}}

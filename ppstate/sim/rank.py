@@ -3,7 +3,7 @@
 The step order is :class:`~ppstate.rank_step.RankStep`'s, the one the runtime worker runs. This
 backend keeps a "device" model per slot (owner, sampled-id history, ``num_computed_tokens``), the
 rank's :class:`~ppstate.mirror.CpuMirror` and its KV cache (:mod:`ppstate.sim.kv`), and reports
-ground truth to :class:`ppstate.sim.checks.InvariantChecker` as it goes. Hidden states are
+ground truth to :class:`ppstate.oracle.invariants.InvariantChecker` as it goes. Hidden states are
 modelled by rank 0's input token per row, handed rank to rank; the broadcast payload is a
 :class:`~ppstate.payload.SampledPayload` over a numpy buffer.
 """
@@ -21,10 +21,10 @@ from ppstate.payload import SampledPayload
 from ppstate.pp_handler import ConsumedEntry
 from ppstate.rank_step import RankStep
 from ppstate.sim.kv import SimKV
-from ppstate.sim.workload import model_token
+from ppstate.oracle.model import model_token
 
 if TYPE_CHECKING:
-    from ppstate.sim.checks import InvariantChecker
+    from ppstate.oracle.invariants import InvariantChecker
 
 
 @dataclass

@@ -11,7 +11,7 @@ the machine (processor sharing): while k of the pp_size ranks compute, each prog
 ``1 / (1 + (contention - 1) (k - 1) / (pp_size - 1))`` (the slow-down of
 :meth:`ppstate.step_cost.StepCostModel.slowdown`), so overlapped mode pays for running its stages
 at once as it does on a CPU whose cores the stages share. After every tick the
-:class:`~ppstate.sim.checks.InvariantChecker` has seen all new facts.
+:class:`~ppstate.oracle.invariants.InvariantChecker` has seen all new facts.
 
 Usage: ``python -m ppstate.sim --pp 4 --requests 64 --seed 1 --mode overlapped --json``
 (see :mod:`ppstate.sim.cli`). Each rank runs the runtime's step order
@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 
 from ppstate.events import NULL_SINK, EventSink
 from ppstate.scheduler import RequestSpec, Scheduler
-from ppstate.sim.checks import InvariantChecker
+from ppstate.oracle.invariants import InvariantChecker
 from ppstate.sim.rank import SimRank, Wire
-from ppstate.sim.workload import EOS_TOKEN, SimConfig, SimRequest, make_workload
+from ppstate.oracle.model import EOS_TOKEN, SimRequest
+from ppstate.sim.workload import SimConfig, make_workload
 
 
 @dataclass

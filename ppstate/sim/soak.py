@@ -6,7 +6,7 @@ the prompts (chunked prefill), burst or Poisson arrivals, a tight or roomy KV ca
 prefix caching on or off, adaptive lanes on half of the overlapped seeds (:data:`LANE_COSTS`:
 the lane count changes with the live requests, closed lanes skip their step numbers). Every
 simulator run checks the invariants at every tick
-(:mod:`ppstate.sim.checks`). Prints one JSON object: seeds run, runs with violations (their
+(:mod:`ppstate.oracle.invariants`). Prints one JSON object: seeds run, runs with violations (their
 seeds, at most 20) and totals (requests, aborted, steps); exit status 1 on any violation.
 Reproduce one seed with ``--start SEED --seeds 1``. ``--jobs N`` runs the seeds in N processes
 (``multiprocessing``); each seed's run is independent and the results are folded in seed order, so

@@ -1,4 +1,4 @@
-"""Simulator configuration, seeded workload and the deterministic token "model".
+"""Simulator configuration and seeded workload (the token "model" is :mod:`ppstate.oracle.model`).
 
 Everything random in a simulation comes from one ``numpy.random.default_rng(seed)`` drawn here, in
 a fixed order, so a (config, seed) pair reproduces a run exactly. Times are integer logical ticks.
@@ -7,45 +7,14 @@ a fixed order, so a (config, seed) pair reproduces a run exactly. Times are inte
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 
 from ppstate.budget import SchedulerConfig
 from ppstate.errors import SchedulerError
-
-EOS_TOKEN = 2       # SmolLM2's <|im_end|>
-FIRST_TOKEN = 3     # sampled / prompt ids are in [FIRST_TOKEN, VOCAB)
-VOCAB = 49152
-
-
-@dataclass(frozen=True)
-class SimRequest:
-    """One request of a workload.
-
-    Attributes:
-        req_id: id.
-        arrival: tick it reaches the scheduler.
-        prompt: prompt token ids.
-        max_tokens: new tokens allowed.
-        sample_seed: seeds the token model for this request (carried in NewRequest.sampling).
-        eos_at: output index the model emits EOS at (-1: never).
-        ignore_eos: keep going after EOS.
-        abort_at: tick the client aborts (-1: never).
-        fork_of: id of an earlier request with the same prompt this one is forked from (``n`` >
-            1 of the OpenAI API; :attr:`ppstate.request.RequestSpec.fork_of`), or None.
-    """
-    req_id: str
-    arrival: int
-    prompt: tuple[int, ...]
-    max_tokens: int
-    sample_seed: int
-    eos_at: int = -1
-    ignore_eos: bool = False
-    abort_at: int = -1
-    fork_of: str | None = None
-
+from ppstate.oracle.model import FIRST_TOKEN, VOCAB, SimRequest
 
 #: the scheduler defaults of a simulation where they differ from :class:`SchedulerConfig`'s own
 SIM_SCHEDULER_DEFAULTS = {"max_prefill_chunk": 32}
@@ -181,36 +150,3 @@ def make_workload(cfg: SimConfig) -> tuple[SimRequest, ...]:
         reqs.append(SimRequest(f"req-{i}", t, prompt, max_tokens, int(rng.integers(1, 2**31)),
                                eos_at, ignore_eos, abort_at, fork_of))
     return tuple(reqs)
-
-
-def model_token(sample_seed: int, index: int, prev_token: int, eos_at: int) -> int:
-    """The token the "model" samples as output ``index`` after input ``prev_token``.
-
-    Deterministic in its inputs; a wrong input token (stale or missing deferred update) changes
-    every later token, which is how the client check sees invariant 2/3 failures.
-    """
-    if index == eos_at:
-        return EOS_TOKEN
-    h = (sample_seed * 0x9E3779B1 + index * 0x85EBCA6B + prev_token * 0xC2B2AE35) & 0xFFFFFFFF
-    h ^= h >> 15
-    return FIRST_TOKEN + (h * 0x2C1B3C6D & 0xFFFFFFFF) % (VOCAB - FIRST_TOKEN)
-
-
-@dataclass
-class ExpectedOutput:
-    """What a client must receive for one request, computed independently of the pipeline."""
-    tokens: list[int] = field(default_factory=list)
-    reason: str = "length"
-
-
-def expected_output(req: SimRequest, max_model_len: int) -> ExpectedOutput:
-    """The full token sequence and finish reason of ``req`` if it is not aborted."""
-    limit = min(req.max_tokens, max_model_len - len(req.prompt))
-    exp, prev = ExpectedOutput(), req.prompt[-1]
-    for k in range(limit):
-        prev = model_token(req.sample_seed, k, prev, req.eos_at)
-        exp.tokens.append(prev)
-        if prev == EOS_TOKEN and not req.ignore_eos:
-            exp.reason = "stop"
-            break
-    return exp

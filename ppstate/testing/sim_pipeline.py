@@ -18,8 +18,8 @@ import numpy as np
 from ppstate.events import RecordingSink
 from ppstate.scheduler import RequestSpec
 from ppstate.sim.simulator import Simulator
-from ppstate.sim.workload import (EOS_TOKEN, FIRST_TOKEN, VOCAB, SimConfig, SimRequest,
-                                  expected_output)
+from ppstate.oracle.model import EOS_TOKEN, FIRST_TOKEN, VOCAB, SimRequest, expected_output
+from ppstate.sim.workload import SimConfig
 from ppstate.trace.run import write_run
 
 

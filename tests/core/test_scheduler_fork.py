@@ -10,7 +10,8 @@ import numpy as np
 from ppstate.batch import StepResult
 from ppstate.scheduler import RequestSpec, Scheduler, SchedulerConfig
 from ppstate.sim.simulator import Simulator
-from ppstate.sim.workload import SimConfig, SimRequest
+from ppstate.oracle.model import SimRequest
+from ppstate.sim.workload import SimConfig
 
 
 def cfg(**kw):

@@ -232,7 +232,7 @@ def test_slowdown_grows_with_the_stages_computing_at_once_and_picks_the_argmin()
 
 
 def test_simulator_runs_one_lane_of_64_rows_and_checks_the_cap_per_lane_count(monkeypatch):
-    from ppstate.sim import checks
+    from ppstate.oracle import invariants as checks
     from ppstate.sim.lane_sweep import burst
 
     def sim_cfg():

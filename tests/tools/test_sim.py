@@ -13,7 +13,8 @@ import ppstate.sim.rank as sim_rank
 from ppstate.budget import SchedulerConfig
 from ppstate.pp_handler import PPHandler
 from ppstate.sim import Simulator, main, run_sim
-from ppstate.sim.workload import SimConfig, SimRequest
+from ppstate.oracle.model import SimRequest
+from ppstate.sim.workload import SimConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = {"steps", "ticks", "completed", "aborted", "output_tokens", "throughput_tokens_per_tick",
@@ -162,7 +163,7 @@ def test_wrong_broadcast_decision_agreed_by_all_ranks_is_caught(monkeypatch, wro
 
 def test_rows_needing_sample_rule():
     from ppstate.batch import SchedulerOutput
-    from ppstate.sim.checks import InvariantChecker
+    from ppstate.oracle.invariants import InvariantChecker
     checker = InvariantChecker.__new__(InvariantChecker)
     checker.prompt_len = {"a": 10, "b": 4, "c": 7}
     checker.row_admission = {}

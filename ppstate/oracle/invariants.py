@@ -1,7 +1,8 @@
-"""Invariant checks of the simulator (docs/design.md §6 and specs/invariants.md: invariants 1, 2, 3, 5, 6, 7; 4 for the
+"""The invariant checker shared by the simulator, the trace replayer and the model checker
+(docs/design.md §6 and specs/invariants.md: invariants 1, 2, 3, 5, 6, 7; 4 for the
 ``num_computed_tokens`` mirror).
 
-The checker receives ground truth from the simulated ranks and the client side and records one
+The checker receives ground truth from the backend's ranks and the client side and records one
 :class:`Violation` per broken rule; it never raises, so a run reports every violation it meets.
 """
 
@@ -16,8 +17,8 @@ import numpy as np
 from ppstate.batch import SchedulerOutput
 from ppstate.lanes import lane_row_cap
 from ppstate.request import TokenUpdate
+from ppstate.oracle.model import ExpectedOutput, SimRequest, expected_output
 from ppstate.scheduler import Scheduler
-from ppstate.sim.workload import ExpectedOutput, SimRequest, expected_output
 
 MAX_REPORTED = 50  # violations kept per run (the count keeps going)
 
