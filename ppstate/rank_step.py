@@ -35,11 +35,12 @@ immediately after sampling on the last rank and on the deferred consume on the o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
 
-from ppstate import mutants
+from ppstate import step_hooks
 from ppstate.batch import SchedulerOutput, StepResult
 from ppstate.errors import PPStateError
 from ppstate.events import NULL_SINK, EventSink
@@ -53,7 +54,7 @@ class RankBackend(Protocol):
     (tensors, arrays) plus its :class:`~ppstate.mirror.CpuMirror`."""
 
     def begin_step(self, out: SchedulerOutput) -> None:
-        """Start of step ``out.step`` (reset per-step timing, trace the step)."""
+        """Start of step ``out.step`` (reset per-step timing)."""
 
     def free_and_admit(self, out: SchedulerOutput) -> None:
         """Free ``out.freed`` slots, initialise ``out.new_requests`` slots (device + mirror),
@@ -91,21 +92,28 @@ class RankBackend(Protocol):
 
     def publish(self, out: SchedulerOutput, mask: np.ndarray | None,
                 payload: SampledPayload) -> None:
-        """Last rank: broadcast ``payload`` to the other ranks when ``mask`` is not None, else
-        record the skip (a single-rank pipeline has no one to send to)."""
+        """Last rank: broadcast ``payload`` to the other ranks when ``mask`` is not None (a
+        single-rank pipeline has no one to send to); the step order records the decision."""
 
     def post_receive(self, out: SchedulerOutput, mask: np.ndarray) -> Any:
         """Non-last ranks: post the receive of step ``out.step``'s payload; returns the handle
         the PPHandler queues (its ``wait()``, if any, is called on the deferred consume)."""
 
     def skip_receive(self, out: SchedulerOutput) -> None:
-        """Non-last ranks: no row of the step needs a sample, nothing is received."""
+        """Non-last ranks: no row of the step needs a sample, nothing is received (the step
+        order records the skip)."""
 
     def received(self, entry: ConsumedEntry) -> SampledPayload:
         """The payload of a consumed (already waited) receive, ``entry.handle`` as posted."""
 
     def result(self, out: SchedulerOutput, payload: SampledPayload) -> StepResult:
         """Last rank: the step's result for the scheduler, from ``payload``."""
+
+    def sampled_ids(self, out: SchedulerOutput, payload: SampledPayload,
+                    result: Any) -> tuple[Callable[[], bool], Callable[[], dict]]:
+        """Last rank, tracing on, a step with rows: ``(ready, ids)`` of the ``sampled`` event:
+        ``ids()`` gives ``token_ids`` (``[num_rows][width]``) and ``num_sampled``
+        (``[num_rows]``) once ``ready()`` (e.g. the device-to-host copy of ``result`` landed)."""
 
     def end_step(self, out: SchedulerOutput) -> None:
         """End of the step: validate (or snapshot for a later comparison) the CPU mirrors."""
@@ -118,15 +126,42 @@ def sampled_idx_mapping(out: SchedulerOutput, mask: np.ndarray | None) -> np.nda
     return np.where(mask, out.slots, -1).astype(np.int64)
 
 
+class Phases(Protocol):
+    """Where a rank reports the phase of its step (the runtime's
+    :class:`~runtime.worker.progress.Progress`, read by its heartbeat for stall detection)."""
+
+    def enter(self, phase: str) -> None:
+        """The rank starts ``phase`` (``recv``, ``forward``, ``send``, ``post``, ``sample``)."""
+
+
+class _NoPhases:
+    """Phases reported nowhere (the simulator, the model checker, replay)."""
+
+    def enter(self, phase: str) -> None:
+        return None
+
+    def __reduce__(self) -> str:
+        return "NO_PHASES"   # pickled by reference: one object, so equal checker states pickle alike
+
+
+NO_PHASES = _NoPhases()
+
+
 class RankStep:
-    """Runs steps of rank ``rank`` of ``pp_size`` on ``backend`` in the one order.
+    """Runs steps of rank ``rank`` of ``pp_size`` on ``backend`` in the one order, and records
+    the rank's decisions: it emits ``rank.step``, ``broadcast.posted`` / ``broadcast.skipped``
+    and ``sampled`` (its PPHandler ``pp.enqueue`` / ``pp.consume`` / ``pp.free``) and enters the
+    step's phases, so every backend records the same decisions in the same order
+    (docs/trace_format.md). A backend only applies effects; ``mirror.check`` (the outcome of its
+    validation) and phase timings are its own.
 
     Args:
         backend: the executor (:class:`RankBackend`).
         rank: PP rank; pp_size: stages.
         depth: PPHandler depth: ``pp_size`` (overlapped) or 1 (sync).
         max_num_reqs: slots.
-        sink: event sink of the PPHandler (``pp.enqueue`` / ``pp.consume`` / ``pp.free``).
+        sink: event sink of the rank's decisions and its PPHandler.
+        phases: where the phases are reported (:class:`Phases`; default: nowhere).
 
     Attributes:
         handler: the PPHandler of a non-last rank of a multi-rank pipeline, else None.
@@ -138,8 +173,10 @@ class RankStep:
     """
 
     def __init__(self, backend: RankBackend, rank: int, pp_size: int, depth: int,
-                 max_num_reqs: int, sink: EventSink = NULL_SINK) -> None:
+                 max_num_reqs: int, sink: EventSink = NULL_SINK,
+                 phases: Phases = NO_PHASES) -> None:
         self.backend, self.rank, self.pp_size = backend, rank, pp_size
+        self.sink, self.phases = sink, phases
         self.is_last = rank == pp_size - 1
         self.handler: PPHandler | None = None
         if not self.is_last:
@@ -153,40 +190,73 @@ class RankStep:
             PPStateError: ``out.step`` is below :attr:`next_step` (steps out of order).
             Whatever the backend raises (a peer timeout, a mirror divergence).
         """
-        b = self.backend
+        b, hooks = self.backend, step_hooks.current()
         if out.step < self.next_step:
             raise PPStateError(f"rank {self.rank}: step {out.step} after step {self.next_step - 1}")
         b.begin_step(out)
+        if self.sink.enabled:
+            self.sink.emit("rank.step", step=out.step, rank=self.rank, num_rows=out.num_rows)
         self._skip_to(out.step)
         self._consume()
         if self.handler is not None:
             for f in out.freed:
                 self.handler.on_slot_freed(f.slot, out.step)
         b.free_and_admit(out)
-        mask = need_sampled_mask(out)
+        mask = hooks.step_mask(out, need_sampled_mask(out))
         logits = self._forward(out) if out.num_rows else None
         result = None
-        blocking = mutants.active("blocking_all_chunk_broadcast") and out.num_rows > 0  # mutant
-        if blocking and mask is None:
-            mask = np.zeros(out.num_rows, dtype=bool)
         if self.is_last:
-            payload = b.sample(out, mask, logits)
-            if out.num_rows:
-                b.apply_sampled(out.step, sampled_idx_mapping(out, mask), payload)
-            if mutants.active("rank_local_skip") and mask is not None:   # mutant
-                mask = mutants.rank_local_mask(b, out, mask)
-            b.publish(out, mask, payload)
-            result = b.result(out, payload)
+            result = self._sample_and_publish(out, mask, logits, hooks)
         elif mask is None:
             self.handler.enqueue(out.step, out, None)
             b.skip_receive(out)
-        elif blocking:
-            self._receive_now(out, mask)
-        else:
-            self.handler.enqueue(out.step, out, mask, b.post_receive(out, mask))
+            self._broadcast_event(out, None)
+        elif not hooks.receive_now(self, out, mask):
+            self.handler.enqueue(out.step, out, mask, self.post_receive(out, mask))
+        self.phases.enter("post")
         b.end_step(out)
         self.next_step = out.step + 1
         return result
+
+    def _sample_and_publish(self, out: SchedulerOutput, mask: np.ndarray | None, logits: Any,
+                            hooks: step_hooks.StepHooks) -> StepResult:
+        """Last rank: sample, apply, publish (or skip) the broadcast, the step's result."""
+        b = self.backend
+        self.phases.enter("sample")
+        payload = b.sample(out, mask, logits)
+        if out.num_rows:
+            b.apply_sampled(out.step, sampled_idx_mapping(out, mask), payload)
+        mask = hooks.publish_mask(b, out, mask)
+        b.publish(out, mask, payload)
+        if self.pp_size > 1:
+            self._broadcast_event(out, mask)
+        result = b.result(out, payload)
+        if out.num_rows and self.sink.enabled:
+            ready, ids = b.sampled_ids(out, payload, result)
+            req_ids = list(out.req_ids)
+            self.sink.emit_when(ready, "sampled", out.step, self.rank,
+                                lambda: {"req_ids": req_ids, **ids()})
+        return result
+
+    def post_receive(self, out: SchedulerOutput, mask: np.ndarray) -> Any:
+        """Non-last rank: post the step's receive on the backend and record it; its handle."""
+        handle = self.backend.post_receive(out, mask)
+        self._broadcast_event(out, mask)
+        return handle
+
+    def apply_received(self, out: SchedulerOutput, mask: np.ndarray, handle: Any) -> None:
+        """Apply the (waited) receive ``handle`` of step ``out`` at once, not deferred (the
+        ``blocking_all_chunk_broadcast`` mutant's path, :mod:`ppstate.step_hooks`)."""
+        entry = ConsumedEntry(out.step, sampled_idx_mapping(out, mask), handle, mask)
+        self.backend.apply_sampled(out.step, entry.idx_mapping, self.backend.received(entry))
+
+    def _broadcast_event(self, out: SchedulerOutput, mask: np.ndarray | None) -> None:
+        if not self.sink.enabled:
+            return
+        if mask is None:
+            self.sink.emit("broadcast.skipped", step=out.step, rank=self.rank)
+        else:
+            self.sink.emit("broadcast.posted", step=out.step, rank=self.rank, rows=int(mask.sum()))
 
     def _skip_to(self, step: int) -> None:
         """The PPHandler's turns of the numbers skipped before ``step`` (module docstring)."""
@@ -194,17 +264,6 @@ class RankStep:
             for skipped in range(self.next_step, step):
                 self._consume()
                 self.handler.push_empty(skipped)
-
-    def _receive_now(self, out: SchedulerOutput, mask: np.ndarray) -> None:
-        """Mutant ``blocking_all_chunk_broadcast`` (``ppstate.mutants``; the model checker's):
-        the receive is posted and waited for at once, even when no row needs it, and applied
-        in this step (as before vLLM #38726)."""
-        handle = self.backend.post_receive(out, mask)
-        self.handler.enqueue(out.step, out, None)
-        if callable(getattr(handle, "wait", None)):
-            handle.wait()
-        entry = ConsumedEntry(out.step, sampled_idx_mapping(out, mask), handle, mask)
-        self.backend.apply_sampled(out.step, entry.idx_mapping, self.backend.received(entry))
 
     def _consume(self) -> None:
         if self.handler is None:
@@ -214,11 +273,17 @@ class RankStep:
             self.backend.apply_sampled(entry.step, entry.idx_mapping, self.backend.received(entry))
 
     def _forward(self, out: SchedulerOutput) -> Any:
-        b = self.backend
+        b, phases = self.backend, self.phases
         inputs = b.prepare_inputs(out)
-        received = b.receive(out) if self.rank > 0 else None
+        received = None
+        if self.rank > 0:
+            phases.enter("recv")
+            received = b.receive(out)
+        phases.enter("forward")
         hidden = b.forward(out, inputs, received)
         if not self.is_last:
+            phases.enter("send")
             b.send(out, hidden)
+        phases.enter("post")
         b.apply_scheduled(out)
         return hidden

@@ -7,8 +7,9 @@
 "Hidden states" are rank 0's input token per row (``[num_rows]``), so the last rank's sample is
 conditioned on what rank 0 read. The broadcast payload is a
 :class:`~ppstate.payload.SampledPayload` of width 1 (``[num_rows, 3]`` int64). Events are emitted
-where the runtime runner emits them (``docs/trace_format.md``) and feed the monitor through the
-rank's sink.
+by the step order (:class:`~ppstate.rank_step.RankStep`, ``docs/trace_format.md``) and feed the
+monitor through the rank's sink; the backend adds only ``mirror.check``, the outcome of its
+validation.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ if TYPE_CHECKING:
     from ppstate.pp_handler import ConsumedEntry
 
 
+def _ready() -> bool:
+    return True
+
+
 class OpHandle:
     """Completion handle of a posted deferred receive (what the PPHandler keeps per entry)."""
 
@@ -39,14 +44,14 @@ class BackendMethods:
     """Protocol methods of :class:`~ppstate.check.rank.CheckRank` (attributes documented there)."""
 
     def begin_step(self, out: SchedulerOutput) -> None:
-        self.sink.emit("rank.step", step=out.step, rank=self.rank, num_rows=out.num_rows)
+        return None
 
     def free_and_admit(self, out: SchedulerOutput) -> None:
         self.apply_freed_new(out)
 
     def prepare_inputs(self, out: SchedulerOutput) -> np.ndarray | None:
         self.world.monitor.check_inputs(self, out)
-        return self.input_tokens(out) if self.is_first else None
+        return self.slot_tokens.input_tokens(out) if self.is_first else None
 
     def receive(self, out: SchedulerOutput) -> np.ndarray:
         return self.recv_prev(out.step)
@@ -71,23 +76,14 @@ class BackendMethods:
                                 payload.num_rejected, src)
 
     def publish(self, out: SchedulerOutput, mask: np.ndarray | None, payload: SampledPayload) -> None:
-        if self.pp_size > 1 and mask is None:
-            self.sink.emit("broadcast.skipped", step=out.step, rank=self.rank)
-        elif self.pp_size > 1:
+        if self.pp_size > 1 and mask is not None:
             self.post_broadcast(out.step, (out.step, payload), root=True)
-            self.sink.emit("broadcast.posted", step=out.step, rank=self.rank, rows=int(mask.sum()))
-        if out.num_rows:
-            self.sink.emit("sampled", step=out.step, rank=self.rank, req_ids=list(out.req_ids),
-                           token_ids=payload.token_ids.tolist(),
-                           num_sampled=payload.num_sampled.tolist())
 
     def post_receive(self, out: SchedulerOutput, mask: np.ndarray) -> OpHandle:
-        op = self.post_broadcast(out.step, None, root=False)
-        self.sink.emit("broadcast.posted", step=out.step, rank=self.rank, rows=int(mask.sum()))
-        return OpHandle(self, op)
+        return OpHandle(self, self.post_broadcast(out.step, None, root=False))
 
     def skip_receive(self, out: SchedulerOutput) -> None:
-        self.sink.emit("broadcast.skipped", step=out.step, rank=self.rank)
+        return None
 
     def received(self, entry: "ConsumedEntry") -> SampledPayload:
         got = entry.handle.op.payload   # (step, payload); another step's after a mismatch
@@ -101,6 +97,10 @@ class BackendMethods:
     def result(self, out: SchedulerOutput, payload: SampledPayload) -> StepResult:
         return StepResult(out.step, payload.token_ids.copy(), payload.num_sampled.astype(np.int32),
                           payload.num_rejected.astype(np.int32))
+
+    def sampled_ids(self, out: SchedulerOutput, payload: SampledPayload, result: StepResult):
+        ids = {"token_ids": payload.token_ids.tolist(), "num_sampled": payload.num_sampled.tolist()}
+        return _ready, lambda: ids
 
     def end_step(self, out: SchedulerOutput) -> None:
         self.validate(out.step, check_blocks=self.world.spec_tokens == 0)

@@ -66,7 +66,7 @@ def _named(w) -> set[str]:
     for out in w.sched._in_flight:
         names.update(out.req_ids)
     for rk in w.ranks:
-        names.update(o for o in rk.owner if o is not None)
+        names.update(o for o in rk.slot_tokens.owner if o is not None)
     names.update(f.req_id for f in w.sched._freed)
     return names
 
@@ -129,7 +129,7 @@ def _forget_stats(w) -> None:
 
 def _forget_free_slots(w) -> None:
     for rk in w.ranks:
-        for s, owner in enumerate(rk.owner):
+        for s, owner in enumerate(rk.slot_tokens.owner):
             if owner is None:
                 leftovers.clear_rank_slot(rk, s, MIRROR_FIELDS)
     sched = w.sched

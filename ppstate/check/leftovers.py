@@ -74,7 +74,7 @@ def _first_seen(w, outs: list) -> list[str]:
                 [n.req_id for n in out.new_requests]:
             seen.setdefault(rid, None)
     for rk in w.ranks:
-        for rid in rk.owner:
+        for rid in rk.slot_tokens.owner:
             if rid is not None:
                 seen.setdefault(rid, None)
     for f in w.sched._freed:
@@ -101,7 +101,7 @@ def _erase_rows(w, by_step: dict, gone: set[str]) -> None:
             if rid in gone:
                 res.sampled_token_ids[i, :] = 0
     for rk in w.ranks:
-        for s, rid in enumerate(rk.owner):
+        for s, rid in enumerate(rk.slot_tokens.owner):
             if rid in gone:   # fixed: equal on mirror and device (validated), never change again
                 clear_rank_slot(rk, s, fixed)
         if rk.handler is None:
@@ -142,7 +142,7 @@ def _rename(w, outs: list, names: dict[str, str]) -> None:
         if f.req_id in names:
             object.__setattr__(f, "req_id", names[f.req_id])
     for rk in w.ranks:
-        rk.owner = [None if r is None else get(r, r) for r in rk.owner]
+        rk.slot_tokens.owner = [None if r is None else get(r, r) for r in rk.slot_tokens.owner]
     inner = w.monitor.inner
     inner.closed = dict(sorted((get(r, r), v) for r, v in inner.closed.items()))
     inner.prompt_len = dict(sorted((get(r, r), v) for r, v in inner.prompt_len.items()))
@@ -172,8 +172,9 @@ def name_leftovers(w) -> None:
 def clear_rank_slot(rk, s: int, fields) -> None:
     """Zero rank ``rk``'s per-request values of slot ``s`` (token history, output cap, seed, last
     prompt token, EOS flags) and ``fields`` of its CPU mirror and device counters."""
-    rk.history[s] = []
-    rk.output_cap[s] = rk.sample_seed[s] = rk.last_prompt[s] = 0
+    st = rk.slot_tokens
+    st.history[s] = []
+    rk.output_cap[s] = st.sample_seed[s] = st.last_prompt[s] = 0
     rk.ignore_eos[s] = rk.stopped[s] = False
     rk.grammar_pos[s] = 0
     for f in fields:

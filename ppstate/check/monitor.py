@@ -92,13 +92,13 @@ class Monitor:
 
     # ---------------------------------------------------------------- rank side
     def check_owner(self, rk: Any, step: int, slot: int, want: str | None) -> None:
-        self.inner.check_owner(rk.rank, step, slot, want, rk.owner[slot])
+        self.inner.check_owner(rk.rank, step, slot, want, rk.slot_tokens.owner[slot])
 
     def check_apply(self, rk: Any, step: int, row_req: str, slot: int) -> None:
-        self.inner.check_apply(rk.rank, step, row_req, slot, rk.owner[slot])
+        self.inner.check_apply(rk.rank, step, row_req, slot, rk.slot_tokens.owner[slot])
 
     def check_inputs(self, rk: Any, out: "SchedulerOutput") -> None:
-        self.inner.check_inputs(rk.rank, out, rk.owner, rk.history)
+        self.inner.check_inputs(rk.rank, out, rk.slot_tokens.owner, rk.slot_tokens.history)
 
     def record_sampled(self, out: "SchedulerOutput", tokens: np.ndarray) -> None:
         self.inner.record_sampled(out, tokens)

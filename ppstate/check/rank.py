@@ -30,6 +30,7 @@ from ppstate.mirror import MIRROR_FIELDS, CpuMirror
 from ppstate.pp_handler import PPHandler
 from ppstate.rank_step import RankStep
 from ppstate.oracle.model import EOS_TOKEN, model_token
+from ppstate.oracle.slot_model import SlotTokens
 
 
 
@@ -56,18 +57,15 @@ class CheckRank(BackendMethods):
         self.mirror = CpuMirror(max_num_reqs, rank=rank)
         i64 = dict(dtype=np.int64)
         self.device = {f: np.zeros(max_num_reqs, **i64) for f in MIRROR_FIELDS}  # [max_num_reqs] each
-        self.owner: list[str | None] = [None] * max_num_reqs               # [max_num_reqs]
+        self.slot_tokens = SlotTokens(max_num_reqs)   # owners, token histories (shared model)
         # block table built from the scheduler's deltas (ids: ppstate/check/block_ids.py)
         self.block_table = np.zeros((max_num_reqs, blocks_per_slot), **i64)  # [max_num_reqs, cols]
         self.block_error: str | None = None   # block-id disagreement of the step in progress
-        self.history: list[list[int]] = [[] for _ in range(max_num_reqs)]  # sampled ids per slot
         self.output_cap = np.zeros(max_num_reqs, **i64)   # [max_num_reqs] outputs allowed
-        self.sample_seed = np.zeros(max_num_reqs, **i64)  # [max_num_reqs]
         self.ignore_eos = np.zeros(max_num_reqs, dtype=bool)  # [max_num_reqs]
         self.stopped = np.zeros(max_num_reqs, dtype=bool)  # [max_num_reqs] EOS sampled (last rank)
         # --grammar: the last rank's matcher position of each slot (tokens it accepted)
         self.grammar_pos = np.zeros(max_num_reqs, **i64)   # [max_num_reqs]
-        self.last_prompt = np.zeros(max_num_reqs, **i64)  # [max_num_reqs]
         self.running_step = -1   # the step of the attempt in progress (-1 between attempts)
         self.oplog: list[Op] = []      # ops issued by the step in progress (resumed after a block)
         self.choice_log: list[int] = []  # choices taken by the step in progress
@@ -142,21 +140,13 @@ class CheckRank(BackendMethods):
     def apply_freed_new(self, out: SchedulerOutput) -> None:
         """Free and admit slots (the scheduler's ``freed`` / ``new_requests``), block deltas
         (the PPHandler generations were bumped by the step order already)."""
-        mon = self.world.monitor
-        for f in out.freed:
-            mon.check_owner(self, out.step, f.slot, f.req_id)
-            self.owner[f.slot] = None
+        self.slot_tokens.free_and_admit(out, self._check_owner)
         for n in out.new_requests:
-            mon.check_owner(self, out.step, n.slot, None)
             s, kept = n.slot, n.num_output_tokens
-            self.owner[s] = n.req_id
-            self.history[s] = list(n.prompt_token_ids[len(n.prompt_token_ids) - kept:])
             self.output_cap[s] = n.max_seq_len - (len(n.prompt_token_ids) - kept)
-            self.sample_seed[s] = n.sampling["seed"]
             self.ignore_eos[s] = bool(n.sampling.get("ignore_eos", False))
             self.stopped[s] = False
             self.grammar_pos[s] = kept          # the matcher is rebuilt over the kept outputs
-            self.last_prompt[s] = n.prompt_token_ids[-1]
             for f, v in (("num_computed_tokens", n.num_cached_tokens),
                          ("num_computed_prefill_tokens", n.num_cached_tokens),
                          ("prefill_len", len(n.prompt_token_ids)),
@@ -173,7 +163,7 @@ class CheckRank(BackendMethods):
         self.block_error = None
         try:   # block-id agreement before the forward (invariant 9), reported at validation
             check_row_digests(self.block_table, self.mirror.num_blocks_np, out.slots,
-                              out.block_digests, out.step, self.rank, self.owner)
+                              out.block_digests, out.step, self.rank, self.slot_tokens.owner)
         except MirrorDivergence as exc:
             self.block_error = str(exc)
 
@@ -198,20 +188,13 @@ class CheckRank(BackendMethods):
             if src is not None:
                 self.world.monitor.check_apply(self, src.step, src.req_ids[i], slot)
             for k in range(int(num_sampled[i])):
-                self.history[slot].append(int(token_ids[i, k]))
+                self.slot_tokens.history[slot].append(int(token_ids[i, k]))
             self.device["num_computed_tokens"][slot] -= int(num_rejected[i])
         self.mirror.apply_rejected(idx, num_rejected.astype(np.int64))
 
     # ---------------------------------------------------------------- model
-    def input_tokens(self, out: SchedulerOutput) -> np.ndarray:
-        """Rank 0's input token per row ``[num_rows]``: last sampled id (or last prompt id) for
-        rows that sample, -1 for non-final chunks; it travels with the hidden states."""
-        toks = np.full(out.num_rows, -1, dtype=np.int64)
-        for i in np.nonzero(out.is_final_chunk)[0].tolist():
-            slot = int(out.slots[i])
-            hist = self.history[slot]
-            toks[i] = hist[-1] if hist else int(self.last_prompt[slot])
-        return toks
+    def _check_owner(self, step: int, slot: int, want: str | None, have: str | None) -> None:
+        self.world.monitor.check_owner(self, step, slot, want)
 
     def sample_rows(self, out: SchedulerOutput, mask: np.ndarray | None, inputs: np.ndarray,
                     spec_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -224,14 +207,14 @@ class CheckRank(BackendMethods):
         rows = [] if mask is None else np.nonzero(mask)[0].tolist()
         for i in rows:
             slot = int(out.slots[i])
-            index = len(self.history[slot])
+            index = len(self.slot_tokens.history[slot])
             branch = not self.stopped[slot] and not self.ignore_eos[slot] and \
                 index < self.output_cap[slot]
             if branch and self.choose(2) == 1:
                 tok = EOS_TOKEN
                 self.stopped[slot] = True
             else:
-                tok = model_token(int(self.sample_seed[slot]), index, int(inputs[i]), -1)
+                tok = model_token(int(self.slot_tokens.sample_seed[slot]), index, int(inputs[i]), -1)
             ids[i, 0], num_sampled[i] = tok, 1
             decode = int(out.start_positions[i]) >= int(self.mirror.prefill_len_np[slot])
             if spec_tokens and decode:
@@ -246,18 +229,18 @@ class CheckRank(BackendMethods):
         """Block-id agreement of the step's rows (9, checked before the forward), mirror
         agreement (invariant 4) and KV completeness (8) on the live slots; a divergence
         is recorded as a ``mirror.check`` event with ``ok`` False (the monitor reports it)."""
-        live = np.array([i for i, o in enumerate(self.owner) if o is not None], dtype=np.int64)
+        live, owner = self.slot_tokens.live_slots(), self.slot_tokens.owner
         values = self.mirror.num_computed_tokens_np[live].tolist()
         ok, message = True, None
         if self.block_error is not None:
             ok, message = False, self.block_error
         elif live.size:
             try:
-                self.mirror.validate(self.device, live, step, owners=self.owner)
+                self.mirror.validate(self.device, live, step, owners=owner)
                 if self.is_last and self.world.cfg.grammar:
                     self._validate_grammar(live, step)
                 if check_blocks:
-                    self.mirror.validate_blocks(self.world.block_size, live, step, self.owner)
+                    self.mirror.validate_blocks(self.world.block_size, live, step, owner)
             except Exception as exc:  # noqa: BLE001 - MirrorDivergence, reported as a violation
                 ok, message = False, str(exc)
         self.sink.emit("mirror.check", step=step, rank=self.rank, slots=live.tolist(),
@@ -267,8 +250,8 @@ class CheckRank(BackendMethods):
         """The grammar position of every live slot equals its accepted output tokens on this
         rank (the mirrored field of structured outputs). Raises MirrorDivergence."""
         for s in live.tolist():
-            accepted = len(self.history[s])
+            accepted = len(self.slot_tokens.history[s])
             if int(self.grammar_pos[s]) != accepted:
-                raise MirrorDivergence(step=step, slot=s, req_id=self.owner[s],
+                raise MirrorDivergence(step=step, slot=s, req_id=self.slot_tokens.owner[s],
                                        field="grammar_position", cpu=int(self.grammar_pos[s]),
                                        device=accepted, rank=self.rank)

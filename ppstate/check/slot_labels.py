@@ -85,9 +85,11 @@ def _relabel_steps(w, pi: np.ndarray) -> None:
 
 
 def _relabel_rank(rk, order: list[int], inv: np.ndarray, pi: np.ndarray) -> None:
-    rk.owner = [rk.owner[o] for o in order]
-    rk.history = [rk.history[o] for o in order]
-    for name in ("output_cap", "sample_seed", "ignore_eos", "stopped", "last_prompt", "grammar_pos"):
+    st = rk.slot_tokens
+    st.owner = [st.owner[o] for o in order]
+    st.history = [st.history[o] for o in order]
+    st.sample_seed, st.last_prompt = st.sample_seed[inv], st.last_prompt[inv]
+    for name in ("output_cap", "ignore_eos", "stopped", "grammar_pos"):
         setattr(rk, name, getattr(rk, name)[inv])
     rk.mirror.values[:] = rk.mirror.values[:, inv]   # in place: the mirror keeps row views
     rk.device = {f: a[inv] for f, a in rk.device.items()}

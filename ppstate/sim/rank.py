@@ -22,6 +22,7 @@ from ppstate.pp_handler import ConsumedEntry
 from ppstate.rank_step import RankStep
 from ppstate.sim.kv import SimKV
 from ppstate.oracle.model import model_token
+from ppstate.oracle.slot_model import SlotTokens
 
 if TYPE_CHECKING:
     from ppstate.oracle.invariants import InvariantChecker
@@ -59,11 +60,8 @@ class SimRank:
                  checker: "InvariantChecker",
                  kv_geometry: tuple[int, int, int] = (2048, 2048, 16)) -> None:
         self.rank, self.is_last, self.checker = rank, rank == pp_size - 1, checker
-        self.owner: list[str | None] = [None] * max_num_reqs       # [max_num_reqs]
-        self.history: list[list[int]] = [[] for _ in range(max_num_reqs)]  # sampled ids per slot
-        self.sample_seed = np.zeros(max_num_reqs, dtype=np.int64)  # [max_num_reqs]
+        self.slot_tokens = SlotTokens(max_num_reqs)    # owners, token histories (shared model)
         self.eos_at = np.full(max_num_reqs, -1, dtype=np.int64)    # [max_num_reqs]
-        self.last_prompt = np.zeros(max_num_reqs, dtype=np.int64)  # [max_num_reqs]
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)  # [max_num_reqs] "device"
         self.mirror = CpuMirror(max_num_reqs, rank=rank)
         self.order = RankStep(self, rank, pp_size, depth, max_num_reqs)
@@ -89,17 +87,9 @@ class SimRank:
         """Nothing to reset: the simulator times steps outside the rank."""
 
     def free_and_admit(self, out: SchedulerOutput) -> None:
-        for f in out.freed:
-            self.checker.check_owner(self.rank, out.step, f.slot, f.req_id, self.owner[f.slot])
-            self.owner[f.slot] = None
+        self.slot_tokens.free_and_admit(out, self._check_owner)
         for n in out.new_requests:
-            self.checker.check_owner(self.rank, out.step, n.slot, None, self.owner[n.slot])
-            self.owner[n.slot] = n.req_id
-            kept = n.num_output_tokens   # outputs prefilled again after a preemption
-            self.history[n.slot] = list(n.prompt_token_ids[len(n.prompt_token_ids) - kept:])
-            self.sample_seed[n.slot] = n.sampling["seed"]
             self.eos_at[n.slot] = n.sampling["eos_at"]
-            self.last_prompt[n.slot] = n.prompt_token_ids[-1]
             self.num_computed[n.slot] = n.num_cached_tokens
             self.mirror.add_request(n.slot, len(n.prompt_token_ids), n.max_seq_len,
                                     n.num_cached_tokens)
@@ -109,8 +99,9 @@ class SimRank:
 
     def prepare_inputs(self, out: SchedulerOutput) -> np.ndarray | None:
         """Checks every row's input (invariants 2, 3); rank 0: ``[num_rows]`` input tokens."""
-        self.checker.check_inputs(self.rank, out, self.owner, self.history)
-        return self._input_tokens(out) if self.rank == 0 else None
+        st = self.slot_tokens
+        self.checker.check_inputs(self.rank, out, st.owner, st.history)
+        return st.input_tokens(out) if self.rank == 0 else None
 
     def receive(self, out: SchedulerOutput) -> np.ndarray:
         return self.wire.hidden.pop(out.step)
@@ -133,23 +124,23 @@ class SimRank:
     def sample(self, out: SchedulerOutput, mask: np.ndarray | None,
                logits: np.ndarray | None) -> SampledPayload:
         """The model's token for each final-chunk row, conditioned on rank 0's input token."""
-        payload = SampledPayload.zeros(out.num_rows)
+        payload, st = SampledPayload.zeros(out.num_rows), self.slot_tokens
         for i in np.nonzero(out.is_final_chunk)[0].tolist():
             slot = int(out.slots[i])
-            payload.token_ids[i, 0] = model_token(int(self.sample_seed[slot]),
-                                                  len(self.history[slot]), int(logits[i]),
+            payload.token_ids[i, 0] = model_token(int(st.sample_seed[slot]),
+                                                  len(st.history[slot]), int(logits[i]),
                                                   int(self.eos_at[slot]))
             payload.num_sampled[i] = 1
         self.checker.record_sampled(out, payload.token_ids[:, 0])
         return payload
 
     def apply_sampled(self, step: int, idx_mapping: np.ndarray, payload: SampledPayload) -> None:
-        src = self.wire.outputs[step]
+        src, st = self.wire.outputs[step], self.slot_tokens
         for i, idx in enumerate(idx_mapping.tolist()):
             if idx < 0:
                 continue
-            self.checker.check_apply(self.rank, step, src.req_ids[i], idx, self.owner[idx])
-            self.history[idx].extend(payload.token_ids[i, :payload.num_sampled[i]].tolist())
+            self.checker.check_apply(self.rank, step, src.req_ids[i], idx, st.owner[idx])
+            st.history[idx].extend(payload.token_ids[i, :payload.num_sampled[i]].tolist())
         rejected = np.asarray(payload.num_rejected, dtype=np.int64)
         live = idx_mapping >= 0
         np.subtract.at(self.num_computed, idx_mapping[live], rejected[live])
@@ -175,6 +166,11 @@ class SimRank:
                           payload.num_sampled.astype(np.int32),
                           payload.num_rejected.astype(np.int32))
 
+    def sampled_ids(self, out: SchedulerOutput, payload: SampledPayload, result: StepResult):
+        """The ``sampled`` event's ids (asked only when the step order traces to a sink)."""
+        ids = {"token_ids": payload.token_ids.tolist(), "num_sampled": payload.num_sampled.tolist()}
+        return (lambda: True), (lambda: ids)
+
     def end_step(self, out: SchedulerOutput) -> None:
         """Mirror ``num_computed_tokens`` of the step's rows against the device (invariant 4)."""
         if out.num_rows == 0:
@@ -185,13 +181,5 @@ class SimRank:
             self.checker.violation(4, out.step, self.rank, f"mirror num_computed_tokens of slot "
                                    f"{int(slots[bad[0]])} differs from the device")
 
-    def _input_tokens(self, out: SchedulerOutput) -> np.ndarray:
-        """Rank 0's input token of each sampling row: ``[num_rows]`` (last sampled id of the
-        slot's request, or the last prompt id for a final chunk; -1 for non-final chunks).
-        It travels to the last rank inside the hidden states and conditions the sampled token."""
-        toks = np.full(out.num_rows, -1, dtype=np.int64)    # [num_rows]
-        for i in np.nonzero(out.is_final_chunk)[0].tolist():
-            slot = int(out.slots[i])
-            hist = self.history[slot]
-            toks[i] = hist[-1] if hist else int(self.last_prompt[slot])
-        return toks
+    def _check_owner(self, step: int, slot: int, want: str | None, have: str | None) -> None:
+        self.checker.check_owner(self.rank, step, slot, want, have)

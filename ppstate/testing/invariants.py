@@ -1,11 +1,11 @@
 """``assert_invariants(x)``: fail a test with the first broken invariant, named and located.
 
 ``x`` may be a trace (a run directory or a ``--trace-dir`` holding runs, a loaded
-:class:`~ppstate.trace.run.TraceRun`, a :class:`~ppstate.trace.replayer.ReplayResult`), a
+:class:`~ppstate.trace.run.TraceRun`, a :class:`~ppstate.replay.replayer.ReplayResult`), a
 :class:`~ppstate.testing.sim_pipeline.SimPipeline`, a list of violation dicts, or a live engine
 (any object with ``config.trace_dir`` naming its run directory and a ``sink`` with ``flush()``,
 e.g. ``runtime.engine.AsyncEngine`` started with a trace directory). Traces and engines are
-replayed (:func:`ppstate.trace.replayer.replay`), which re-derives every scheduler and rank
+replayed (:func:`ppstate.replay.replayer.replay`), which re-derives every scheduler and rank
 decision and checks the invariants of ``specs/invariants.md`` on what was recorded.
 
 Pure: no torch, no asyncio (the engine is only duck-typed).
@@ -16,8 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ppstate.trace.replayer import ReplayResult, replay as _replay
-from ppstate.trace.explain import explain as _explain
+from ppstate.replay.replayer import ReplayResult, replay as _replay
+from ppstate.replay.explain import explain as _explain
 from ppstate.trace.run import TraceRun, load_run
 
 #: titles of the invariants, numbered as in ``specs/invariants.md`` (DESIGN section 4 + KV)
@@ -65,7 +65,7 @@ def format_failure(violations: list[dict], source: str, divergence: dict | None)
 
 def replay(trace_dir: str | Path | TraceRun, until: int | None = None) -> ReplayResult:
     """Replay a recorded run (``docs/trace_format.md``) and return its
-    :class:`~ppstate.trace.replayer.ReplayResult` (``ok``, ``steps``, ``first_divergence``,
+    :class:`~ppstate.replay.replayer.ReplayResult` (``ok``, ``steps``, ``first_divergence``,
     ``invariant_violations``, ...); ``result.assert_ok()`` raises on any finding.
 
     Raises:
@@ -79,7 +79,7 @@ def explain(trace_dir: str | Path | TraceRun, req_id: str) -> list[dict[str, Any
     (``arrival``, ``admitted``, ``scheduled`` with ``start`` / ``num_scheduled_tokens`` /
     ``final_chunk``,
     ``lifecycle``, ``tokens``, ``deferred consume``, ``slot freed``); see
-    :func:`ppstate.trace.explain.explain`.
+    :func:`ppstate.replay.explain.explain`.
 
     Raises:
         ppstate.trace.run.TraceError: ``trace_dir`` holds no readable run.

@@ -20,12 +20,12 @@ from runtime.sampling.sampler import SamplerOutput
 from runtime.sampling.step_logprobs import StepLogprobs
 
 
-def sampled_fields(req_ids: list[str], copy: PendingCopy) -> dict:
-    """The trace's ``sampled`` event fields (docs/trace_format.md) once ``copy`` (a step's payload
-    ``[num_rows, width + 2]`` on its way to pinned host memory) has landed; waits for it."""
+def sampled_fields(copy: PendingCopy) -> dict:
+    """The trace's ``sampled`` event's ``token_ids`` and ``num_sampled`` (docs/trace_format.md;
+    the step order adds ``req_ids``) once ``copy`` (a step's payload ``[num_rows, width + 2]`` on
+    its way to pinned host memory) has landed; waits for it."""
     h = SampledPayload(copy.wait())
-    return {"req_ids": req_ids, "token_ids": h.token_ids.tolist(),
-            "num_sampled": h.num_sampled.tolist()}
+    return {"token_ids": h.token_ids.tolist(), "num_sampled": h.num_sampled.tolist()}
 
 
 class PendingResult:

@@ -116,7 +116,8 @@ class StageRunner:
         self.hidden_size = stage.cfg.hidden_size
         self.act_dtype = next(stage.parameters()).dtype
         depth = groups.pp_size if overlapped else 1
-        self._order = RankStep(self, groups.rank, groups.pp_size, depth, len(state.owner), sink)
+        self._order = RankStep(self, groups.rank, groups.pp_size, depth, len(state.owner), sink,
+                               phases=self.progress)
         self.host_copy = HostCopy(state.device)
         self._logprobs: LogprobRows | None = None   # of the step being sampled (last rank)
         self._prompt_plan: PromptLogprobPlan | None = None   # widened logits of this step
@@ -154,11 +155,8 @@ class StageRunner:
     def begin_step(self, out: SchedulerOutput) -> None:
         self.timing = StepTiming()
         self.running_step = out.step
-        if self.sink.enabled:
-            self.sink.emit("rank.step", step=out.step, rank=self.g.rank, num_rows=out.num_rows)
 
     def end_step(self, out: SchedulerOutput) -> None:
-        self.progress.enter("post")
         if self.validate_every and out.step % self.validate_every == 0:
             if self.grammar is not None:
                 self.grammar.validate(self.state, out.step, self.g.rank)
@@ -211,7 +209,6 @@ class StageRunner:
 
     def receive(self, out: SchedulerOutput) -> torch.Tensor:
         ns_r = time.monotonic_ns()
-        self.progress.enter("recv")
         packed = self.g.recv_prev((2, out.total_tokens, self.hidden_size), self.act_dtype)
         if self.sink.enabled:
             self._emit_timing("recv", out.step, ns_r)
@@ -219,7 +216,6 @@ class StageRunner:
 
     def forward(self, out: SchedulerOutput, inputs: _Inputs, received: torch.Tensor | None):
         t0, ns0 = time.perf_counter(), time.monotonic_ns()
-        self.progress.enter("forward")
         with torch.inference_mode():
             if received is None:
                 res = self._stage_forward(inputs.meta, input_ids=inputs.input_ids)
@@ -232,7 +228,6 @@ class StageRunner:
 
     def send(self, out: SchedulerOutput, hidden) -> None:
         t0, ns_s = time.perf_counter(), time.monotonic_ns()
-        self.progress.enter("send")
         with torch.inference_mode():
             self.g.send_next(torch.stack(hidden))
         if self.sink.enabled:
@@ -240,7 +235,6 @@ class StageRunner:
         self.timing.busy_s += time.perf_counter() - t0
 
     def apply_scheduled(self, out: SchedulerOutput) -> None:
-        self.progress.enter("post")
         meta = self._meta
         self.state.apply_scheduled(meta.slots, meta.query_lens, out.slots.astype(np.int64),
                                    out.num_scheduled_tokens.astype(np.int64))
@@ -260,7 +254,6 @@ class StageRunner:
     # ---- RankBackend: sampled tokens ---------------------------------------------------------
     def sample(self, out: SchedulerOutput, mask: np.ndarray | None,
                logits: torch.Tensor | None) -> SampledPayload:
-        self.progress.enter("sample")
         r, w = out.num_rows, self.width
         payload = SampledPayload(torch.zeros(SampledPayload.shape(r, w), dtype=torch.int64,
                                              device=self.device))
@@ -322,33 +315,22 @@ class StageRunner:
 
     def publish(self, out: SchedulerOutput, mask: np.ndarray | None,
                 payload: SampledPayload) -> None:
-        if self.g.pp_size == 1:
-            return
-        if mask is None:
-            if self.sink.enabled:
-                self.sink.emit("broadcast.skipped", step=out.step, rank=self.g.rank)
+        if self.g.pp_size == 1 or mask is None:
             return
         t0, ns0 = time.perf_counter(), time.monotonic_ns()
         work, buf = self.g.post_broadcast(payload.buf)
         self.g.keep_pending(work, buf)
         if self.sink.enabled:
             self._emit_timing("broadcast", out.step, ns0)
-            self.sink.emit("broadcast.posted", step=out.step, rank=self.g.rank,
-                           rows=int(mask.sum()))
         self.timing.busy_s += time.perf_counter() - t0
 
     def post_receive(self, out: SchedulerOutput, mask: np.ndarray) -> _PendingRecv:
         buf = torch.empty(SampledPayload.shape(out.num_rows, self.width), dtype=torch.int64,
                           device=self.g.comm_device())
-        pending = _PendingRecv(self, out.step, *self.g.post_broadcast(buf))
-        if self.sink.enabled:
-            self.sink.emit("broadcast.posted", step=out.step, rank=self.g.rank,
-                           rows=int(mask.sum()))
-        return pending
+        return _PendingRecv(self, out.step, *self.g.post_broadcast(buf))
 
     def skip_receive(self, out: SchedulerOutput) -> None:
-        if self.sink.enabled:
-            self.sink.emit("broadcast.skipped", step=out.step, rank=self.g.rank)
+        return None
 
     def received(self, entry: ConsumedEntry) -> SampledPayload:
         return SampledPayload(entry.handle.buf)
@@ -360,11 +342,13 @@ class StageRunner:
             return PendingResult.completed(
                 StepResult(out.step, np.zeros((0, w), dtype=np.int64), z, z.copy()))
         copy = self.host_copy.start(payload.buf)    # non_blocking into pinned memory + an event
-        if self.sink.enabled:   # tracing: the ``sampled`` event keeps its place in the order; the
-            self.sink.emit_when(copy.ready, "sampled", out.step, self.g.rank,  # sink holds it
-                                partial(sampled_fields, list(out.req_ids), copy))  # (no wait)
         return PendingResult(out.step, w, copy, self._logprobs, self.timing.busy_s,
                              self._prompt_lps)
+
+    def sampled_ids(self, out: SchedulerOutput, payload: SampledPayload, result: PendingResult):
+        # tracing: the ``sampled`` event keeps its place in the order; the sink holds it until
+        # the copy to pinned memory landed (no wait here)
+        return result.copy.ready, partial(sampled_fields, result.copy)
 
     # ---- mirrors and trace -------------------------------------------------------------------
     def _validate(self, step: int) -> None:

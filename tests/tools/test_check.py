@@ -24,7 +24,7 @@ from ppstate.check.world import World
 from ppstate.check.counterexample import write_counterexample
 from ppstate.pp_handler import PPHandler
 from ppstate.batch import SchedulerOutput
-from ppstate.trace.replayer import replay
+from ppstate.replay.replayer import replay
 
 import numpy as np
 
@@ -129,10 +129,10 @@ def test_settled_leftover_is_erased_and_renamed():
     assert canonical_key(worlds[0].clone()) == canonical_key(worlds[1].clone())
     s = worlds[1].clone()
     scrub(s)
-    slot = s.ranks[0].owner.index("z0")   # which slot: the labelling with the least key
-    assert [sorted(rk.owner, key=str) for rk in s.ranks] == [[None, "z0"], [None, "z0"]]
-    assert all(rk.owner[slot] == "z0" for rk in s.ranks)
-    assert s.results[0].sampled_token_ids.tolist() == [[0]] and s.ranks[1].history[slot] == []
+    slot = s.ranks[0].slot_tokens.owner.index("z0")   # which slot: the labelling with the least key
+    assert [sorted(rk.slot_tokens.owner, key=str) for rk in s.ranks] == [[None, "z0"], [None, "z0"]]
+    assert all(rk.slot_tokens.owner[slot] == "z0" for rk in s.ranks)
+    assert s.results[0].sampled_token_ids.tolist() == [[0]] and s.ranks[1].slot_tokens.history[slot] == []
     assert s.monitor.inner.closed == {"z0": "closed"} and s.monitor.delivered == {}
     assert s.sched._in_flight_epochs[0].tolist() == [-1]   # never matches a slot again
 
@@ -145,13 +145,13 @@ def test_slot_labels_are_names():
     w = World(cfg)
     w.settle()
     assert w.apply(("arrive", 3, 3), Chooser()) and w.apply(("arrive", 1, 2), Chooser())
-    while "r1" not in w.ranks[0].owner:
+    while "r1" not in w.ranks[0].slot_tokens.owner:
         assert w.apply(("deliver",), Chooser())
-    assert w.ranks[0].owner == ["r0", "r1"] and len(w.ranks[0].handler._fifo) == 2
+    assert w.ranks[0].slot_tokens.owner == ["r0", "r1"] and len(w.ranks[0].handler._fifo) == 2
     while True:
         swapped = w.clone()
         slot_labels.relabel(swapped, [1, 0])
-        assert swapped.ranks[1].owner == w.ranks[1].owner[::-1]
+        assert swapped.ranks[1].slot_tokens.owner == w.ranks[1].slot_tokens.owner[::-1]
         assert canonical_key(w.clone()) == canonical_key(swapped)
         if not w.results:
             break

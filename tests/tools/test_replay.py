@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ppstate.replay import main as replay_main
-from ppstate.trace.replayer import ReplayFailure, replay
+from ppstate.replay.replayer import ReplayFailure, replay
 from ppstate.trace.run import find_run_dir, load_run
 from runtime.config import EngineConfig
 from runtime.sampling_params import SamplingParams

@@ -107,7 +107,7 @@ def test_run_dirs_are_fresh(tmp_path):
 
 
 def test_bubble_fraction_counts_active_time_only():
-    from ppstate.trace.timeline import Slice, bubble_fraction
+    from ppstate.replay.timeline import Slice, bubble_fraction
     sl = [Slice(0, 0, "forward", 0, 10), Slice(1, 0, "recv", 0, 10), Slice(1, 0, "forward", 10, 20),
           Slice(0, 1, "forward", 1000, 1010), Slice(1, 1, "forward", 1010, 1020)]
     # active: [0, 20] and [1000, 1020] = 40 ns; compute 40 ns over 2 ranks -> half idle

@@ -21,7 +21,7 @@ from ppstate.errors import PPStateError
 from ppstate.events import RecordingSink
 from ppstate.request import RequestSpec
 from ppstate.scheduler import Scheduler
-from ppstate.trace.compare import ANY, Divergence, context_before, matches, normalise
+from ppstate.replay.compare import ANY, Divergence, context_before, matches, normalise
 from ppstate.trace.models import SCHEDULER_INPUTS
 from ppstate.trace.run import TraceRun
 

@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from ppstate.batch import SchedulerOutput
-from ppstate.trace.checks import TraceChecker
+from ppstate.replay.checks import TraceChecker
 from ppstate.trace.codec import decode_output
-from ppstate.trace.compare import Divergence
-from ppstate.trace.replay_engine import EngineReplay
-from ppstate.trace.replay_rank import RankReplay, RankSetup
+from ppstate.replay.compare import Divergence
+from ppstate.replay.engine import EngineReplay
+from ppstate.replay.rank import RankReplay, RankSetup
 from ppstate.trace.run import TraceRun, load_run
 
 

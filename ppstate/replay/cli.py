@@ -6,7 +6,7 @@ DIR is a run directory (``header.json`` + ``engine.jsonl`` + ``rank<N>.jsonl``) 
 ``first_divergence`` and ``invariant_violations`` (one JSON object with ``--json``); exits 0 when
 ok, 1 on a divergence or a violation, 2 when DIR holds no readable run or a flag is bad.
 
-Library use: :func:`replay` (``ppstate.trace.replayer``) returns a :class:`ReplayResult`.
+Library use: :func:`replay` (``ppstate.replay.replayer``) returns a :class:`ReplayResult`.
 """
 
 from __future__ import annotations
@@ -15,11 +15,8 @@ import argparse
 import json
 import sys
 
-from ppstate.trace.replayer import ReplayFailure, ReplayResult, replay
+from ppstate.replay.replayer import ReplayFailure, ReplayResult, replay
 from ppstate.trace.run import TraceError, load_run
-
-__all__ = ["replay", "ReplayResult", "ReplayFailure", "main"]
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ppstate.replay",
@@ -38,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _dumps(obj) -> str:
     """JSON text of ``obj``; a replayed event may hold the ``ANY`` marker of
-    :mod:`ppstate.trace.compare` (a field replay cannot know), written as ``"ANY"``."""
+    :mod:`ppstate.replay.compare` (a field replay cannot know), written as ``"ANY"``."""
     return json.dumps(obj, default=str)
 
 
@@ -73,18 +70,18 @@ def main(argv: list[str] | None = None) -> int:
     res = replay(run, until=ns.until)
     out = res.as_dict()
     if ns.explain is not None:
-        from ppstate.trace.explain import explain, format_life
+        from ppstate.replay.explain import explain, format_life
         life = explain(run, ns.explain)
         out["explain"] = life
         if not ns.json:
             print(format_life(ns.explain, life))
     if ns.timeline is not None:
-        from ppstate.trace.timeline import chrome_trace
+        from ppstate.replay.timeline import chrome_trace
         with open(ns.timeline, "w", encoding="utf-8") as fh:
             json.dump(chrome_trace(run), fh)
         out["timeline"] = ns.timeline
     if ns.plot is not None:
-        from ppstate.trace.timeline import plot_gantt
+        from ppstate.replay.timeline import plot_gantt
         try:
             out["bubble_fraction"] = plot_gantt(run, ns.plot)
         except RuntimeError as exc:
@@ -93,7 +90,3 @@ def main(argv: list[str] | None = None) -> int:
         out["plot"] = ns.plot
     print(_dumps(out) if ns.json else _summary(res))
     return 0 if res.ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

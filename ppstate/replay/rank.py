@@ -25,7 +25,7 @@ from ppstate.mirror import CpuMirror
 from ppstate.payload import SampledPayload
 from ppstate.pp_handler import ConsumedEntry
 from ppstate.rank_step import RankStep
-from ppstate.trace.compare import ANY, Divergence, context_before, matches, normalise
+from ppstate.replay.compare import ANY, Divergence, context_before, matches, normalise
 from ppstate.trace.models import RANK_DECISIONS
 
 
@@ -82,15 +82,9 @@ class RankReplay:
             p.num_rejected[:] = np.asarray(res["num_rejected"], dtype=np.int64)
         return p
 
-    def _broadcast(self, step: int, mask: np.ndarray | None) -> None:
-        if mask is None:
-            self.sink.emit("broadcast.skipped", step=step, rank=self.s.rank)
-        else:
-            self.sink.emit("broadcast.posted", step=step, rank=self.s.rank, rows=int(mask.sum()))
-
-    # RankBackend: the operations that leave a trace in the recorded decisions
+    # RankBackend: the step order records the decisions; these apply what the recording implies
     def begin_step(self, out: SchedulerOutput) -> None:
-        self.sink.emit("rank.step", step=out.step, rank=self.s.rank, num_rows=out.num_rows)
+        return None
 
     def free_and_admit(self, out: SchedulerOutput) -> None:
         for f in out.freed:
@@ -125,27 +119,27 @@ class RankReplay:
 
     def publish(self, out: SchedulerOutput, mask: np.ndarray | None,
                 payload: SampledPayload) -> None:
-        if self.s.pp_size > 1:
-            self._broadcast(out.step, mask)
+        return None
 
     def post_receive(self, out: SchedulerOutput, mask: np.ndarray) -> None:
-        self._broadcast(out.step, mask)
+        return None
 
     def skip_receive(self, out: SchedulerOutput) -> None:
-        self._broadcast(out.step, None)
+        return None
 
     def received(self, entry: ConsumedEntry) -> SampledPayload:
         return self._payload(entry.step, len(entry.idx_mapping))
 
     def result(self, out: SchedulerOutput, payload: SampledPayload) -> StepResult:
-        if out.num_rows:
-            res = self.results.get(out.step)
-            self.sink.emit("sampled", step=out.step, rank=self.s.rank, req_ids=list(out.req_ids),
-                           token_ids=ANY if res is None else res["token_ids"],
-                           num_sampled=ANY if res is None else res["num_sampled"])
         return StepResult(out.step, payload.token_ids.copy(),
                           payload.num_sampled.astype(np.int32),
                           payload.num_rejected.astype(np.int32))
+
+    def sampled_ids(self, out: SchedulerOutput, payload: SampledPayload, result: StepResult):
+        res = self.results.get(out.step)    # recorded ids, or any when the result was not
+        ids = {"token_ids": ANY if res is None else res["token_ids"],
+               "num_sampled": ANY if res is None else res["num_sampled"]}
+        return (lambda: True), (lambda: ids)
 
     def end_step(self, out: SchedulerOutput) -> None:
         s = out.step
