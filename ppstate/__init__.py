@@ -5,7 +5,7 @@ Pure Python + numpy + transitions + pydantic: no asyncio, no torch.distributed, 
 
 from ppstate.batch import FreedSlot, NewRequest, SchedulerOutput, StepResult
 from ppstate.errors import (IllegalTransition, MirrorDivergence, PPStateError, SchedulerError,
-                            SlotError, SpecError)
+                            SlotError, TableError)
 
 __all__ = ["FreedSlot", "NewRequest", "SchedulerOutput", "StepResult", "IllegalTransition",
-           "MirrorDivergence", "PPStateError", "SchedulerError", "SlotError", "SpecError"]
+           "MirrorDivergence", "PPStateError", "SchedulerError", "SlotError", "TableError"]

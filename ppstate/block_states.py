@@ -14,18 +14,18 @@ import numpy as np
 from transitions import Machine
 
 from ppstate.errors import BlockError
-from ppstate.spec import MachineSpec, load_spec
+from ppstate.spec import MachineTable, load_table
 
 FREE, ALLOCATED, CACHED = 0, 1, 2
 STATE_NAMES = ("free", "allocated", "cached")
 
 
-def _machine(spec: MachineSpec) -> Machine:
+def _machine(table: MachineTable) -> Machine:
     """The transitions machine of the table (``model=None``: used as a validated edge table)."""
-    return Machine(model=None, states=spec.state_names, initial=spec.initial,
+    return Machine(model=None, states=table.state_names, initial=table.initial,
                    transitions=[{"trigger": t.trigger, "source": list(t.source),
                                  "dest": None if t.dest == "=" else t.dest}
-                                for t in spec.transitions],
+                                for t in table.transitions],
                    auto_transitions=False, ignore_invalid_triggers=False)
 
 
@@ -34,17 +34,17 @@ class BlockStates:
 
     Args:
         num_blocks: blocks in the pool.
-        spec: the machine table; defaults to ``specs/block.yaml``.
+        table: the machine table; defaults to ``specs/block.yaml``.
     Raises:
         BlockError: the table's states differ from ``free / allocated / cached``.
     """
 
-    def __init__(self, num_blocks: int, spec: MachineSpec | None = None) -> None:
-        self.spec = spec or load_spec("block")
-        if tuple(self.spec.state_names) != STATE_NAMES:
+    def __init__(self, num_blocks: int, table: MachineTable | None = None) -> None:
+        self.table = table or load_table("block")
+        if tuple(self.table.state_names) != STATE_NAMES:
             raise BlockError(f"specs/block.yaml must have states {STATE_NAMES}, "
-                             f"got {self.spec.state_names}")
-        self.machine = _machine(self.spec)
+                             f"got {self.table.state_names}")
+        self.machine = _machine(self.table)
         self.code = np.full(num_blocks, FREE, dtype=np.int8)  # [num_blocks]
         self._allowed: dict[str, np.ndarray] = {}
         self._dest: dict[str, np.ndarray] = {}

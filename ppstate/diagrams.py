@@ -17,13 +17,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ppstate.spec import SAME, SPECS_DIR, MachineSpec, TransitionSpec, load_spec
+from ppstate.spec import SAME, SPECS_DIR, MachineTable, TransitionRow, load_table
 
 #: The machine tables that get a diagram (file stems in ``specs/``).
 SPEC_NAMES = ("request", "slot", "pp_handler", "block")
 
 
-def edge_label(t: TransitionSpec) -> str:
+def edge_label(t: TransitionRow) -> str:
     """``trigger [g1 and g2] / e1, e2`` for one transition (guard and effect parts optional)."""
     label = t.trigger
     if t.guards:
@@ -33,7 +33,7 @@ def edge_label(t: TransitionSpec) -> str:
     return label
 
 
-def render_mermaid(spec: MachineSpec, source: str) -> str:
+def render_mermaid(spec: MachineTable, source: str) -> str:
     """The mermaid text for ``spec``; ``source`` (e.g. ``specs/request.yaml``) goes in the header.
 
     Returns:
@@ -57,11 +57,11 @@ def generate(specs_dir: Path = SPECS_DIR,
     """Diagram path -> expected text for each table in ``names``.
 
     Raises:
-        SpecError: a table is missing or malformed.
+        TableError: a table is missing or malformed.
     """
     specs_dir = Path(specs_dir)
     return {specs_dir / f"{name}.mmd":
-            render_mermaid(load_spec(name, specs_dir), f"specs/{name}.yaml")
+            render_mermaid(load_table(name, specs_dir), f"specs/{name}.yaml")
             for name in names}
 
 

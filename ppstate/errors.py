@@ -7,7 +7,7 @@ class PPStateError(Exception):
     """Base class of all ppstate errors."""
 
 
-class SpecError(PPStateError):
+class TableError(PPStateError):
     """A specs/*.yaml file is malformed. The message names the file, the key path and the line."""
 
 

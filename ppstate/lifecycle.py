@@ -12,7 +12,7 @@ from typing import Protocol
 from transitions import Machine, MachineError
 
 from ppstate.errors import IllegalTransition
-from ppstate.spec import SAME, MachineSpec, load_spec
+from ppstate.spec import SAME, MachineTable, load_table
 
 
 class LifecycleModel(Protocol):
@@ -25,16 +25,16 @@ class Lifecycle:
     """Owns the shared request machine and the set of requests added to it.
 
     Args:
-        spec: the machine table; defaults to ``specs/request.yaml``.
+        table: the machine table; defaults to ``specs/request.yaml``.
     """
 
-    def __init__(self, spec: MachineSpec | None = None) -> None:
-        self.spec = spec or load_spec("request")
-        self.final_states = frozenset(self.spec.final_states)
-        self._triggers = {t.trigger for t in self.spec.transitions}
+    def __init__(self, table: MachineTable | None = None) -> None:
+        self.table = table or load_table("request")
+        self.final_states = frozenset(self.table.final_states)
+        self._triggers = {t.trigger for t in self.table.transitions}
         self.machine = Machine(
-            model=None, states=self.spec.state_names, initial=self.spec.initial,
-            transitions=[self._as_transition(t) for t in self.spec.transitions],
+            model=None, states=self.table.state_names, initial=self.table.initial,
+            transitions=[self._as_transition(t) for t in self.table.transitions],
             auto_transitions=False, send_event=False, ignore_invalid_triggers=False)
 
     @staticmethod
@@ -44,7 +44,7 @@ class Lifecycle:
 
     def add(self, request: LifecycleModel) -> None:
         """Attach ``request`` to the machine in the initial state (``waiting``)."""
-        self.machine.add_model(request, initial=self.spec.initial)
+        self.machine.add_model(request, initial=self.table.initial)
 
     def remove(self, request: LifecycleModel) -> None:
         """Detach ``request`` (after it reached a final state)."""

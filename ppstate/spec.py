@@ -1,7 +1,7 @@
 """Load and validate the state-machine tables in ``specs/*.yaml``.
 
 The YAML is parsed with line marks, then validated by pydantic models; any problem raises
-:class:`~ppstate.errors.SpecError` naming the file, the key path (``transitions[2].source``) and
+:class:`~ppstate.errors.TableError` naming the file, the key path (``transitions[2].source``) and
 the line. Checked: YAML syntax, a top level that is not a mapping, repeated keys in one mapping
 (plain YAML keeps the last silently), unknown and missing keys, unknown states in
 sources/destinations/initial, a transition with no (or an empty) source, duplicate state names,
@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ppstate.errors import SpecError
+from ppstate.errors import TableError
 
 
 
@@ -40,7 +40,7 @@ SPECS_DIR = _specs_dir()
 SAME = "="
 
 
-class StateSpec(BaseModel):
+class StateRow(BaseModel):
     """One state of a machine."""
     model_config = ConfigDict(extra="forbid")
     name: str = Field(min_length=1)
@@ -48,7 +48,7 @@ class StateSpec(BaseModel):
     doc: str = ""
 
 
-class TransitionSpec(BaseModel):
+class TransitionRow(BaseModel):
     """One edge (or fan-in of edges): ``trigger`` from each of ``source`` to ``dest``."""
     model_config = ConfigDict(extra="forbid")
     trigger: str = Field(min_length=1)
@@ -64,13 +64,13 @@ class TransitionSpec(BaseModel):
         return [v] if isinstance(v, str) else ([] if v is None else v)
 
 
-class MachineSpec(BaseModel):
+class MachineTable(BaseModel):
     """A whole machine: its states, initial state and transitions."""
     model_config = ConfigDict(extra="forbid")
     name: str
     initial: str
-    states: list[StateSpec] = Field(min_length=1)
-    transitions: list[TransitionSpec]
+    states: list[StateRow] = Field(min_length=1)
+    transitions: list[TransitionRow]
 
     @property
     def state_names(self) -> list[str]:
@@ -175,10 +175,10 @@ def _path(loc: tuple) -> str:
     return out or "<top>"
 
 
-def _fail(file: str, raw: Any, loc: tuple, msg: str, line: int | None = None) -> SpecError:
+def _fail(file: str, raw: Any, loc: tuple, msg: str, line: int | None = None) -> TableError:
     line = line or _line_of(raw, loc)
     at = f", line {line}" if line else ""
-    return SpecError(f"{file}: {_path(loc)}{at}: {msg}")
+    return TableError(f"{file}: {_path(loc)}{at}: {msg}")
 
 
 def _pydantic_message(err: dict) -> str:
@@ -200,7 +200,7 @@ def _source_loc(raw: Any, i: int, j: int) -> tuple:
     return loc + (j,) if isinstance(src, list) else loc
 
 
-def _check_semantics(file: str, raw: Any, spec: MachineSpec) -> None:
+def _check_semantics(file: str, raw: Any, spec: MachineTable) -> None:
     names = spec.state_names
     seen: set[str] = set()
     for i, name in enumerate(names):
@@ -225,11 +225,11 @@ def _check_semantics(file: str, raw: Any, spec: MachineSpec) -> None:
                         f"unknown destination state {t.dest!r} for trigger {t.trigger!r}")
 
 
-def parse_spec(text: str, file: str = "<string>") -> MachineSpec:
+def parse_table(text: str, file: str = "<string>") -> MachineTable:
     """Parse and validate one machine table.
 
     Raises:
-        SpecError: malformed YAML or any rule above broken; names ``file``, key path and line.
+        TableError: malformed YAML or any rule above broken; names ``file``, key path and line.
     """
     try:
         raw = yaml.load(text, Loader=_LineLoader)  # noqa: S506 - SafeLoader subclass
@@ -237,18 +237,18 @@ def parse_spec(text: str, file: str = "<string>") -> MachineSpec:
         mark = exc.problem_mark or exc.context_mark
         at = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown line"
         problem = exc.problem or exc.context
-        raise SpecError(f"{file}: <yaml>, {at}: not valid YAML: {problem}") from exc
+        raise TableError(f"{file}: <yaml>, {at}: not valid YAML: {problem}") from exc
     except yaml.YAMLError as exc:
-        raise SpecError(f"{file}: not valid YAML: {exc}") from exc
+        raise TableError(f"{file}: not valid YAML: {exc}") from exc
     if not isinstance(raw, dict):
         got = "a list" if isinstance(raw, list) else repr(raw)
-        raise SpecError(f"{file}: <top>, line 1: top level must be a mapping with "
+        raise TableError(f"{file}: <top>, line 1: top level must be a mapping with "
                         f"name/initial/states/transitions, got {got}")
     dup = _find_duplicate_key(raw)
     if dup:
         raise _fail(file, raw, *dup)
     try:
-        spec = MachineSpec.model_validate(_strip_lines(raw))
+        spec = MachineTable.model_validate(_strip_lines(raw))
     except ValidationError as exc:
         err = exc.errors()[0]
         raise _fail(file, raw, tuple(err["loc"]), _pydantic_message(err)) from None
@@ -256,11 +256,11 @@ def parse_spec(text: str, file: str = "<string>") -> MachineSpec:
     return spec
 
 
-def load_spec(name: str, specs_dir: Path | None = None) -> MachineSpec:
+def load_table(name: str, specs_dir: Path | None = None) -> MachineTable:
     """Load ``specs/<name>.yaml`` (cached for the default directory).
 
     Raises:
-        SpecError: file missing or malformed.
+        TableError: file missing or malformed.
     """
     if specs_dir is None:
         return _load_default(name)
@@ -268,11 +268,11 @@ def load_spec(name: str, specs_dir: Path | None = None) -> MachineSpec:
 
 
 @lru_cache(maxsize=None)
-def _load_default(name: str) -> MachineSpec:
+def _load_default(name: str) -> MachineTable:
     return _load(SPECS_DIR / f"{name}.yaml")
 
 
-def _load(path: Path) -> MachineSpec:
+def _load(path: Path) -> MachineTable:
     if not path.is_file():
-        raise SpecError(f"{path}: spec file not found")
-    return parse_spec(path.read_text(), file=str(path))
+        raise TableError(f"{path}: spec file not found")
+    return parse_table(path.read_text(), file=str(path))

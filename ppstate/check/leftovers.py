@@ -32,7 +32,7 @@ apart for several steps. docs/checker.md argues each rule; in short:
   records that only a future row or delivery reads (tokens delivered and sampled, max_tokens,
   ignore_eos, admission, sampling steps; a delivery to a closed request is a violation whatever it
   carries) are dropped. The finish reason becomes ``closed`` (read only in a message), its rows'
-  admissions keep only the prefill length (:meth:`InvariantChecker.rows_needing_sample` reads it)
+  admissions keep only the prefill length (:meth:`InvariantOracle.rows_needing_sample` reads it)
   and its prompt length becomes 0 (read only as the default of a row-admission lookup, which hits
   for every row of a kept step).
 * **Settled leftovers are renamed** ``z0, z1, ...`` in the order they first appear (steps in

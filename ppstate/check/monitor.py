@@ -1,7 +1,7 @@
 """Invariant and progress checks of the model checker, fed by the ranks, the scheduler and the
 client side of one explored world.
 
-Reuses :class:`~ppstate.oracle.invariants.InvariantChecker` for the rules that need no
+Reuses :class:`~ppstate.oracle.invariants.InvariantOracle` for the rules that need no
 fixed workload: budgets, balance and cadence of each issued step and the block pool (7, 5, 9, via
 ``on_issue``), the broadcast decision of every rank against an independent statement of the rule
 and across ranks (1, ``record_post``), slot ownership on free / admit and on deferred apply (2),
@@ -27,7 +27,7 @@ import numpy as np
 from ppstate.events import EventSink
 from ppstate.request import TokenUpdate
 from ppstate.scheduler import Scheduler
-from ppstate.oracle.invariants import InvariantChecker
+from ppstate.oracle.invariants import InvariantOracle
 
 if TYPE_CHECKING:
     from ppstate.batch import SchedulerOutput
@@ -38,7 +38,7 @@ class Monitor:
     """All checks of one world; ``violations`` lists what broke (dicts, first first)."""
 
     def __init__(self, sched: Scheduler, world: Any) -> None:  # world: ppstate.check.world.World
-        self.inner = InvariantChecker((), sched)
+        self.inner = InvariantOracle((), sched)
         self.world = world
         self.delivered: dict[str, list[int]] = {}
         self.max_tokens: dict[str, int] = {}

@@ -84,8 +84,8 @@ def _reduce_block_states(bs: BlockStates):
     by every BlockStates of an equal table (keyed by its ``_allowed`` dict, kept alive)."""
     index = _SHARED_INDEX.get(id(bs._allowed))
     if index is None:
-        table = (tuple(bs.spec.state_names),
-                 tuple((t.trigger, tuple(t.source), t.dest) for t in bs.spec.transitions))
+        table = (tuple(bs.table.state_names),
+                 tuple((t.trigger, tuple(t.source), t.dest) for t in bs.table.transitions))
         index = _register(bs._allowed, ("blocks", table),
                           {k: v for k, v in vars(bs).items() if k != "code"})
     return _rebuild_block_states, (index, bs.code.tobytes())
@@ -115,7 +115,7 @@ class LazyLifecycle(Lifecycle):
 
     def add(self, request) -> None:
         machine = _machine()
-        machine.add_model(request, initial=self.spec.initial)
+        machine.add_model(request, initial=self.table.initial)
         machine.remove_model(request)   # the machine holds no models: each world keeps its own
         self._models.append(request)
 

@@ -35,7 +35,7 @@ class Violation:
         return asdict(self)
 
 
-class InvariantChecker:
+class InvariantOracle:
     """Collects violations of one simulation run.
 
     Args:

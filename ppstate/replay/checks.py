@@ -1,6 +1,6 @@
 """Invariant checks of a replayed trace, on what the recording says happened.
 
-Reuses :class:`~ppstate.oracle.invariants.InvariantChecker` where its rules need no
+Reuses :class:`~ppstate.oracle.invariants.InvariantOracle` where its rules need no
 ground truth beyond the trace: budgets, balance and cadence of each issued step (invariants 5, 7),
 collective matching of the recorded broadcast decisions (1) and no stale application of the
 recorded deferred consumes (2). On top: nothing delivered after a request finished (3), every
@@ -13,7 +13,7 @@ from collections import defaultdict
 
 from ppstate.batch import SchedulerOutput
 from ppstate.scheduler import Scheduler
-from ppstate.oracle.invariants import InvariantChecker
+from ppstate.oracle.invariants import InvariantOracle
 from ppstate.trace.codec import decode_output
 
 
@@ -34,7 +34,7 @@ class _NoState:
                 return None
 
 
-class TraceChecker:
+class TraceOracle:
     """Collects invariant violations while a trace is replayed.
 
     Args:
@@ -43,7 +43,7 @@ class TraceChecker:
     """
 
     def __init__(self, sched: Scheduler, pp_size: int) -> None:
-        self.inner = InvariantChecker((), sched)
+        self.inner = InvariantOracle((), sched)
         self.pp_size = pp_size
         self._finished: dict[str, str] = {}
         self._posts: dict[int, int] = defaultdict(int)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ppstate.batch import SchedulerOutput
-from ppstate.replay.checks import TraceChecker
+from ppstate.replay.checks import TraceOracle
 from ppstate.trace.codec import decode_output
 from ppstate.replay.compare import Divergence
 from ppstate.replay.engine import EngineReplay
@@ -103,7 +103,7 @@ def replay(path: str | Path | TraceRun, until: int | None = None) -> ReplayResul
         elif ev.get("kind") == "result":
             results[ev["of_step"]] = ev
     engine = EngineReplay(run, until)
-    checker = TraceChecker(engine.sched, run.header.pp_size)
+    checker = TraceOracle(engine.sched, run.header.pp_size)
     engine.on_event = lambda ev, _s: checker.on_engine_event(ev)
     divergences: list[Divergence] = []
     if (d := engine.replay()) is not None:
@@ -134,7 +134,7 @@ def replay(path: str | Path | TraceRun, until: int | None = None) -> ReplayResul
         state=_state(engine, handlers) if until is not None else None)
 
 
-def _check_rest(run: TraceRun, engine: EngineReplay, checker: TraceChecker, d: Divergence,
+def _check_rest(run: TraceRun, engine: EngineReplay, checker: TraceOracle, d: Divergence,
                 until: int | None) -> None:
     """After a divergence: keep checking invariants on the rest of the recording."""
     seen = False

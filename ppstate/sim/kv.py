@@ -18,7 +18,7 @@ from ppstate.batch import SchedulerOutput
 from ppstate.block_digest import rank_deltas, row_digests
 
 if TYPE_CHECKING:
-    from ppstate.oracle.invariants import InvariantChecker
+    from ppstate.oracle.invariants import InvariantOracle
 
 UNKNOWN = -2
 
@@ -33,7 +33,7 @@ class SimKV:
     """
 
     def __init__(self, rank: int, max_num_reqs: int, max_model_len: int, num_blocks: int,
-                 block_size: int, checker: "InvariantChecker") -> None:
+                 block_size: int, checker: "InvariantOracle") -> None:
         self.rank, self.bs, self.checker = rank, block_size, checker
         cols = -(-max_model_len // block_size)
         self.table = np.zeros((max_num_reqs, cols), dtype=np.int64)   # [max_num_reqs, cols]

@@ -3,7 +3,7 @@
 The step order is :class:`~ppstate.rank_step.RankStep`'s, the one the runtime worker runs. This
 backend keeps a "device" model per slot (owner, sampled-id history, ``num_computed_tokens``), the
 rank's :class:`~ppstate.mirror.CpuMirror` and its KV cache (:mod:`ppstate.sim.kv`), and reports
-ground truth to :class:`ppstate.oracle.invariants.InvariantChecker` as it goes. Hidden states are
+ground truth to :class:`ppstate.oracle.invariants.InvariantOracle` as it goes. Hidden states are
 modelled by rank 0's input token per row, handed rank to rank; the broadcast payload is a
 :class:`~ppstate.payload.SampledPayload` over a numpy buffer.
 """
@@ -25,7 +25,7 @@ from ppstate.oracle.model import model_token
 from ppstate.oracle.slot_model import SlotTokens
 
 if TYPE_CHECKING:
-    from ppstate.oracle.invariants import InvariantChecker
+    from ppstate.oracle.invariants import InvariantOracle
 
 
 @dataclass
@@ -57,7 +57,7 @@ class SimRank:
     """
 
     def __init__(self, rank: int, pp_size: int, depth: int, max_num_reqs: int,
-                 checker: "InvariantChecker",
+                 checker: "InvariantOracle",
                  kv_geometry: tuple[int, int, int] = (2048, 2048, 16)) -> None:
         self.rank, self.is_last, self.checker = rank, rank == pp_size - 1, checker
         self.slot_tokens = SlotTokens(max_num_reqs)    # owners, token histories (shared model)

@@ -11,7 +11,7 @@ the machine (processor sharing): while k of the pp_size ranks compute, each prog
 ``1 / (1 + (contention - 1) (k - 1) / (pp_size - 1))`` (the slow-down of
 :meth:`ppstate.step_cost.StepCostModel.slowdown`), so overlapped mode pays for running its stages
 at once as it does on a CPU whose cores the stages share. After every tick the
-:class:`~ppstate.oracle.invariants.InvariantChecker` has seen all new facts.
+:class:`~ppstate.oracle.invariants.InvariantOracle` has seen all new facts.
 
 Usage: ``python -m ppstate.sim --pp 4 --requests 64 --seed 1 --mode overlapped --json``
 (see :mod:`ppstate.sim.cli`). Each rank runs the runtime's step order
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from ppstate.events import NULL_SINK, EventSink
 from ppstate.scheduler import RequestSpec, Scheduler
-from ppstate.oracle.invariants import InvariantChecker
+from ppstate.oracle.invariants import InvariantOracle
 from ppstate.sim.rank import SimRank, Wire
 from ppstate.oracle.model import EOS_TOKEN, SimRequest
 from ppstate.sim.workload import SimConfig, make_workload
@@ -60,7 +60,7 @@ class Simulator:
         self.requests = make_workload(cfg)
         self.arrivals = sorted(self.requests, key=lambda r: r.arrival)
         self.aborts = sorted((r.abort_at, r.req_id) for r in self.requests if r.abort_at >= 0)
-        self.checker = InvariantChecker(self.requests, self.sched)
+        self.checker = InvariantOracle(self.requests, self.sched)
         depth = sc.pp_size if sc.mode == "overlapped" else 1
         self.depth = depth
         kv = (sc.max_model_len, sc.num_kv_blocks, sc.block_size)

@@ -27,7 +27,7 @@ class _Ev(BaseModel):
 
 
 # ---------------------------------------------------------------- scheduler inputs
-class Arrival(_Ev):
+class ArrivalEvent(_Ev):
     """A request accepted by the scheduler (prompt ids only with ``--trace-prompts``)."""
     kind: Literal["arrival"] = "arrival"
     req_id: str
@@ -43,19 +43,19 @@ class Arrival(_Ev):
     prefix_cache: bool = True           # False: no prefix-cache hits (prompt logprobs)
 
 
-class Abort(_Ev):
+class AbortEvent(_Ev):
     """A client abort as the scheduler saw it (also for ids already finished)."""
     kind: Literal["abort"] = "abort"
     req_id: str
 
 
-class Stop(_Ev):
+class StopEvent(_Ev):
     """An external stop (stop string found by the engine's detokenizer)."""
     kind: Literal["stop"] = "stop"
     req_id: str
 
 
-class Result(_Ev):
+class ResultEvent(_Ev):
     """The last rank's output of step ``of_step`` reaching the scheduler."""
     kind: Literal["result"] = "result"
     of_step: int
@@ -65,7 +65,7 @@ class Result(_Ev):
 
 
 # ---------------------------------------------------------------- scheduler decisions
-class Lifecycle(_Ev):
+class LifecycleEvent(_Ev):
     """A lifecycle edge fired (``state`` is the state after it)."""
     kind: Literal["lifecycle"] = "lifecycle"
     req_id: str
@@ -73,7 +73,7 @@ class Lifecycle(_Ev):
     state: str
 
 
-class Schedule(_Ev):
+class ScheduleEvent(_Ev):
     """One issued step: every field of its SchedulerOutput (:mod:`ppstate.trace.codec`)."""
     kind: Literal["schedule"] = "schedule"
     output: dict[str, Any]
@@ -86,7 +86,7 @@ class TokenUpdateModel(BaseModel):
     finish_reason: str | None = None
 
 
-class Tokens(_Ev):
+class TokensEvent(_Ev):
     """What the scheduler delivered to clients from the result of ``of_step``."""
     kind: Literal["tokens"] = "tokens"
     of_step: int
@@ -95,44 +95,44 @@ class Tokens(_Ev):
 
 
 # ---------------------------------------------------------------- rank decisions
-class RankStep(_Ev):
+class RankStepEvent(_Ev):
     """Rank ``rank`` starts running step ``step`` (events until the next one belong to it)."""
     kind: Literal["rank.step"] = "rank.step"
     num_rows: int
 
 
-class PPConsume(_Ev):
+class PPConsumeEvent(_Ev):
     """The deferred entry of step ``step`` consumed (``-1``: row skipped)."""
     kind: Literal["pp.consume"] = "pp.consume"
     idx_mapping: list[int]              # [num_rows]
     dropped: int = 0                    # rows needing a sample dropped as stale (generation)
 
 
-class PPFree(_Ev):
+class PPFreeEvent(_Ev):
     """A slot freed in the PPHandler; ``generation`` is the new value."""
     kind: Literal["pp.free"] = "pp.free"
     slot: int
     generation: int
 
 
-class PPEnqueue(_Ev):
+class PPEnqueueEvent(_Ev):
     """This step's FIFO entry pushed: ``pending`` (receive posted) or empty."""
     kind: Literal["pp.enqueue"] = "pp.enqueue"
     pending: bool
 
 
-class BroadcastPosted(_Ev):
+class BroadcastPostedEvent(_Ev):
     """This rank posted its side of the step's sampled-id broadcast."""
     kind: Literal["broadcast.posted"] = "broadcast.posted"
     rows: int
 
 
-class BroadcastSkipped(_Ev):
+class BroadcastSkippedEvent(_Ev):
     """No row of the step needs a sample: no broadcast on this rank."""
     kind: Literal["broadcast.skipped"] = "broadcast.skipped"
 
 
-class Sampled(_Ev):
+class SampledEvent(_Ev):
     """Ids the last rank sampled for each row (rows of non-final chunks hold 0)."""
     kind: Literal["sampled"] = "sampled"
     req_ids: list[str]
@@ -140,7 +140,7 @@ class Sampled(_Ev):
     num_sampled: list[int]              # [num_rows]
 
 
-class MirrorCheck(_Ev):
+class MirrorCheckEvent(_Ev):
     """CPU mirrors compared with device state after the step (invariant 4)."""
     kind: Literal["mirror.check"] = "mirror.check"
     slots: list[int]                    # [num_live] live slots, ascending
@@ -149,7 +149,7 @@ class MirrorCheck(_Ev):
     message: str | None = None
 
 
-class Timing(_Ev):
+class TimingEvent(_Ev):
     """A phase of a step on one rank, in monotonic nanoseconds (``time.monotonic_ns``)."""
     kind: Literal["timing"] = "timing"
     phase: Literal["forward", "sample", "send", "recv", "broadcast"]
@@ -157,11 +157,11 @@ class Timing(_Ev):
     t1_ns: int
 
 
-TraceEvent = Annotated[Union[Arrival, Abort, Stop, Result, Lifecycle, Schedule, Tokens, RankStep,
-                             PPConsume, PPFree, PPEnqueue, BroadcastPosted, BroadcastSkipped,
-                             Sampled, MirrorCheck, Timing], Field(discriminator="kind")]
-EVENT_MODELS = (Arrival, Abort, Stop, Result, Lifecycle, Schedule, Tokens, RankStep, PPConsume,
-                PPFree, PPEnqueue, BroadcastPosted, BroadcastSkipped, Sampled, MirrorCheck, Timing)
+EVENT_MODELS = (ArrivalEvent, AbortEvent, StopEvent, ResultEvent, LifecycleEvent, ScheduleEvent,
+                TokensEvent, RankStepEvent, PPConsumeEvent, PPFreeEvent, PPEnqueueEvent,
+                BroadcastPostedEvent, BroadcastSkippedEvent, SampledEvent, MirrorCheckEvent,
+                TimingEvent)
+TraceEvent = Annotated[Union[EVENT_MODELS], Field(discriminator="kind")]
 _ADAPTER: TypeAdapter = TypeAdapter(TraceEvent)
 
 SCHEDULER_INPUTS = frozenset({"arrival", "abort", "stop", "result"})

@@ -10,9 +10,9 @@ import pytest
 
 from ppstate.errors import IllegalTransition
 from ppstate.lifecycle import Lifecycle
-from ppstate.spec import load_spec
+from ppstate.spec import load_table
 
-SPEC = load_spec("request")
+SPEC = load_table("request")
 # The lifecycle as docs/design.md §4 states it, written out here rather than read from
 # specs/request.yaml (the table the machine is built from), so a wrong spec cannot pass.
 STATES = ["waiting", "prefilling", "decoding", "finished_stopped", "finished_length",

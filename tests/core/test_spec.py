@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from ppstate.errors import SpecError
-from ppstate.spec import SPECS_DIR, load_spec, parse_spec
+from ppstate.errors import TableError
+from ppstate.spec import SPECS_DIR, load_table, parse_table
 
 BASE = """\
 name: m
@@ -23,13 +23,13 @@ transitions:
 
 
 def _error(text: str) -> str:
-    with pytest.raises(SpecError) as info:
-        parse_spec(text, file="bad.yaml")
+    with pytest.raises(TableError) as info:
+        parse_table(text, file="bad.yaml")
     return str(info.value)
 
 
 def test_base_table_is_valid():
-    spec = parse_spec(BASE, file="ok.yaml")
+    spec = parse_table(BASE, file="ok.yaml")
     assert spec.name == "m"
     assert spec.initial == "a"
     assert spec.state_names == ["a", "b"]
@@ -99,7 +99,7 @@ def test_state_that_is_not_a_mapping_names_item_line():
     ("pp_handler", "empty", 3, 5, {"consumed"}),
 ])
 def test_real_specs_load(name, initial, n_states, n_edges, finals):
-    spec = load_spec(name)
+    spec = load_table(name)
     assert spec.initial == initial
     assert len(spec.state_names) == n_states
     assert len(spec.edges()) == n_edges
@@ -108,13 +108,13 @@ def test_real_specs_load(name, initial, n_states, n_edges, finals):
 
 def test_load_spec_from_directory_and_missing_file(tmp_path):
     (tmp_path / "m.yaml").write_text(BASE)
-    assert load_spec("m", specs_dir=tmp_path).edges() == [("go", "a", "b")]
-    with pytest.raises(SpecError, match=r"nope\.yaml: spec file not found"):
-        load_spec("nope", specs_dir=tmp_path)
+    assert load_table("m", specs_dir=tmp_path).edges() == [("go", "a", "b")]
+    with pytest.raises(TableError, match=r"nope\.yaml: spec file not found"):
+        load_table("nope", specs_dir=tmp_path)
     assert (SPECS_DIR / "request.yaml").is_file()
 
 
 def test_same_destination_resolves_to_source():
-    spec = load_spec("pp_handler")
+    spec = load_table("pp_handler")
     assert ("free", "pending", "pending") in spec.edges()
     assert ("free", "empty", "empty") in spec.edges()

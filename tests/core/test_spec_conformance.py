@@ -21,12 +21,12 @@ from ppstate.batch import SchedulerOutput
 from ppstate.errors import PPStateError, SlotError
 from ppstate.pp_handler import PPHandler
 from ppstate.slots import SlotTable
-from ppstate.spec import SPECS_DIR, MachineSpec, load_spec, parse_spec
+from ppstate.spec import SPECS_DIR, MachineTable, load_table, parse_table
 
 Relation = dict[tuple[str, str, bool], tuple[str, frozenset[str]] | None]
 
 
-def table_relation(spec: MachineSpec, guard_values: dict[str, tuple[bool, ...]]) -> Relation:
+def table_relation(spec: MachineTable, guard_values: dict[str, tuple[bool, ...]]) -> Relation:
     """(trigger, source, guards hold) -> (destination, effects), or None where the table has no
     edge (the code must refuse). A guarded edge whose guard fails leaves the state as it is and
     has no effect. ``guard_values[trigger]``: the guard outcomes the code can be driven with."""
@@ -59,7 +59,7 @@ SLOT_OPS: dict[str, Callable[[SlotTable], object]] = {
 }
 
 
-def slot_relation(spec: MachineSpec) -> Relation:
+def slot_relation(spec: MachineTable) -> Relation:
     """The relation :class:`SlotTable` shows on its one slot, driven by ``SLOT_OPS``."""
     rel: Relation = {}
     for trigger, op in SLOT_OPS.items():
@@ -116,7 +116,7 @@ PP_OPS: dict[str, Callable[[PPHandler, bool], tuple[object, int]]] = {
 PP_GUARDS = {"enqueue": (True, False)}   # mask_nonempty: a need-sampled mask, or None
 
 
-def pp_handler_relation(spec: MachineSpec) -> Relation:
+def pp_handler_relation(spec: MachineTable) -> Relation:
     rel: Relation = {}
     for trigger, op in PP_OPS.items():
         for source in spec.state_names:
@@ -138,14 +138,14 @@ def pp_handler_relation(spec: MachineSpec) -> Relation:
 
 # ---- the checks -----------------------------------------------------------------------------
 def test_slot_table_implements_specs_slot_yaml():
-    spec = load_spec("slot")
+    spec = load_table("slot")
     assert {t.trigger for t in spec.transitions} == set(SLOT_OPS)
     assert spec.initial == _slot_state(SlotTable(1))
     assert slot_relation(spec) == table_relation(spec, {})
 
 
 def test_pp_handler_implements_specs_pp_handler_yaml():
-    spec = load_spec("pp_handler")
+    spec = load_table("pp_handler")
     assert {t.trigger for t in spec.transitions} == set(PP_OPS)
     assert {g for t in spec.transitions for g in t.guards} == {"mask_nonempty"}
     assert _entry_state(PPHandler(1, 2), -1) == spec.initial    # the FIFO starts with empty entries
@@ -164,6 +164,6 @@ def test_pp_handler_implements_specs_pp_handler_yaml():
 def test_a_table_that_differs_from_its_code_is_caught(name, edit):
     text = (SPECS_DIR / f"{name}.yaml").read_text()
     assert edit[0] in text
-    spec = parse_spec(text.replace(edit[0], edit[1], 1), file=f"{name}.yaml")
+    spec = parse_table(text.replace(edit[0], edit[1], 1), file=f"{name}.yaml")
     observed = slot_relation(spec) if name == "slot" else pp_handler_relation(spec)
     assert observed != table_relation(spec, PP_GUARDS if name == "pp_handler" else {})

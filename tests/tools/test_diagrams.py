@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ppstate.diagrams import SPEC_NAMES, generate, main, render_mermaid, stale
-from ppstate.spec import SPECS_DIR, parse_spec
+from ppstate.spec import SPECS_DIR, parse_table
 
 SMALL = """\
 name: m
@@ -43,7 +43,7 @@ stateDiagram-v2
 
 
 def test_render_exact_text():
-    assert render_mermaid(parse_spec(SMALL), "specs/m.yaml") == SMALL_MMD
+    assert render_mermaid(parse_table(SMALL), "specs/m.yaml") == SMALL_MMD
 
 
 @pytest.mark.parametrize("name", SPEC_NAMES)

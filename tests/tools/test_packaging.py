@@ -28,7 +28,7 @@ PROBE = """
 import json, ppstate, ppstate.spec as spec
 print(json.dumps({"ppstate": ppstate.__file__, "specs": str(spec.SPECS_DIR),
                   "tables": sorted(p.name for p in spec.SPECS_DIR.glob("*.yaml")),
-                  "machines": {n: [spec.load_spec(n).initial, len(spec.load_spec(n).edges())]
+                  "machines": {n: [spec.load_table(n).initial, len(spec.load_table(n).edges())]
                                for n in ("request", "slot", "pp_handler", "block")}}))
 """
 
@@ -71,8 +71,8 @@ def test_installed_wheel_ships_the_specs_and_runs_the_simulator(tmp_path):
     assert Path(probe["ppstate"]).is_relative_to(venv_site)   # the wheel's copy, not the checkout
     assert Path(probe["specs"]) == venv_site / "ppstate" / "specs"
     assert probe["tables"] == sorted(p.name for p in (ROOT / "specs").glob("*.yaml"))
-    from ppstate.spec import load_spec
-    assert probe["machines"] == {n: [load_spec(n).initial, len(load_spec(n).edges())]
+    from ppstate.spec import load_table
+    assert probe["machines"] == {n: [load_table(n).initial, len(load_table(n).edges())]
                                  for n in ("request", "slot", "pp_handler", "block")}
 
     out = json.loads(_run([str(py), "-m", "ppstate.sim", "--pp", "2", "--requests", "4",

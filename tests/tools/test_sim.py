@@ -163,8 +163,8 @@ def test_wrong_broadcast_decision_agreed_by_all_ranks_is_caught(monkeypatch, wro
 
 def test_rows_needing_sample_rule():
     from ppstate.batch import SchedulerOutput
-    from ppstate.oracle.invariants import InvariantChecker
-    checker = InvariantChecker.__new__(InvariantChecker)
+    from ppstate.oracle.invariants import InvariantOracle
+    checker = InvariantOracle.__new__(InvariantOracle)
     checker.prompt_len = {"a": 10, "b": 4, "c": 7}
     checker.row_admission = {}
     out = SchedulerOutput(3, ("a", "b", "c"), np.array([0, 1, 2], dtype=np.int32),

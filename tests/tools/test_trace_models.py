@@ -69,7 +69,7 @@ def test_writer_lines_parse_into_models(tmp_path):
     sink.emit("timing", step=3, rank=1, phase="forward", t0_ns=10, t1_ns=25)
     sink.close()
     evs = [parse_event(d) for d in read_jsonl(tmp_path / "r.jsonl")]
-    assert [type(e).__name__ for e in evs] == ["PPConsume", "Timing"]
+    assert [type(e).__name__ for e in evs] == ["PPConsumeEvent", "TimingEvent"]
     assert evs[0].idx_mapping == [2, -1, 0] and evs[1].t1_ns - evs[1].t0_ns == 15
     with pytest.raises(FileExistsError):  # a run never appends to an existing file
         JsonlSink(tmp_path / "r.jsonl")
