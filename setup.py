@@ -1,6 +1,6 @@
 """Build step that ships the state tables: ``specs/*.yaml`` is copied into the package as
 ``ppstate/specs/`` (package data), where an installed, non-editable ``ppstate`` finds it through
-``importlib.resources`` (:data:`ppstate.spec.SPECS_DIR`). Everything else is in pyproject.toml.
+``importlib.resources`` (:data:`ppstate.state_tables.SPECS_DIR`). Everything else is in pyproject.toml.
 
 The tables stay in ``specs/`` at the top of the repository (they are data, read by the core, the
 diagrams and the docs); a source checkout or an editable install reads them there.

@@ -14,7 +14,7 @@ import numpy as np
 from transitions import Machine
 
 from ppstate.errors import BlockError
-from ppstate.spec import MachineTable, load_table
+from ppstate.state_tables import MachineTable, load_table
 
 FREE, ALLOCATED, CACHED = 0, 1, 2
 STATE_NAMES = ("free", "allocated", "cached")

@@ -41,7 +41,7 @@ class SchedulerConfig:
         cost_base_s, cost_per_row_s, cost_per_token_s, cost_per_prefix_token_s, cost_concurrency:
             the step-cost model (:class:`ppstate.step_cost.StepCostModel`, seconds) used by both.
         num_spec_tokens: speculative (n-gram) draft tokens per decode row, ``K`` (0: off). A
-            decode row then carries ``1 + k`` tokens, ``k <= K`` (:func:`ppstate.spec_decode.drafts_for_row`).
+            decode row then carries ``1 + k`` tokens, ``k <= K`` (:func:`ppstate.speculative.drafts_for_row`).
 
     Raises:
         SchedulerError: a field out of range; the message names the field.

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ppstate.spec import SAME, SPECS_DIR, MachineTable, TransitionRow, load_table
+from ppstate.state_tables import SAME, SPECS_DIR, MachineTable, TransitionRow, load_table
 
 #: The machine tables that get a diagram (file stems in ``specs/``).
 SPEC_NAMES = ("request", "slot", "pp_handler", "block")

@@ -12,7 +12,7 @@ from typing import Protocol
 from transitions import Machine, MachineError
 
 from ppstate.errors import IllegalTransition
-from ppstate.spec import SAME, MachineTable, load_table
+from ppstate.state_tables import SAME, MachineTable, load_table
 
 
 class LifecycleModel(Protocol):

@@ -35,7 +35,7 @@ from ppstate.scheduler_queues import QueueOps
 from ppstate.scheduler_results import FINISHED_HISTORY, StepResults
 from ppstate.scheduler_rows import RowBuilder
 from ppstate.slots import SlotTable
-from ppstate.trace.codec import encode_output
+from ppstate.codec import encode_output
 
 __all__ = ["Scheduler", "SchedulerConfig", "RequestSpec", "TokenUpdate", "FINISHED_HISTORY"]
 

@@ -24,7 +24,7 @@ from ppstate.kv_manager import KVManager
 from ppstate.request import Request
 from ppstate.scalars import ONE_I64
 from ppstate.scheduler_results import gather
-from ppstate.spec_decode import drafts_for_row
+from ppstate.speculative import drafts_for_row
 from ppstate.slots import SlotTable
 
 

@@ -14,7 +14,7 @@ from collections import defaultdict
 from ppstate.batch import SchedulerOutput
 from ppstate.scheduler import Scheduler
 from ppstate.oracle.invariants import InvariantOracle
-from ppstate.trace.codec import decode_output
+from ppstate.codec import decode_output
 
 
 class _NoState:

@@ -13,7 +13,7 @@ from typing import Any
 
 from ppstate.batch import SchedulerOutput
 from ppstate.replay.checks import TraceOracle
-from ppstate.trace.codec import decode_output
+from ppstate.codec import decode_output
 from ppstate.replay.compare import Divergence
 from ppstate.replay.engine import EngineReplay
 from ppstate.replay.rank import RankReplay, RankSetup

@@ -74,7 +74,7 @@ class LifecycleEvent(_Ev):
 
 
 class ScheduleEvent(_Ev):
-    """One issued step: every field of its SchedulerOutput (:mod:`ppstate.trace.codec`)."""
+    """One issued step: every field of its SchedulerOutput (:mod:`ppstate.codec`)."""
     kind: Literal["schedule"] = "schedule"
     output: dict[str, Any]
 

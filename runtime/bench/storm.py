@@ -30,7 +30,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from ppstate.trace.codec import decode_output
+from ppstate.codec import decode_output
 from ppstate.trace.run import ENGINE_FILE
 from runtime.cli_common import add_engine_flags, engine_config
 from runtime.engine import AsyncEngine

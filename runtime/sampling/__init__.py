@@ -12,7 +12,7 @@ Modules, each importing only those listed before it (one way, no cycle):
 * :mod:`~runtime.sampling.sampler` -- ``sample``: greedy, temperature, top-k, top-p, logprobs;
 * :mod:`~runtime.sampling.sampling_state` -- every slot's parameters as device tables, gathered
   per step into a ``SamplingBatch`` (owned by the worker's ``DeviceState``);
-* :mod:`~runtime.sampling.spec_verify` -- speculative decoding's drafts and the last rank's verify.
+* :mod:`~runtime.sampling.speculative_verify` -- speculative decoding's drafts and the last rank's verify.
 
 Nothing here imports :mod:`runtime.worker` or :mod:`runtime.engine`; the worker and the engine
 import this package. Importing the package itself imports nothing (no torch).

@@ -71,8 +71,9 @@ class EngineCollector(Collector):
             yield CounterMetricFamily(PREFIX + "engine_restarts",
                                       "Engine restarts after failures (--restart-workers)",
                                       value=s["engine_restarts_total"])
-        from runtime.server.spec_metrics import spec_metrics  # --spec-tokens (issue #14)
-        yield from spec_metrics(s)
+        # --spec-tokens (issue #14)
+        from runtime.server.speculative_metrics import speculative_metrics
+        yield from speculative_metrics(s)
         from runtime.server.mirror_metrics import mirror_metrics  # dropped rows (issue #27)
         yield from mirror_metrics(s)
         if "replicas" in s:  # --dp: the same figures per replica (issue #14)

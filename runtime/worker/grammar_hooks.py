@@ -72,7 +72,7 @@ class GrammarHooks:
 
     def start_fill(self, out: SchedulerOutput, spec_rows=None, first: np.ndarray | None = None) -> None:
         """Start the step's bitmask. ``spec_rows`` / ``first``: the speculative layout
-        (:class:`~runtime.sampling.spec_verify.SpecRows`, ``[R]`` first logit row), or None."""
+        (:class:`~runtime.sampling.speculative_verify.SpecRows`, ``[R]`` first logit row), or None."""
         self.fill = None
         g = self.state
         if g is None or out.num_rows == 0 or not g.any_active(out.slots):

@@ -92,7 +92,7 @@ class _Worker:
             if fast is not None:
                 raise ValueError("--spec-tokens: speculative decoding runs on the CPU reference "
                                  "path only (the CUDA fast path does not verify drafts yet)")
-            from runtime.sampling.spec_verify import SpecDecoder
+            from runtime.sampling.speculative_verify import SpecDecoder
             spec = SpecDecoder(k, cfg.spec_ngram, self.groups.is_first, self.groups.is_last)
         grammar = None
         if self.groups.is_last:   # structured outputs: built on the first constrained request

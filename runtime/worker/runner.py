@@ -33,7 +33,7 @@ from runtime.model.stage import BatchMeta, StageModel
 from runtime.sampling.penalties import TokenHistory
 from runtime.sampling.prompt_logprobs import PendingPrompt, PromptLogprobPlan
 from runtime.sampling.sampler import sample
-from runtime.sampling.spec_verify import SpecDecoder, logprob_rows as spec_logprob_rows
+from runtime.sampling.speculative_verify import SpecDecoder, logprob_rows as spec_logprob_rows
 from runtime.worker.cuda_graphs import DecodeGraphs
 from runtime.worker.device_state import DeviceState
 from runtime.worker.grammar_hooks import GrammarHooks

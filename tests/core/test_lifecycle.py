@@ -10,7 +10,7 @@ import pytest
 
 from ppstate.errors import IllegalTransition
 from ppstate.lifecycle import Lifecycle
-from ppstate.spec import load_table
+from ppstate.state_tables import load_table
 
 SPEC = load_table("request")
 # The lifecycle as docs/design.md §4 states it, written out here rather than read from

@@ -118,7 +118,7 @@ class InprocPipeline:
         def spec(r: int):
             if num_spec_tokens == 0:
                 return None
-            from runtime.sampling.spec_verify import SpecDecoder
+            from runtime.sampling.speculative_verify import SpecDecoder
             return SpecDecoder(num_spec_tokens, spec_ngram, r == 0, r == self.pp - 1)
         self.runners = [
             StageRunner(LocalGroups(r, self.pp, wire, torch.device(device)), st,

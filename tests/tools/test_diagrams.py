@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ppstate.diagrams import SPEC_NAMES, generate, main, render_mermaid, stale
-from ppstate.spec import SPECS_DIR, parse_table
+from ppstate.state_tables import SPECS_DIR, parse_table
 
 SMALL = """\
 name: m

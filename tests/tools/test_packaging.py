@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "ppstate", "runtime", "specs")
 
 PROBE = """
-import json, ppstate, ppstate.spec as spec
+import json, ppstate, ppstate.state_tables as spec
 print(json.dumps({"ppstate": ppstate.__file__, "specs": str(spec.SPECS_DIR),
                   "tables": sorted(p.name for p in spec.SPECS_DIR.glob("*.yaml")),
                   "machines": {n: [spec.load_table(n).initial, len(spec.load_table(n).edges())]
@@ -71,7 +71,7 @@ def test_installed_wheel_ships_the_specs_and_runs_the_simulator(tmp_path):
     assert Path(probe["ppstate"]).is_relative_to(venv_site)   # the wheel's copy, not the checkout
     assert Path(probe["specs"]) == venv_site / "ppstate" / "specs"
     assert probe["tables"] == sorted(p.name for p in (ROOT / "specs").glob("*.yaml"))
-    from ppstate.spec import load_table
+    from ppstate.state_tables import load_table
     assert probe["machines"] == {n: [load_table(n).initial, len(load_table(n).edges())]
                                  for n in ("request", "slot", "pp_handler", "block")}
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from ppstate.batch import FreedSlot, NewRequest, SchedulerOutput
 from ppstate.events import JsonlSink, read_jsonl
-from ppstate.trace.codec import decode_output, encode_output
+from ppstate.codec import decode_output, encode_output
 from ppstate.trace.models import EVENT_MODELS, TokenUpdateModel, parse_event
 from ppstate.trace.run import TraceError, find_run_dir, new_run_dir
 

@@ -1,7 +1,7 @@
 """Speculative decoding on the ranks: drafts, corrected positions and the last rank's verify (#14).
 
 The rule itself (n-gram proposal, longest matching prefix, why sampling then matching is
-rejection sampling for an n-gram draft) is :mod:`ppstate.spec_decode`; this module applies it to
+rejection sampling for an n-gram draft) is :mod:`ppstate.speculative`; this module applies it to
 a step's rows over device state:
 
 * :func:`plan_rows` (every rank, before the forward, after the deferred consume): each row's
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ppstate.spec_decode import propose_ngram, verify_rows
+from ppstate.speculative import propose_ngram, verify_rows
 from runtime.sampling.penalties import TokenHistory
 from runtime.sampling.sampler import sample
 

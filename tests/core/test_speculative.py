@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from ppstate.batch import StepResult
 from ppstate.scheduler import RequestSpec, Scheduler, SchedulerConfig
-from ppstate.spec_decode import accept_prefix, drafts_for_row, propose_ngram, verify_rows
+from ppstate.speculative import accept_prefix, drafts_for_row, propose_ngram, verify_rows
 from reference import sample_from_logits
 
 

@@ -20,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 PREFIX = "ppstate_"
 
 
-def spec_metrics(s: dict[str, Any]) -> Iterator[Metric]:
+def speculative_metrics(s: dict[str, Any]) -> Iterator[Metric]:
     """The speculative-decoding families of one scrape (nothing when the stats lack them)."""
     if "spec_proposed_tokens" not in s:
         return

@@ -21,7 +21,7 @@ from ppstate.batch import SchedulerOutput
 from ppstate.errors import PPStateError, SlotError
 from ppstate.pp_handler import PPHandler
 from ppstate.slots import SlotTable
-from ppstate.spec import SPECS_DIR, MachineTable, load_table, parse_table
+from ppstate.state_tables import SPECS_DIR, MachineTable, load_table, parse_table
 
 Relation = dict[tuple[str, str, bool], tuple[str, frozenset[str]] | None]
 

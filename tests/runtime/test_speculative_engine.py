@@ -14,7 +14,7 @@ from app_harness import COMP, AppEngine
 from reference import greedy_reference
 from runtime.config import EngineConfig
 from runtime.sampling_params import SamplingParams
-from test_spec_decode_pipeline import ORDINARY, REPETITIVE
+from test_speculative_pipeline import ORDINARY, REPETITIVE
 
 pytestmark = pytest.mark.slow
 NEW = 20

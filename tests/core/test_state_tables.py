@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ppstate.errors import TableError
-from ppstate.spec import SPECS_DIR, load_table, parse_table
+from ppstate.state_tables import SPECS_DIR, load_table, parse_table
 
 BASE = """\
 name: m
