@@ -77,7 +77,7 @@ class Scheduler(QueueOps, StepResults):
         self._in_flight_epochs: deque[np.ndarray] = deque()  # [num_rows] the request's epoch
         self._in_flight_drafts: deque[np.ndarray] = deque()  # [num_rows] speculative drafts
         self._next_step = 0
-        self._order = 0
+        self._arrivals = 0   # requests added so far: the next one's Request.order
         self._admissions = 0   # admissions so far (all requests): each admission's unique epoch
         self.lanes = config.pp_size  # lanes filled with decode rows this step (ppstate.lanes)
         # slot-indexed views of the running requests, written only on lifecycle events (admit,
@@ -168,8 +168,8 @@ class Scheduler(QueueOps, StepResults):
         if not self._stop_ids.issuperset(spec.eos_token_ids | spec.stop_token_ids):
             self._stop_ids |= spec.eos_token_ids | spec.stop_token_ids
             self.stop_ids_np = np.array(sorted(self._stop_ids), dtype=np.int64)
-        req = Request(spec, max_tokens, self.arrays, self._order)
-        self._order += 1
+        req = Request(spec, max_tokens, self.arrays, self._arrivals)
+        self._arrivals += 1
         self.lifecycle.add(req)
         self._waiting.append(req)
         self._live[rid] = req

@@ -137,7 +137,7 @@ def _forget_free_slots(w) -> None:
     if free.size:
         for f in sched.arrays.FIELDS:
             getattr(sched.arrays, f)[free] = 0
-    sched._order = 0
+    sched._arrivals = 0
     for r in sched._live.values():
         r.order = 0
     _sort_free_list(w)

@@ -52,8 +52,8 @@ class CheckRank(BackendMethods):
         self.is_first, self.is_last = rank == 0, rank == pp_size - 1
         self.depth = pp_size if overlapped else 1
         self.sink = sink
-        self.stepper = RankStep(self, rank, pp_size, self.depth, max_num_reqs, sink=sink)
-        self.handler: PPHandler | None = self.stepper.handler
+        self.step_order = RankStep(self, rank, pp_size, self.depth, max_num_reqs, sink=sink)
+        self.handler: PPHandler | None = self.step_order.handler
         self.mirror = CpuMirror(max_num_reqs, rank=rank)
         i64 = dict(dtype=np.int64)
         self.device = {f: np.zeros(max_num_reqs, **i64) for f in MIRROR_FIELDS}  # [max_num_reqs] each
@@ -77,11 +77,11 @@ class CheckRank(BackendMethods):
     def next_step(self) -> int:
         """The number after the last step this rank ran (its step order's
         :attr:`~ppstate.rank_step.RankStep.next_step`); it runs the first issued step from it."""
-        return self.stepper.next_step
+        return self.step_order.next_step
 
     @next_step.setter
     def next_step(self, value: int) -> None:   # the canonical form's step shift
-        self.stepper.next_step = value
+        self.step_order.next_step = value
 
     def begin_attempt(self, step: int) -> None:
         """(Re-)start step ``step``: logged ops and choices are answered from the logs."""

@@ -234,7 +234,7 @@ class World:
         n_events, n_ops = len(rk.sink.events), len(rk.oplog)             # its sink and the ops
         rk.begin_attempt(out.step)
         try:
-            result = rk.stepper.step(out)
+            result = rk.step_order.step(out)
         except Blocked as b:
             if before is None:
                 raise AssertionError(f"rank {r} blocked in step {out.step} although "

@@ -61,9 +61,9 @@ class RankReplay:
         self.is_last = setup.rank == setup.pp_size - 1
         self.sink = RecordingSink()
         depth = setup.pp_size if setup.mode == "overlapped" else 1
-        self.order = RankStep(self, setup.rank, setup.pp_size, depth, setup.max_num_reqs,
+        self.step_order = RankStep(self, setup.rank, setup.pp_size, depth, setup.max_num_reqs,
                               self.sink)
-        self.handler = self.order.handler
+        self.handler = self.step_order.handler
         self.mirror = CpuMirror(setup.max_num_reqs, rank=setup.rank)
         self.owner: list[str | None] = [None] * setup.max_num_reqs    # [max_num_reqs]
 
@@ -71,7 +71,7 @@ class RankReplay:
     def run_step(self, out: SchedulerOutput) -> list[dict]:
         """Apply step ``out``; returns the events a correct rank emits for it."""
         start = len(self.sink.events)
-        self.order.step(out)
+        self.step_order.step(out)
         return self.sink.events[start:]
 
     def _payload(self, step: int, num_rows: int) -> SampledPayload:

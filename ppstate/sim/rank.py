@@ -64,8 +64,8 @@ class SimRank:
         self.eos_at = np.full(max_num_reqs, -1, dtype=np.int64)    # [max_num_reqs]
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)  # [max_num_reqs] "device"
         self.mirror = CpuMirror(max_num_reqs, rank=rank)
-        self.order = RankStep(self, rank, pp_size, depth, max_num_reqs)
-        self.handler = self.order.handler
+        self.step_order = RankStep(self, rank, pp_size, depth, max_num_reqs)
+        self.handler = self.step_order.handler
         self.kv = SimKV(rank, max_num_reqs, *kv_geometry, checker)
         self.wire = Wire()
         self.next_index = 0         # index of the next step this rank runs among the issued ones
@@ -80,7 +80,7 @@ class SimRank:
     def run_step(self, out: SchedulerOutput, wire: "Wire") -> StepResult | None:
         """Apply step ``out`` on this rank in the one order; the last rank returns the result."""
         self.wire = wire
-        return self.order.step(out)
+        return self.step_order.step(out)
 
     # ---------------------------------------------------------------- RankBackend
     def begin_step(self, out: SchedulerOutput) -> None:

@@ -116,7 +116,7 @@ class StageRunner:
         self.hidden_size = stage.cfg.hidden_size
         self.act_dtype = next(stage.parameters()).dtype
         depth = groups.pp_size if overlapped else 1
-        self._order = RankStep(self, groups.rank, groups.pp_size, depth, len(state.owner), sink,
+        self.step_order = RankStep(self, groups.rank, groups.pp_size, depth, len(state.owner), sink,
                                phases=self.progress)
         self.host_copy = HostCopy(state.device)
         self._logprobs: LogprobRows | None = None   # of the step being sampled (last rank)
@@ -132,7 +132,7 @@ class StageRunner:
     @property
     def handler(self) -> PPHandler | None:
         """The PPHandler of a non-last rank (None on the last rank)."""
-        return self._order.handler
+        return self.step_order.handler
 
     def step(self, out: SchedulerOutput) -> StepResult | None:
         """Run one step (:meth:`ppstate.rank_step.RankStep.step`). Returns the StepResult on the
@@ -149,7 +149,7 @@ class StageRunner:
         """Enqueue one step: on the last rank returns as soon as the step's kernels and the copy
         of its sampled ids to pinned host memory are enqueued (:meth:`PendingResult.result`
         waits for them); None on the other ranks. Raises as :meth:`step`."""
-        return self._order.step(out)
+        return self.step_order.step(out)
 
     # ---- RankBackend: step bracket -----------------------------------------------------------
     def begin_step(self, out: SchedulerOutput) -> None:
