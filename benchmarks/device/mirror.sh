@@ -4,8 +4,8 @@
 #    copies wrong, a fault in each newly validated field, all caught within one step naming rank
 #    and slot (tests/gpu/test_gpu_mirror_state_faults.py), the async check's own tests, digests;
 # 2. a rank's validation on / off per step at 128 and 256 decode rows, alternated in one run, on
-#    CUDA and on the host CPU (python -m runtime.bench mirror), with the check as #27 first
-#    landed it alternated in the same run (before_* keys);
+#    CUDA and on the host CPU (python -m runtime.bench mirror), with the check as it was before
+#    the comparison moved onto the device (host compare) alternated in the same run (before_* keys);
 # 3. the engine (PP=1, random-weight SmolLM2-135M shape, bf16, CUDA graphs) with
 #    --validate-mirrors every vs off, alternated in one run, at 128 and 256 concurrent requests
 #    (python -m runtime.bench pp --overheads --overheads-of mirror_validation): throughput and
@@ -22,7 +22,8 @@ python3 -c "import torch; print('cuda', torch.cuda.is_available(), torch.cuda.de
 
 timeout 100 python3 -m pytest -p no:cacheprovider -q -rs --durations=15 \
   tests/gpu/test_gpu_mirror_state_faults.py tests/gpu/test_gpu_mirror_check.py \
-  tests/core/test_block_digest.py > "$out/mirror-tests.log" 2>&1
+  tests/core/test_block_digest.py tests/runtime/test_mirror_check_layout.py \
+  > "$out/mirror-tests.log" 2>&1
 echo "pytest rc=$?" | tee -a "$log"
 tail -4 "$out/mirror-tests.log"
 

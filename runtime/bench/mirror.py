@@ -6,16 +6,18 @@ and a step runs what the worker runs around the model for N decode rows: the blo
 the rows that cross a block, the immediate and the sampled post-update (device kernels and CPU
 mirror). With validation on, the step also runs everything ``--validate-mirrors every`` adds: the
 block-id digest check of the step's rows against the scheduler's digests (before the forward) and
-the after-step check (on CUDA :class:`~runtime.worker.mirror_check.AsyncMirrorCheck`: two stacked
-non-blocking copies, compared when they land; on the CPU ``DeviceState.validate``).
+the after-step check (on CUDA :class:`~runtime.worker.mirror_check.AsyncMirrorCheck`: the expected
+values copied to the device, compared there with the device tables, one flag copied back; on the
+CPU ``DeviceState.validate``).
 
-Off, on and the check as #27 first landed it (:mod:`runtime.bench.mirror_before`, same coverage,
-reported as ``before_*``) alternate in one run (``--rounds`` triples of ``--steps`` steps; CUDA: wall time,
+Off, on and the check as it was before the comparison moved onto the device
+(:mod:`runtime.bench.mirror_before`: the whole snapshot copied to the host and compared there,
+same coverage; on the CPU the same in-place check; reported as ``before_*``) alternate in one run (``--rounds`` triples of ``--steps`` steps; CUDA: wall time,
 synchronised at the end of each block; CPU: process CPU time, one torch thread); reported per N: microseconds per step off and on (median over rounds),
 the validation's share ``on / off - 1`` and its microseconds per step (``on - off``, and the time
 spent inside the check calls themselves, ``check_us_per_step``: less exposed to the load of a
 shared machine; on CUDA it includes the wait for the previous step's copy), and each check
-timed alone on the final state, now and as #27 landed (``pieces_us``, :func:`pieces`); on the CPU also the
+timed alone on the final state, now and before (``pieces_us``, :func:`pieces`); on the CPU also the
 microseconds of the check as it was before issue #27 (the mirror counters only), in the same run. The share of a whole
 engine step is smaller by the model's time (the engine on / off ratio: ``runtime.bench pp
 --overheads``). ``--json-out F`` writes the results (kind ``mirror-validation``).
@@ -87,7 +89,7 @@ class RankLoop:
 
     def step(self, validate: bool | str) -> None:
         """One decode step of every row (what the worker does besides the model). ``validate``:
-        False, True (everything), ``"before"`` (everything, as #27 first did it:
+        False, True (everything), ``"before"`` (everything, compared on the host:
         :mod:`runtime.bench.mirror_before`) or ``"counters"`` (CPU: only the mirror counters'
         check, as before issue #27: the stacked read, ``CpuMirror.validate`` and
         ``validate_blocks``)."""
@@ -239,10 +241,10 @@ def main(argv: list[str] | None = None) -> int:
                   if "counters_only_us_per_step" in r else "")
         print(f"rows {n:4d} on {args.device}: off {r['us_per_step_off']:.1f} us/step, on "
               f"{r['us_per_step_on']:.1f} us/step (validation {r['validation_us_per_step']:.1f} "
-              f"us{before}, on/off {r['on_over_off']:.3f}; as #27 landed: validation "
+              f"us{before}, on/off {r['on_over_off']:.3f}; before (host compare): validation "
               f"{r['before_validation_us_per_step']:.1f} us, on/off {r['before_over_off']:.3f}); "
               f"inside the check calls: {r['check_us_per_step']:.1f} us now, "
-              f"{r['before_check_us_per_step']:.1f} us as #27 landed", flush=True)
+              f"{r['before_check_us_per_step']:.1f} us before", flush=True)
         print("  each check alone (us per call): " +
               ", ".join(f"{k} {v:.1f}" for k, v in r["pieces_us"].items()), flush=True)
     if args.json_out:
