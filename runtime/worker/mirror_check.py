@@ -75,6 +75,7 @@ class AsyncMirrorCheck:
         self.state, self.sink, self.rank = state, sink, rank
         self._pin = state.device.type == "cuda"
         self.capacity = 0
+        self._graphs: list | None = None   # CUDA: the device work of each buffer, one graph each
         self._grow(state_check.flat_size(*state.block_table_np.shape))   # the most columns
         self.flag_host = torch.zeros(2, dtype=torch.bool, pin_memory=self._pin)   # [2] per buffer
         self.flag_np = self.flag_host.numpy()
@@ -83,6 +84,45 @@ class AsyncMirrorCheck:
         self.pending: list[_Pending] = []
         self._error: MirrorDivergence | None = None   # found while recording, raised next
         self.checked_steps = 0
+        self.use_graphs = self._pin
+
+    def _enqueue(self, k: int, size: int, cols: int, bl: np.ndarray) -> None:
+        """The device work of buffer ``k`` (stream order): expected values in, the snapshot, the
+        comparison reduced to one flag, the flag out."""
+        exp_d, snap = self.exp_dev[k, :size], self.snap_dev[k, :size]
+        exp_d.copy_(self.exp_host[k, :size], non_blocking=True)
+        st = self.state
+        state_check.device_flat(st, cols, to_device(bl, st.device) if bl.size else None, out=snap)
+        self.flag_host[k:k + 1].copy_(torch.ne(snap, exp_d).any().view(1), non_blocking=True)
+
+    def _graph(self, k: int):
+        """Buffer ``k``'s device work over every block-table column and no logit-bias rows,
+        captured once as a CUDA graph (one launch per step instead of five); None when capture
+        fails (then the work is enqueued op by op)."""
+        if self._graphs is None:
+            cols = self.state.block_table_np.shape[1]
+            size = state_check.flat_size(m_slots(self.state), cols)
+            none = np.zeros(0, dtype=np.int64)
+            try:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):            # warm-up outside the capture
+                    for b in range(2):
+                        self._enqueue(b, size, cols, none)
+                torch.cuda.current_stream().wait_stream(side)
+                graphs = []
+                for b in range(2):
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g):
+                        self._enqueue(b, size, cols, none)
+                    graphs.append(g)
+                torch.cuda.synchronize()
+                self._graphs = graphs
+            except RuntimeError:   # capture not supported here: op by op
+                self.use_graphs, self._graphs = False, None
+                torch.cuda.synchronize()
+                return None
+        return self._graphs[k]
 
     def _grow(self, size: int) -> None:
         """Buffers for a flat layout of ``size`` int32 words (only while nothing is pending):
@@ -90,7 +130,7 @@ class AsyncMirrorCheck:
         if size <= self.capacity:
             return
         dev = self.state.device
-        self.capacity = size
+        self.capacity, self._graphs = size, None   # the graphs read the old buffers: recapture
         self.exp_host = torch.empty(2, size, dtype=torch.int32, pin_memory=self._pin)
         self.exp_np = self.exp_host.numpy()
         self.exp_dev = torch.empty(2, size, dtype=torch.int32, device=dev)
@@ -112,15 +152,16 @@ class AsyncMirrorCheck:
                                num_computed_tokens=[], ok=True, message=None)
             return
         k = step % 2
-        cols = state_check.used_cols(st, live)
         bl = state_check.biased(st, live)
+        graph = self._graph(k) if self.use_graphs and not bl.size else None
+        cols = st.block_table_np.shape[1] if graph is not None else state_check.used_cols(st, live)
         size = state_check.flat_size(m_slots(st), cols, bl.size, state_check.bias_width(st))
         self._grow(size)
         state_check.host_flat(st, cols, self.exp_np[k, :size], bl)
-        exp_d, snap = self.exp_dev[k, :size], self.snap_dev[k, :size]
-        exp_d.copy_(self.exp_host[k, :size], non_blocking=True)
-        state_check.device_flat(st, cols, to_device(bl, st.device) if bl.size else None, out=snap)
-        self.flag_host[k:k + 1].copy_(torch.ne(snap, exp_d).any().view(1), non_blocking=True)
+        if graph is not None:
+            graph.replay()
+        else:
+            self._enqueue(k, size, cols, bl)
         event = None
         if self._pin:
             event = torch.cuda.Event()
