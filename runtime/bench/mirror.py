@@ -65,6 +65,8 @@ class RankLoop:
         self.state.apply_scheduled(self.slots_t, torch.full((rows,), prompt_len, device=device),
                                    self.slots.astype(np.int64), self.tokens.copy())
         self.check = AsyncMirrorCheck(self.state) if device.type == "cuda" else None
+        self.token_mirror = self.state.track_tokens()   # the token-id check: "on" blocks only
+        self.state.tokens = None
         self.before = BeforeCheck(self.state)
         self.clock = time.perf_counter if device.type == "cuda" else time.process_time
         self.check_s = 0.0   # time spent inside the validation calls (both kinds), summed
@@ -131,6 +133,10 @@ class RankLoop:
         ``inside_s``: seconds per step spent inside the validation calls themselves."""
         self.check_s = 0.0
         cuda = self.device.type == "cuda"
+        self.state.tokens = None
+        if validate is True:   # the token-id check's host copy, from the device's ids
+            self.state.tokens = self.token_mirror
+            self.token_mirror.resync(self.state.all_token_ids)
         clock = time.perf_counter if cuda else time.process_time
         if cuda:
             torch.cuda.synchronize()

@@ -59,6 +59,7 @@ class _Pending:
     cols: int = 1                  # block-table columns in the flat layout
     biased: np.ndarray | None = None   # [B] biased live slots whose logit-bias rows follow
     size: int = 0                  # int32 words of the flat layout
+    tag: int = -1                  # TokenMirror tag: its writes recorded before this snapshot
     verdict: tuple[bool, str | None] | None = None   # (ok, message) once compared
 
 
@@ -79,12 +80,17 @@ class AsyncMirrorCheck:
         self._grow(state_check.flat_size(*state.block_table_np.shape))   # the most columns
         self.flag_host = torch.zeros(2, dtype=torch.bool, pin_memory=self._pin)   # [2] per buffer
         self.flag_np = self.flag_host.numpy()
+        n = m_slots(state)   # the token rows' digests (runtime/worker/token_check.py), [2, n]
+        self.tok_dev = torch.zeros(2, n, dtype=torch.int64, device=state.device)
+        self.tok_host = torch.zeros(2, n, dtype=torch.int64, pin_memory=self._pin)
+        self.tok_np = self.tok_host.numpy()
         self._nct = MIRROR_FIELDS.index("num_computed_tokens")
         self._nb = MIRROR_FIELDS.index("num_blocks")
         self.pending: list[_Pending] = []
         self._error: MirrorDivergence | None = None   # found while recording, raised next
         self.checked_steps = 0
         self.use_graphs = self._pin
+        self._graphed_tokens = None   # the TokenMirror whose digests the graphs compute
 
     def _enqueue(self, k: int, size: int, cols: int, bl: np.ndarray) -> None:
         """The device work of buffer ``k`` (stream order): expected values in, the snapshot, the
@@ -94,6 +100,9 @@ class AsyncMirrorCheck:
         st = self.state
         state_check.device_flat(st, cols, to_device(bl, st.device) if bl.size else None, out=snap)
         self.flag_host[k:k + 1].copy_(torch.ne(snap, exp_d).any().view(1), non_blocking=True)
+        if st.tokens is not None:   # compared on the host when the sampled ids have landed too
+            st.tokens.device_digest(st.all_token_ids, self.tok_dev[k])
+            self.tok_host[k].copy_(self.tok_dev[k], non_blocking=True)
 
     def _graph(self, k: int):
         """Buffer ``k``'s device work over every block-table column and no logit-bias rows,
@@ -153,6 +162,8 @@ class AsyncMirrorCheck:
             return
         k = step % 2
         bl = state_check.biased(st, live)
+        if st.tokens is not self._graphed_tokens:   # token check switched on / off: recapture
+            self._graphs, self._graphed_tokens = None, st.tokens
         graph = self._graph(k) if self.use_graphs and not bl.size else None
         cols = st.block_table_np.shape[1] if graph is not None else state_check.used_cols(st, live)
         size = state_check.flat_size(m_slots(st), cols, bl.size, state_check.bias_width(st))
@@ -167,6 +178,8 @@ class AsyncMirrorCheck:
             event = torch.cuda.Event()
             event.record()
         p = _Pending(step, k, live, list(st.owner), event, cols, bl, size)
+        if st.tokens is not None:
+            p.tag, st.tokens.tag = st.tokens.tag, st.tokens.tag + 1
         self.pending.append(p)
         if self.sink.enabled:
             values = st.mirror.num_computed_tokens_np[live].tolist()
@@ -226,6 +239,11 @@ class AsyncMirrorCheck:
             if not ((held >= -(-computed // bs)).all()
                     and (held <= -(-(computed + slack) // bs)).all()):
                 self._raise_blocks(p, exp)
+            tokens = self.state.tokens
+            if tokens is not None and p.tag >= 0:
+                tokens.drain(p.tag)
+                tokens.check(self.tok_np[p.buf], p.live, p.step, self.state.mirror.rank, p.owners,
+                             lambda s: self.state.all_token_ids[s].cpu().numpy())
         except MirrorDivergence as exc:
             p.verdict = (False, str(exc))
             raise

@@ -100,3 +100,42 @@ def test_logit_bias_rows_of_biased_live_slots_checked(field, named, cpu, device,
         st.validate(2)
     assert (sync.value.field, sync.value.slot, sync.value.cpu, sync.value.device) == \
         (named, 5, e.cpu, e.device)
+
+
+@pytest.mark.parametrize("dev", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("where", ["row", "last"])
+def test_token_ids_checked_against_the_host_copy(dev, where):
+    """``all_token_ids`` (prompt ids, decode inputs, penalty history) against the exact host copy
+    kept from admissions and the sampled ids (runtime/worker/token_check.py): healthy steps pass
+    (the host copy follows each step's sampled ids); a fault in one slot's row, the whole row
+    (the engine's ``corrupt_state`` hook) or only the last sampled id (the next decode input),
+    is named by the async check (row digest, then the first divergent position) and the
+    synchronous one (in place), with the same position and values."""
+    loop = RankLoop(8, torch.device(dev), prompt_len=32, max_model_len=300)
+    st = loop.state
+    st.tokens = loop.token_mirror
+    check = AsyncMirrorCheck(st, rank=0)
+    for _ in range(4):
+        loop.step(False)
+        check.snapshot(loop.step_no - 1)
+    check.poll(block=True)
+    assert check.checked_steps == 4
+    t = int(st.total_len_np[5])
+    assert t == 36 and st.tokens.ids_np[5, 32:t].tolist() == [7] * 4          # sampled ids
+    assert st.tokens.ids_np[5, :32].tolist() == list(range(100, 132))          # prompt ids
+    loop.step(False)
+    if where == "row":
+        st.corrupt(5, "all_token_ids", 1)
+        pos, cpu, device = 0, 100, 101
+    else:
+        st.all_token_ids[5, t] += 3                   # the id the next decode step reads
+        pos, cpu, device = t, 7, 10
+    with pytest.raises(MirrorDivergence) as exc:
+        check.snapshot(loop.step_no - 1)
+        check.poll(block=True)
+    e = exc.value
+    assert (e.field, e.slot, e.req_id, e.step, e.cpu, e.device) == \
+        (f"all_token_ids[{pos}]", 5, "r5", 4, cpu, device), str(e)
+    with pytest.raises(MirrorDivergence) as sync:
+        st.validate(4)
+    assert (sync.value.field, sync.value.cpu, sync.value.device) == (e.field, cpu, device)
