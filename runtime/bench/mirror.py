@@ -160,6 +160,8 @@ def pieces(loop: RankLoop, calls: int = 300, repeats: int = 5) -> dict:
     between calls: the healthy path), now and as #27 landed, interleaved; the minimum over
     ``repeats`` (the least disturbed by a shared machine's load)."""
     st, step = loop.state, loop.step_no
+    st.tokens = loop.token_mirror          # the check as "on" runs it (token ids included)
+    loop.token_mirror.resync(st.all_token_ids)
     out = SchedulerOutput(step, (), loop.slots, np.ones(loop.n, dtype=np.int32),
                           loop.tokens.astype(np.int32), np.ones(loop.n, dtype=bool),
                           block_digests=loop.digests.of(loop.slots))
