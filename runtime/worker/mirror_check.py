@@ -120,14 +120,14 @@ class AsyncMirrorCheck:
                         self._enqueue(b, size, cols, none)
                 torch.cuda.current_stream().wait_stream(side)
                 graphs = []
-                for b in range(2):
+                for b in range(2):   # thread_local: other threads' CUDA calls stay legal
                     g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g):
+                    with torch.cuda.graph(g, capture_error_mode="thread_local"):
                         self._enqueue(b, size, cols, none)
                     graphs.append(g)
                 torch.cuda.synchronize()
                 self._graphs = graphs
-            except RuntimeError:   # capture not supported here: op by op
+            except Exception:   # capture not supported here: op by op from now on
                 self.use_graphs, self._graphs = False, None
                 torch.cuda.synchronize()
                 return None
