@@ -4,7 +4,8 @@ A step reads ``DeviceState.all_token_ids`` ``[max_num_reqs, max_model_len]`` int
 its input ids there (prompt ids for prefill rows, the last sampled id for decode rows), the last
 rank reads the output ids as the penalties' history, the n-gram proposer and prompt logprobs
 read it too. It is written at admission (the replicated prompt ids) and by the sampled
-post-update (the ids of the deferred broadcast, or the last rank's own sample). The host never
+post-update (the ids of the deferred broadcast, or the last rank's own sample), and with
+speculative decoding by the drafts rank 0 and the last rank write ahead (:meth:`write`). The host never
 needed those ids on a non-last rank, so :class:`TokenMirror` keeps them by one non-blocking copy
 of each applied ``[num_rows, width]`` sampled block to pinned memory (:meth:`record`), applied to
 the host copy once it has landed (:meth:`drain`).
@@ -96,12 +97,22 @@ class TokenMirror:
         self.pending.append((self.tag, src.to("cpu", non_blocking=True), slots[rows],
                              start[rows], num[rows]))
 
+    def write(self, slot: int, start: int, ids: np.ndarray) -> None:
+        """A write whose ids the host knows (speculative drafts, ``[k]``): ``ids[slot, start ..]``
+        (below ``max_model_len``), in order after the sampled writes recorded before it."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
+        args = (np.array([slot]), np.array([start]), np.array([ids.shape[1]]))
+        if self.device.type == "cpu":
+            self._apply(ids, *args)
+        else:
+            self.pending.append((self.tag, ids, *args))
+
     def drain(self, tag: int) -> None:
         """Apply the recorded writes of snapshots up to ``tag`` (their copies landed: each was
         enqueued before that snapshot's event, which has completed)."""
         while self.pending and self.pending[0][0] <= tag:
             _, host, slots, start, num = self.pending.pop(0)
-            self._apply(host.numpy(), slots, start, num)
+            self._apply(host if isinstance(host, np.ndarray) else host.numpy(), slots, start, num)
 
     def _apply(self, ids: np.ndarray, slots: np.ndarray, start: np.ndarray,
                num: np.ndarray) -> None:
