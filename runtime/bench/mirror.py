@@ -6,16 +6,18 @@ and a step runs what the worker runs around the model for N decode rows: the blo
 the rows that cross a block, the immediate and the sampled post-update (device kernels and CPU
 mirror). With validation on, the step also runs everything ``--validate-mirrors every`` adds: the
 block-id digest check of the step's rows against the scheduler's digests (before the forward) and
-the after-step check (on CUDA :class:`~runtime.worker.mirror_check.AsyncMirrorCheck`: two stacked
-non-blocking copies, compared when they land; on the CPU ``DeviceState.validate``).
+the after-step check (on CUDA :class:`~runtime.worker.mirror_check.AsyncMirrorCheck`: the expected
+values copied to the device, compared there with the device tables, one flag copied back; on the
+CPU ``DeviceState.validate``).
 
-Off, on and the check as #27 first landed it (:mod:`runtime.bench.mirror_before`, same coverage,
-reported as ``before_*``) alternate in one run (``--rounds`` triples of ``--steps`` steps; CUDA: wall time,
+Off, on and the check as it was before the comparison moved onto the device
+(:mod:`runtime.bench.mirror_before`: the whole snapshot copied to the host and compared there,
+same coverage; on the CPU the same in-place check; reported as ``before_*``) alternate in one run (``--rounds`` triples of ``--steps`` steps; CUDA: wall time,
 synchronised at the end of each block; CPU: process CPU time, one torch thread); reported per N: microseconds per step off and on (median over rounds),
 the validation's share ``on / off - 1`` and its microseconds per step (``on - off``, and the time
 spent inside the check calls themselves, ``check_us_per_step``: less exposed to the load of a
 shared machine; on CUDA it includes the wait for the previous step's copy), and each check
-timed alone on the final state, now and as #27 landed (``pieces_us``, :func:`pieces`); on the CPU also the
+timed alone on the final state, now and before (``pieces_us``, :func:`pieces`); on the CPU also the
 microseconds of the check as it was before issue #27 (the mirror counters only), in the same run. The share of a whole
 engine step is smaller by the model's time (the engine on / off ratio: ``runtime.bench pp
 --overheads``). ``--json-out F`` writes the results (kind ``mirror-validation``).
@@ -63,6 +65,8 @@ class RankLoop:
         self.state.apply_scheduled(self.slots_t, torch.full((rows,), prompt_len, device=device),
                                    self.slots.astype(np.int64), self.tokens.copy())
         self.check = AsyncMirrorCheck(self.state) if device.type == "cuda" else None
+        self.token_mirror = self.state.track_tokens()   # the token-id check: "on" blocks only
+        self.state.tokens = None
         self.before = BeforeCheck(self.state)
         self.clock = time.perf_counter if device.type == "cuda" else time.process_time
         self.check_s = 0.0   # time spent inside the validation calls (both kinds), summed
@@ -87,7 +91,7 @@ class RankLoop:
 
     def step(self, validate: bool | str) -> None:
         """One decode step of every row (what the worker does besides the model). ``validate``:
-        False, True (everything), ``"before"`` (everything, as #27 first did it:
+        False, True (everything), ``"before"`` (everything, compared on the host:
         :mod:`runtime.bench.mirror_before`) or ``"counters"`` (CPU: only the mirror counters'
         check, as before issue #27: the stacked read, ``CpuMirror.validate`` and
         ``validate_blocks``)."""
@@ -129,6 +133,10 @@ class RankLoop:
         ``inside_s``: seconds per step spent inside the validation calls themselves."""
         self.check_s = 0.0
         cuda = self.device.type == "cuda"
+        self.state.tokens = None
+        if validate is True:   # the token-id check's host copy, from the device's ids
+            self.state.tokens = self.token_mirror
+            self.token_mirror.resync(self.state.all_token_ids)
         clock = time.perf_counter if cuda else time.process_time
         if cuda:
             torch.cuda.synchronize()
@@ -152,6 +160,8 @@ def pieces(loop: RankLoop, calls: int = 300, repeats: int = 5) -> dict:
     between calls: the healthy path), now and as #27 landed, interleaved; the minimum over
     ``repeats`` (the least disturbed by a shared machine's load)."""
     st, step = loop.state, loop.step_no
+    st.tokens = loop.token_mirror          # the check as "on" runs it (token ids included)
+    loop.token_mirror.resync(st.all_token_ids)
     out = SchedulerOutput(step, (), loop.slots, np.ones(loop.n, dtype=np.int32),
                           loop.tokens.astype(np.int32), np.ones(loop.n, dtype=bool),
                           block_digests=loop.digests.of(loop.slots))
@@ -239,10 +249,10 @@ def main(argv: list[str] | None = None) -> int:
                   if "counters_only_us_per_step" in r else "")
         print(f"rows {n:4d} on {args.device}: off {r['us_per_step_off']:.1f} us/step, on "
               f"{r['us_per_step_on']:.1f} us/step (validation {r['validation_us_per_step']:.1f} "
-              f"us{before}, on/off {r['on_over_off']:.3f}; as #27 landed: validation "
+              f"us{before}, on/off {r['on_over_off']:.3f}; before (host compare): validation "
               f"{r['before_validation_us_per_step']:.1f} us, on/off {r['before_over_off']:.3f}); "
               f"inside the check calls: {r['check_us_per_step']:.1f} us now, "
-              f"{r['before_check_us_per_step']:.1f} us as #27 landed", flush=True)
+              f"{r['before_check_us_per_step']:.1f} us before", flush=True)
         print("  each check alone (us per call): " +
               ", ".join(f"{k} {v:.1f}" for k, v in r["pieces_us"].items()), flush=True)
     if args.json_out:

@@ -49,12 +49,18 @@ class LogitBiasTable:
         self.values: torch.Tensor | None = None   # [max_num_reqs, width] fp32, 0 = padding
         self.max_num_reqs = max_num_reqs
         self.biased_np = np.zeros(max_num_reqs, dtype=bool)   # [max_num_reqs] slot has a bias
+        # exact host copies of the device tables (the after-step check compares the biased live
+        # rows, docs/mirror_audit.md), allocated with them
+        self.ids_np: np.ndarray | None = None      # [max_num_reqs, width] int64
+        self.values_np: np.ndarray | None = None   # [max_num_reqs, width] float32
 
     def _tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.ids is None:
             n, w, dev = self.max_num_reqs, self.width, self.device
             self.ids = torch.zeros(n, w, dtype=torch.int64, device=dev)
             self.values = torch.zeros(n, w, dtype=torch.float32, device=dev)
+            self.ids_np = np.zeros((n, w), dtype=np.int64)
+            self.values_np = np.zeros((n, w), dtype=np.float32)
         return self.ids, self.values
 
     def admit(self, slots: Sequence[int], params: Sequence) -> None:
@@ -77,6 +83,14 @@ class LogitBiasTable:
         idx = to_device(s[rows], self.device)
         ids_t[idx] = to_device(ids, self.device)
         vals_t[idx] = to_device(vals, self.device)
+        self.ids_np[s[rows]], self.values_np[s[rows]] = ids, vals
+
+    def biased_live(self, live: np.ndarray) -> np.ndarray:
+        """``[B]`` slots of ``live`` (``[num_live]``) holding a bias: the rows the sampler may
+        gather, so the rows the after-step check compares (empty before any bias was seen)."""
+        if self.ids is None:
+            return live[:0]
+        return live[self.biased_np[live]]
 
     def gather(self, slots: np.ndarray, slots_t: torch.Tensor) -> tuple | None:
         """``(rows [B], ids [B, width], values [B, width])`` on the device for the biased rows of a

@@ -88,6 +88,8 @@ def write_drafts(state, out, rows: SpecRows) -> None:
         s, st, k = int(out.slots[i]), int(rows.starts[i]), int(rows.num_drafts[i])
         state.all_token_ids[s, st + 1:st + 1 + k] = torch.as_tensor(rows.drafts[i, :k],
                                                                     device=state.device)
+        if getattr(state, "tokens", None) is not None:   # the mirror checks' host copy
+            state.tokens.write(s, st + 1, rows.drafts[i, :k])
 
 
 def logit_index(num_scheduled_tokens: np.ndarray, rows: SpecRows) -> tuple[np.ndarray, np.ndarray]:

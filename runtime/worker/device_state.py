@@ -20,6 +20,7 @@ from runtime.host_copy import to_device
 from runtime.sampling.sampling_state import SamplingState
 from runtime.sampling_params import SamplingParams
 from runtime.worker import state_check
+from runtime.worker.token_check import TokenMirror
 from runtime.worker.kernels.post_update import post_update_computed, post_update_sampled
 
 
@@ -60,6 +61,15 @@ class DeviceState:
         self.owner: list[str | None] = [None] * max_num_reqs                    # [max_num_reqs]
         self.live_np = np.zeros(max_num_reqs, dtype=bool)                       # [max_num_reqs]
         self.sampling_state = SamplingState(max_num_reqs, device)  # per-slot sampling parameters
+        self.tokens: TokenMirror | None = None   # host copy of all_token_ids (track_tokens)
+
+    def track_tokens(self) -> TokenMirror:
+        """Keep an exact host copy of ``all_token_ids`` from now on (the mirror checks compare
+        it, docs/mirror_audit.md); starts from the device's ids."""
+        if self.tokens is None:
+            self.tokens = TokenMirror(*self.all_token_ids.shape, self.device)
+        self.tokens.resync(self.all_token_ids)
+        return self.tokens
 
     def add_requests(self, new: Sequence[NewRequest]) -> None:
         """Initialise the slots of newly admitted requests (prompt ids, lengths, counters,
@@ -80,6 +90,8 @@ class DeviceState:
             self.block_table[s] = 0
             self.num_blocks[s] = 0
             self.output_offset_np[s] = req.num_output_tokens
+            if self.tokens is not None:
+                self.tokens.admit(s, req.prompt_token_ids)
             self.mirror.add_request(s, n, req.max_seq_len, req.num_cached_tokens)
         if new:
             self.sampling_state.admit([r.slot for r in new],
@@ -147,6 +159,9 @@ class DeviceState:
                             self.num_computed_tokens)
         self.mirror.apply_rejected(idx_mapping_np, num_rejected_np)
         keep = idx_mapping_np >= 0
+        if self.tokens is not None:   # the ids land in the host copy once copied
+            self.tokens.record(sampled, idx_mapping_np,
+                               self.total_len_np[np.where(keep, idx_mapping_np, 0)], num_sampled_np)
         self.total_len_np[idx_mapping_np[keep]] += num_sampled_np[keep]   # a step's slots are distinct
 
     def live_slots(self) -> np.ndarray:
@@ -171,6 +186,28 @@ class DeviceState:
         self.mirror.validate_blocks(self.block_size, live, step, owners=self.owner,
                                     spec_slack=2 * (self.width - 1))  # drafts' blocks (#14)
         state_check.check_now(self, live, step)
+        if self.tokens is not None:
+            self.check_tokens_now(live, step)
+
+    def check_tokens_now(self, live: np.ndarray, step: int) -> None:
+        """``all_token_ids`` of the live slots against the host copy, positions below the
+        longest live ``total_len`` (what a step may read): in place on the CPU, else one read.
+
+        Raises:
+            MirrorDivergence: field ``all_token_ids[p]``, naming the first divergent slot.
+        """
+        t = int(self.total_len_np[live].max())
+        dev = self.all_token_ids[:, :t]
+        dev = dev.numpy() if self.device.type == "cpu" else dev.cpu().numpy()
+        host = self.tokens.ids_np[:, :t]
+        if np.array_equal(dev, host):   # every slot's row: no gather of the live rows
+            return
+        d, h = dev[live], host[live]
+        if np.array_equal(d, h):
+            return
+        i, p = (int(x) for x in np.argwhere(d != h)[0])
+        state_check._raise(step, self.rank, self.owner, int(live[i]), f"all_token_ids[{p}]",
+                           h[i, p], d[i, p])
 
     def corrupt(self, slot: int, field: str, delta: int) -> None:
         """Test hook: add ``delta`` to one slot's entry of ``field`` (its whole row for a table)

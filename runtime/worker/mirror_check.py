@@ -1,19 +1,28 @@
-"""Mirror validation off the critical path (invariant 4 checked every step without a host sync).
+"""Mirror validation off the critical path, compared on the device (invariant 4 every step, no
+host sync and no host comparison).
 
-After a step, :meth:`AsyncMirrorCheck.snapshot` issues one non-blocking copy into pinned host
-memory of everything checked, flat (:mod:`runtime.worker.state_check`): the device fields
-(``MIRROR_FIELDS`` of :class:`~runtime.worker.device_state.DeviceState`, rows of one buffer),
-``total_len``, the block-table rows and the sampling tables; records a CUDA event; and writes the
-host copies of the expected values, as they are at that moment, in the same layout. The
-comparison is one equality of the two flat arrays and one vectorised test of the KV block counts
-over the live slots; only when
-it fails is the first divergent (field, slot) looked up for the error. The comparison
-runs when the event has completed: :meth:`poll` checks it opportunistically, and the next
-:meth:`snapshot` forces it, so a divergence is reported at the latest one step after it happened.
-A divergence raises :class:`~ppstate.errors.MirrorDivergence` naming rank, step, slot, request,
-field and both values (via ``CpuMirror.validate``), exactly as the synchronous check does.
+After a step, :meth:`AsyncMirrorCheck.snapshot` writes the host copies of everything checked
+(:mod:`runtime.worker.state_check`: the mirrored counters, ``total_len``, the block-table columns in
+use, the sampling tables, the biased live slots' logit-bias rows), as they are at that moment,
+flat into pinned host memory, and enqueues on the device, in stream order after the step:
 
-On the CPU (no events) the copy is synchronous and the comparison immediate.
+1. one non-blocking copy of those expected values to a device buffer;
+2. one concatenation of the device tensors into a second device buffer (the step's snapshot);
+3. one element-wise comparison of the two, reduced to one flag;
+4. one non-blocking copy of that flag (one byte) to pinned host memory, and a CUDA event.
+
+The comparison of the common path is therefore one byte read when the event has completed
+(:meth:`poll` checks it opportunistically; the next :meth:`snapshot` forces it), so a divergence
+is still reported at the latest while the next step finishes ("within one step"). The block
+counts' test (``held`` vs ``ceil(num_computed_tokens / block_size)``) reads host values only and
+runs on the host at the same time. Only when the flag is set does the check copy the step's
+snapshot (which stays on the device, double-buffered, until then) and its expected values back
+and look field by field over the live slots (``state_check.compare``) to raise
+:class:`~ppstate.errors.MirrorDivergence` naming rank, step, slot, request, field and both values,
+exactly as the synchronous check does. The previous version compared on the host after copying
+the whole snapshot (``runtime/bench/mirror_before.py`` keeps it for the benchmark).
+
+On the CPU (no events) every operation runs at once and the comparison is immediate.
 
 When tracing, each snapshot records its ``mirror.check`` event at the place the synchronous check
 would (``JsonlSink.emit_when``: the sink holds it, and the rank's later events, until the
@@ -31,6 +40,7 @@ import torch
 from ppstate.errors import MirrorDivergence
 from ppstate.events import NULL_SINK, EventSink
 from ppstate.mirror import MIRROR_FIELDS, CpuMirror
+from runtime.host_copy import to_device
 from runtime.worker import state_check
 
 
@@ -42,16 +52,19 @@ def m_slots(state) -> int:
 @dataclass
 class _Pending:
     step: int
-    buf: int                       # index of the double-buffered host / expected arrays in use
+    buf: int                       # index of the double-buffered host / device arrays in use
     live: np.ndarray               # [num_live] slots compared
     owners: list                   # [max_num_reqs] req ids at snapshot time
     event: object | None
-    cols: int = 1                  # block-table columns in the flat copy
+    cols: int = 1                  # block-table columns in the flat layout
+    biased: np.ndarray | None = None   # [B] biased live slots whose logit-bias rows follow
+    size: int = 0                  # int32 words of the flat layout
+    tag: int = -1                  # TokenMirror tag: its writes recorded before this snapshot
     verdict: tuple[bool, str | None] | None = None   # (ok, message) once compared
 
 
 class AsyncMirrorCheck:
-    """Double-buffered async snapshots of one rank's device fields.
+    """Double-buffered snapshots of one rank's device state, compared on the device.
 
     Args:
         state: the rank's DeviceState (device tensors ``[max_num_reqs]`` int64, ``mirror``,
@@ -61,45 +74,115 @@ class AsyncMirrorCheck:
 
     def __init__(self, state, sink: EventSink = NULL_SINK, rank: int | None = None) -> None:
         self.state, self.sink, self.rank = state, sink, rank
-        pin = state.device.type == "cuda"
-        n, cols = state.block_table_np.shape
-        size = state_check.flat_size(n, cols)                             # the most columns
-        self.host_flat = [torch.empty(size, dtype=torch.int32, pin_memory=pin)
-                          for _ in range(2)]                              # 2 x [flat_size]
-        self.expected_flat = [np.empty(size, dtype=np.int32) for _ in range(2)]
+        self._pin = state.device.type == "cuda"
+        self.capacity = 0
+        self._graphs: list | None = None   # CUDA: the device work of each buffer, one graph each
+        self._grow(state_check.flat_size(*state.block_table_np.shape))   # the most columns
+        self.flag_host = torch.zeros(2, dtype=torch.bool, pin_memory=self._pin)   # [2] per buffer
+        self.flag_np = self.flag_host.numpy()
+        n = m_slots(state)   # the token rows' digests (runtime/worker/token_check.py), [2, n]
+        self.tok_dev = torch.zeros(2, n, dtype=torch.int64, device=state.device)
+        self.tok_host = torch.zeros(2, n, dtype=torch.int64, pin_memory=self._pin)
+        self.tok_np = self.tok_host.numpy()
         self._nct = MIRROR_FIELDS.index("num_computed_tokens")
         self._nb = MIRROR_FIELDS.index("num_blocks")
         self.pending: list[_Pending] = []
         self._error: MirrorDivergence | None = None   # found while recording, raised next
         self.checked_steps = 0
+        self.use_graphs = self._pin
+        self._graphed_tokens = None   # the TokenMirror whose digests the graphs compute
+
+    def _enqueue(self, k: int, size: int, cols: int, bl: np.ndarray) -> None:
+        """The device work of buffer ``k`` (stream order): expected values in, the snapshot, the
+        comparison reduced to one flag, the flag out."""
+        exp_d, snap = self.exp_dev[k, :size], self.snap_dev[k, :size]
+        exp_d.copy_(self.exp_host[k, :size], non_blocking=True)
+        st = self.state
+        state_check.device_flat(st, cols, to_device(bl, st.device) if bl.size else None, out=snap)
+        self.flag_host[k:k + 1].copy_(torch.ne(snap, exp_d).any().view(1), non_blocking=True)
+        if st.tokens is not None:   # compared on the host when the sampled ids have landed too
+            st.tokens.device_digest(st.all_token_ids, self.tok_dev[k])
+            self.tok_host[k].copy_(self.tok_dev[k], non_blocking=True)
+
+    def _graph(self, k: int):
+        """Buffer ``k``'s device work over every block-table column and no logit-bias rows,
+        captured once as a CUDA graph (one launch per step instead of five); None when capture
+        fails (then the work is enqueued op by op)."""
+        if self._graphs is None:
+            cols = self.state.block_table_np.shape[1]
+            size = state_check.flat_size(m_slots(self.state), cols)
+            none = np.zeros(0, dtype=np.int64)
+            try:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):            # warm-up outside the capture
+                    for b in range(2):
+                        self._enqueue(b, size, cols, none)
+                torch.cuda.current_stream().wait_stream(side)
+                graphs = []
+                for b in range(2):   # thread_local: other threads' CUDA calls stay legal
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, capture_error_mode="thread_local"):
+                        self._enqueue(b, size, cols, none)
+                    graphs.append(g)
+                torch.cuda.synchronize()
+                self._graphs = graphs
+            except Exception:   # capture not supported here: op by op from now on
+                self.use_graphs, self._graphs = False, None
+                torch.cuda.synchronize()
+                return None
+        return self._graphs[k]
+
+    def _grow(self, size: int) -> None:
+        """Buffers for a flat layout of ``size`` int32 words (only while nothing is pending):
+        expected values, pinned ``[2, size]`` and on the device; the device snapshot ``[2, size]``."""
+        if size <= self.capacity:
+            return
+        dev = self.state.device
+        self.capacity, self._graphs = size, None   # the graphs read the old buffers: recapture
+        self.exp_host = torch.empty(2, size, dtype=torch.int32, pin_memory=self._pin)
+        self.exp_np = self.exp_host.numpy()
+        self.exp_dev = torch.empty(2, size, dtype=torch.int32, device=dev)
+        self.snap_dev = torch.empty(2, size, dtype=torch.int32, device=dev)
 
     def snapshot(self, step: int) -> None:
         """Start the check of ``step`` (call after the step's post-update was issued). Finishes
-        the previous step's check first (blocking on its copy if still in flight).
+        the previous step's check first (blocking on its flag if still in flight).
 
         Raises:
             MirrorDivergence: from the previous step's (or, on CPU, this step's) comparison.
         """
         self.poll(block=True)
-        live = self.state.live_slots()
+        st = self.state
+        live = st.live_slots()
         if live.size == 0:
             if self.sink.enabled:   # nothing to compare, recorded as the synchronous check does
                 self.sink.emit("mirror.check", step=step, rank=self.rank, slots=[],
                                num_computed_tokens=[], ok=True, message=None)
             return
         k = step % 2
-        cols = state_check.used_cols(self.state, live)
-        size = state_check.flat_size(m_slots(self.state), cols)
-        self.host_flat[k][:size].copy_(state_check.device_flat(self.state, cols), non_blocking=True)
+        bl = state_check.biased(st, live)
+        if st.tokens is not self._graphed_tokens:   # token check switched on / off: recapture
+            self._graphs, self._graphed_tokens = None, st.tokens
+        graph = self._graph(k) if self.use_graphs and not bl.size else None
+        cols = st.block_table_np.shape[1] if graph is not None else state_check.used_cols(st, live)
+        size = state_check.flat_size(m_slots(st), cols, bl.size, state_check.bias_width(st))
+        self._grow(size)
+        state_check.host_flat(st, cols, self.exp_np[k, :size], bl)
+        if graph is not None:
+            graph.replay()
+        else:
+            self._enqueue(k, size, cols, bl)
         event = None
-        if self.state.device.type == "cuda":
+        if self._pin:
             event = torch.cuda.Event()
             event.record()
-        state_check.host_flat(self.state, cols, self.expected_flat[k][:size])
-        p = _Pending(step, k, live, list(self.state.owner), event, cols)
+        p = _Pending(step, k, live, list(st.owner), event, cols, bl, size)
+        if st.tokens is not None:
+            p.tag, st.tokens.tag = st.tokens.tag, st.tokens.tag + 1
         self.pending.append(p)
         if self.sink.enabled:
-            values = self.state.mirror.num_computed_tokens_np[live].tolist()
+            values = st.mirror.num_computed_tokens_np[live].tolist()
             self.sink.emit_when(lambda: p.verdict is not None or p.event is None
                                 or p.event.query(), "mirror.check", step, self.rank,
                                 lambda: self._check_fields(p, values))
@@ -120,7 +203,7 @@ class AsyncMirrorCheck:
                 "message": message}
 
     def poll(self, block: bool = False, until: _Pending | None = None) -> None:
-        """Compare every pending snapshot whose copy has completed (all of them with ``block``;
+        """Compare every pending snapshot whose flag has landed (all of them with ``block``;
         with ``until``, only the snapshots up to that one, whose copy has landed).
 
         Raises:
@@ -144,18 +227,23 @@ class AsyncMirrorCheck:
     def _compare(self, p: _Pending) -> None:
         self.checked_steps += 1
         n = m_slots(self.state)
-        size = state_check.flat_size(n, p.cols)
-        dev_flat, exp_flat = self.host_flat[p.buf][:size].numpy(), self.expected_flat[p.buf][:size]
+        exp_flat = self.exp_np[p.buf, :p.size]
         exp = state_check.unpack(exp_flat, n, p.cols)[0]                  # [F, max_num_reqs]
         bs, slack = self.state.block_size, 2 * (self.state.width - 1)  # spec drafts' blocks
         held, computed = exp[self._nb, p.live], exp[self._nct, p.live]   # [num_live] each
         try:
-            if not state_check.same(dev_flat, exp_flat):   # names the first (field, slot)
-                state_check.compare(dev_flat, exp_flat, n, p.cols, p.live, p.step,
-                                    self.state.mirror.rank, p.owners)
+            if self.flag_np[p.buf]:   # the device saw a difference: name the first (field, slot)
+                state_check.compare(self.snap_dev[p.buf, :p.size].cpu().numpy(), exp_flat, n,
+                                    p.cols, p.live, p.step, self.state.mirror.rank, p.owners,
+                                    p.biased, state_check.bias_width(self.state))
             if not ((held >= -(-computed // bs)).all()
                     and (held <= -(-(computed + slack) // bs)).all()):
                 self._raise_blocks(p, exp)
+            tokens = self.state.tokens
+            if tokens is not None and p.tag >= 0:
+                tokens.drain(p.tag)
+                tokens.check(self.tok_np[p.buf], p.live, p.step, self.state.mirror.rank, p.owners,
+                             lambda s: self.state.all_token_ids[s].cpu().numpy())
         except MirrorDivergence as exc:
             p.verdict = (False, str(exc))
             raise

@@ -110,6 +110,8 @@ class StageRunner:
         self.fast, self.graphs = fast, graphs
         self.mirror_check = (AsyncMirrorCheck(state, sink, groups.rank)
                              if state.device.type == "cuda" else None)
+        if validate_every:   # the token ids a step reads, against an exact host copy
+            state.track_tokens()
         self.overlapped, self.validate_every, self.sink = overlapped, validate_every, sink
         self.device = state.device
         self.width = state.width

@@ -2,8 +2,9 @@
 
 The CPU test's faults (tests/runtime/test_mirror_state_faults.py) with every rank's state on the
 GPU: the block-id digest is checked on the host before the forward; the device fields go through
-the asynchronous check (two stacked non-blocking copies), whose snapshot of the first step after
-the fault names that step; it is raised while the following step finishes. Skipped without CUDA.
+the asynchronous check (compared on the device, one flag copied back), whose snapshot of the
+first step after the fault names that step; it is raised while the following step finishes.
+Skipped without CUDA.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def test_both_copies_wrong_caught_by_the_digest_on_cuda(cut):
     ("sampling_state.f32", 0.25, "sampling.temperature"),
     ("sampling_state.i64", 1, "sampling.top_k"),
     ("num_computed_tokens", 2, "num_computed_tokens"),
+    ("all_token_ids", 1, "all_token_ids["),
 ])
 def test_fault_in_each_validated_field_on_cuda(cut, field, delta, named):
     err = plant_and_catch(start(cut(2), "cuda"), 0, (field, delta))

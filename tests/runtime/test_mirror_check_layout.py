@@ -60,3 +60,82 @@ def test_counters_are_rows_of_one_buffer():
     assert st.fields[5].tolist() == st.total_len.tolist() == [32, 35, 32, 32]
     diff = st.fields.numpy()[:5] - st.mirror.values                  # [F, 4]
     assert np.flatnonzero(diff).tolist() == [4 * 4 + 2] and diff[4, 2] == 7
+
+
+@pytest.mark.parametrize("dev", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("field,named,cpu,device", [
+    ("sampling_state.logit_bias.ids", "logit_bias.ids[0]", 12, 13),
+    ("sampling_state.logit_bias.ids_np", "logit_bias.ids[0]", 13, 12),
+    ("sampling_state.logit_bias.values", "logit_bias.values[0]", None, None),
+])
+def test_logit_bias_rows_of_biased_live_slots_checked(field, named, cpu, device, dev):
+    """The logit-bias tables (issue #27): the rows of the live slots holding a bias are compared
+    with their host copies by both checks; an unbiased slot's stale row is never read, so a
+    change there is not a divergence."""
+    from ppstate.batch import NewRequest
+    from runtime.worker.device_state import DeviceState
+    st = DeviceState(8, 64, 1, torch.device(dev), rank=1, block_size=16)
+    bias = {"logit_bias": [[12, 5.0], [7, -3.0]]}
+    st.add_requests([NewRequest("b2", 2, (1, 2, 3), 20, sampling=bias),
+                     NewRequest("b5", 5, (1, 2, 3), 20, sampling=bias),
+                     NewRequest("plain", 6, (1, 2, 3), 20)])
+    check = AsyncMirrorCheck(st, rank=1)
+    check.snapshot(0)
+    st.validate(0)
+    st.sampling_state.logit_bias.ids[6] += 1      # slot 6 holds no bias: its row is never read
+    check.snapshot(1)
+    st.validate(1)
+    st.sampling_state.logit_bias.ids[6] -= 1
+    _plant(st, field)
+    with pytest.raises(MirrorDivergence) as exc:
+        check.snapshot(2)            # CPU: compared at once; CUDA: when its flag lands
+        check.poll(block=True)
+    e = exc.value
+    assert (e.field, e.slot, e.req_id, e.step, e.rank) == (named, 5, "b5", 2, 1), str(e)
+    if cpu is not None:
+        assert (e.cpu, e.device) == (cpu, device)
+    else:   # fp32 bits: 5.0 on the host, 6.0 on the device
+        assert np.array([e.cpu, e.device], dtype=np.int32).view(np.float32).tolist() == [5.0, 6.0]
+    with pytest.raises(MirrorDivergence) as sync:
+        st.validate(2)
+    assert (sync.value.field, sync.value.slot, sync.value.cpu, sync.value.device) == \
+        (named, 5, e.cpu, e.device)
+
+
+@pytest.mark.parametrize("dev", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("where", ["row", "last"])
+def test_token_ids_checked_against_the_host_copy(dev, where):
+    """``all_token_ids`` (prompt ids, decode inputs, penalty history) against the exact host copy
+    kept from admissions and the sampled ids (runtime/worker/token_check.py): healthy steps pass
+    (the host copy follows each step's sampled ids); a fault in one slot's row, the whole row
+    (the engine's ``corrupt_state`` hook) or only the last sampled id (the next decode input),
+    is named by the async check (row digest, then the first divergent position) and the
+    synchronous one (in place), with the same position and values."""
+    loop = RankLoop(8, torch.device(dev), prompt_len=32, max_model_len=300)
+    st = loop.state
+    st.tokens = loop.token_mirror
+    check = AsyncMirrorCheck(st, rank=0)
+    for _ in range(4):
+        loop.step(False)
+        check.snapshot(loop.step_no - 1)
+    check.poll(block=True)
+    assert check.checked_steps == 4
+    t = int(st.total_len_np[5])
+    assert t == 36 and st.tokens.ids_np[5, 32:t].tolist() == [7] * 4          # sampled ids
+    assert st.tokens.ids_np[5, :32].tolist() == list(range(100, 132))          # prompt ids
+    loop.step(False)
+    if where == "row":
+        st.corrupt(5, "all_token_ids", 1)
+        pos, cpu, device = 0, 100, 101
+    else:
+        st.all_token_ids[5, t] += 3                   # the id the next decode step reads
+        pos, cpu, device = t, 7, 10
+    with pytest.raises(MirrorDivergence) as exc:
+        check.snapshot(loop.step_no - 1)
+        check.poll(block=True)
+    e = exc.value
+    assert (e.field, e.slot, e.req_id, e.step, e.cpu, e.device) == \
+        (f"all_token_ids[{pos}]", 5, "r5", 4, cpu, device), str(e)
+    with pytest.raises(MirrorDivergence) as sync:
+        st.validate(4)
+    assert (sync.value.field, sync.value.cpu, sync.value.device) == (e.field, cpu, device)

@@ -53,6 +53,7 @@ def test_both_copies_wrong_caught_by_the_schedulers_digest(cut):
     ("sampling_state.f32", 0.25, "sampling.temperature"),
     ("sampling_state.i64", 1, "sampling.top_k"),
     ("num_blocks", -1, "num_blocks"),
+    ("all_token_ids", 1, "all_token_ids["),
 ])
 def test_fault_in_each_validated_field_named(cut, field, delta, named):
     err = plant_and_catch(start(cut(2)), 0, (field, delta))

@@ -219,30 +219,37 @@ def test_long_prompt_alone_chunked_pipeline_no_stall(pp2):
 
 
 def test_planted_device_corruption_on_rank1_stops_engine(pp2):
-    """Runs last on this engine (the last test of the module using ``pp2``): it kills it."""
+    """Issue #27's fault on separate rank processes: rank 1's host block table (what its step's
+    KV writes and reads go through) shifted by one for the victim's slot after its 4th token.
+    The next step rank 1 runs names rank 1, the slot and the block ids (the scheduler's digest
+    before the forward, or the device table after it), and the engine fails the request and
+    stops instead of writing into other requests' blocks. Runs last on this engine (the last
+    test of the module using ``pp2``): it kills it."""
     from runtime import transport as tp
     eng = pp2.engine
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    planted = []
 
     async def go():
-        tokens, error = 0, None
+        tokens = 0
         async for out in eng.add_request("victim", [100, 200, 300, 400], params):
             tokens += len(out.new_token_ids)
-            if tokens >= 2 and out.new_token_ids:
+            if tokens >= 4 and out.new_token_ids and not planted:
                 slot = eng.sched.slots.lookup("victim")
-                if slot is not None and error is None:
-                    eng.pool.send_control(1, tp.ControlMsg(
-                        kind="corrupt_state", rank=1, slot=slot, field="num_computed_tokens",
-                        delta=3))
-                    error = "sent"
+                eng.pool.send_control(1, tp.ControlMsg(
+                    kind="corrupt_state", rank=1, slot=slot, field="block_table_np", delta=1))
+                planted.append((slot, tokens))
             if out.finished:
-                return out
-        return None
+                return out, tokens
+        return None, tokens
 
-    last = pp2.run(go(), timeout=120)
+    last, tokens = pp2.run(go(), timeout=120)
+    slot, at = planted[0]
     assert last is not None and last.finished and last.error is not None
-    assert "MirrorDivergence" in last.error and "rank 1" in last.error
-    assert "num_computed_tokens" in last.error
+    assert "MirrorDivergence" in last.error and "rank 1 step" in last.error, last.error
+    assert f"slot {slot} (request 'victim')" in last.error, last.error
+    assert "block_ids (digest vs scheduler)" in last.error or "block_table[0]" in last.error
+    assert tokens < at + 8            # stopped within a few steps of the fault, not at the end
     assert not eng.is_alive and "rank 1" in eng.error
 
 

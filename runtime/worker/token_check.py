@@ -1,0 +1,168 @@
+"""Exact host copy of a rank's token ids, and the per-slot digests that check them (issue #27).
+
+A step reads ``DeviceState.all_token_ids`` ``[max_num_reqs, max_model_len]`` int64: rank 0 gathers
+its input ids there (prompt ids for prefill rows, the last sampled id for decode rows), the last
+rank reads the output ids as the penalties' history, the n-gram proposer and prompt logprobs
+read it too. It is written at admission (the replicated prompt ids) and by the sampled
+post-update (the ids of the deferred broadcast, or the last rank's own sample), and with
+speculative decoding by the drafts rank 0 and the last rank write ahead (:meth:`write`). The host never
+needed those ids on a non-last rank, so :class:`TokenMirror` keeps them by one non-blocking copy
+of each applied ``[num_rows, width]`` sampled block to pinned memory (:meth:`record`), applied to
+the host copy once it has landed (:meth:`drain`).
+
+The check compares, for every live slot, the digest of the whole row ``sum_p ids[s, p] * V_p mod
+2**64`` (``V_p``: odd 64-bit constants, :func:`position_weights`): on the device one multiply and
+one row sum, travelling with the after-step check's flag; on the host kept incrementally
+(each write adds ``(new - old) * V_p``). A write of a wrong id, at a wrong position or into a
+wrong slot, and any later change of a row, changes that row's digest (one id changed by ``d``
+changes it by ``d * V_p != 0``). The comparison of step ``t`` runs when its flag has landed, after
+the ids sampled up to step ``t`` have been applied to the host copy, so it is exact for the state
+at the end of step ``t``: the same "within one step" as the other fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from ppstate.errors import MirrorDivergence
+
+_MASK = (1 << 64) - 1
+
+
+def position_weights(n: int) -> np.ndarray:
+    """``[n]`` uint64 odd weights ``V_0 .. V_{n-1}`` (splitmix64 of ``p + 2**32``, low bit set)."""
+    out = np.empty(n, dtype=np.uint64)
+    for p in range(n):
+        x = (p + (1 << 32) + 0x9E3779B97F4A7C15) & _MASK
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+        out[p] = (x ^ (x >> 31)) | 1
+    return out
+
+
+class TokenMirror:
+    """Host copy of ``all_token_ids`` and each row's digest.
+
+    Args:
+        max_num_reqs, max_model_len: the shape of ``all_token_ids``.
+        device: where ``all_token_ids`` lives (on the CPU a write is applied at once).
+
+    Attributes:
+        ids_np: ``[max_num_reqs, max_model_len]`` int64 host copy.
+        digest_np: ``[max_num_reqs]`` uint64 digest of each host row.
+        weights: ``[max_model_len]`` int64 ``V_p`` on ``device`` (products wrap mod 2**64).
+    """
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, device: torch.device) -> None:
+        self.device, self.max_model_len = device, max_model_len
+        self.ids_np = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self._w = position_weights(max_model_len)                    # [max_model_len] uint64
+        self.weights = torch.from_numpy(self._w.view(np.int64).copy()).to(device)
+        self.digest_np = np.zeros(max_num_reqs, dtype=np.uint64)       # [max_num_reqs]
+        self.pending: list[tuple] = []   # (tag, host ids [R, width], slots, pos, num)
+        self.tag = 0                     # snapshots started so far (a write's tag: the next one)
+
+    def resync(self, all_token_ids: torch.Tensor) -> None:
+        """Start from the device's ids as they are (a device read; nothing may be pending)."""
+        self.ids_np[:] = all_token_ids.cpu().numpy()
+        self.digest_np[:] = (self.ids_np.view(np.uint64) * self._w).sum(axis=1, dtype=np.uint64)
+        self.pending.clear()
+
+    def admit(self, slot: int, ids: Sequence[int]) -> None:
+        """The admission's write ``ids[slot, :len(ids)] = ids``."""
+        new = np.asarray(ids, dtype=np.int64)
+        m = new.size
+        old = self.ids_np[slot, :m]
+        self.digest_np[slot] += ((new - old).view(np.uint64) * self._w[:m]).sum(dtype=np.uint64)
+        self.ids_np[slot, :m] = new
+
+    def record(self, sampled: torch.Tensor, slots: np.ndarray, start: np.ndarray,
+               num: np.ndarray) -> None:
+        """The sampled post-update's writes: row ``r`` writes ``sampled[r, :num[r]]`` at positions
+        ``start[r] ..`` (below ``max_model_len``) of slot ``slots[r]`` (``-1``: skipped). On
+        CUDA the ids are copied to pinned memory now and applied by :meth:`drain`."""
+        keep = (slots >= 0) & (num > 0)
+        if not keep.any():
+            return
+        rows = np.flatnonzero(keep)
+        if self.device.type == "cpu":
+            self._apply(sampled.numpy()[rows], slots[rows], start[rows], num[rows])
+            return
+        idx = torch.from_numpy(rows).to(sampled.device, non_blocking=True) \
+            if rows.size != slots.size else None
+        src = sampled if idx is None else sampled.index_select(0, idx)
+        self.pending.append((self.tag, src.to("cpu", non_blocking=True), slots[rows],
+                             start[rows], num[rows]))
+
+    def write(self, slot: int, start: int, ids: np.ndarray) -> None:
+        """A write whose ids the host knows (speculative drafts, ``[k]``): ``ids[slot, start ..]``
+        (below ``max_model_len``), in order after the sampled writes recorded before it."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
+        args = (np.array([slot]), np.array([start]), np.array([ids.shape[1]]))
+        if self.device.type == "cpu":
+            self._apply(ids, *args)
+        else:
+            self.pending.append((self.tag, ids, *args))
+
+    def drain(self, tag: int) -> None:
+        """Apply the recorded writes of snapshots up to ``tag`` (their copies landed: each was
+        enqueued before that snapshot's event, which has completed)."""
+        while self.pending and self.pending[0][0] <= tag:
+            _, host, slots, start, num = self.pending.pop(0)
+            self._apply(host if isinstance(host, np.ndarray) else host.numpy(), slots, start, num)
+
+    def _apply(self, ids: np.ndarray, slots: np.ndarray, start: np.ndarray,
+               num: np.ndarray) -> None:
+        """One step's writes (``ids`` ``[R, width]``; ``slots``, ``start``, ``num`` ``[R]``; a
+        step's slots are distinct)."""
+        slots = slots.astype(np.int64)
+        if ids.shape[1] == 1 and (start < self.max_model_len).all():   # decode, no drafts
+            pos, new = start.astype(np.int64), ids[:, 0].astype(np.int64)
+            old = self.ids_np[slots, pos]
+            self.digest_np[slots] += (new - old).view(np.uint64) * self._w[pos]
+            self.ids_np[slots, pos] = new
+            return
+        cols = np.arange(ids.shape[1])
+        pos = start[:, None].astype(np.int64) + cols[None, :]             # [R, width]
+        write = (cols[None, :] < num[:, None]) & (pos < self.max_model_len)
+        p = np.where(write, pos, 0)
+        s = np.broadcast_to(slots[:, None], pos.shape)
+        old = self.ids_np[s, p]
+        terms = np.where(write, (ids.astype(np.int64) - old).view(np.uint64) * self._w[p],
+                         np.uint64(0))
+        self.digest_np[slots] += terms.sum(axis=1, dtype=np.uint64)
+        self.ids_np[s[write], pos[write]] = ids[write].astype(np.int64)
+
+    def device_digest(self, all_token_ids: torch.Tensor, out: torch.Tensor) -> None:
+        """``out`` ``[max_num_reqs]`` int64 = each device row's digest (enqueued)."""
+        torch.sum(all_token_ids * self.weights, dim=1, out=out)
+
+    def check(self, device_digest: np.ndarray, live: np.ndarray, step: int, rank: int | None,
+              owners: Sequence[str | None], device_row=None) -> None:
+        """Compare the device digests ``[max_num_reqs]`` int64 with the host's on ``live``.
+
+        Args:
+            device_row: ``slot -> [max_model_len]`` the device row now, to name the first
+                divergent position (the digests tell only the slot).
+
+        Raises:
+            MirrorDivergence: field ``all_token_ids[p]`` (``cpu`` / ``device``: the ids there)
+                or, when the rows agree by now, ``all_token_ids (digest)`` with both digests.
+        """
+        host = self.digest_np.view(np.int64)
+        bad = np.flatnonzero(device_digest[live] != host[live])
+        if not bad.size:
+            return
+        slot = int(live[bad[0]])
+        field, cpu, dev = "all_token_ids (digest)", int(host[slot]), int(device_digest[slot])
+        if device_row is not None:
+            row = device_row(slot)
+            diff = np.flatnonzero(row != self.ids_np[slot])
+            if diff.size:
+                p = int(diff[0])
+                field, cpu, dev = f"all_token_ids[{p}]", int(self.ids_np[slot, p]), int(row[p])
+        raise MirrorDivergence(step=step, slot=slot, field=field, cpu=cpu, device=dev,
+                               req_id=owners[slot], rank=rank)
