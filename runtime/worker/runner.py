@@ -98,13 +98,15 @@ class StageRunner:
         spec: speculative decoding hooks (``--spec-tokens`` > 0), or None.
         grammar: structured-output hooks of the last rank
             (:class:`~runtime.worker.grammar_hooks.GrammarHooks`), or None.
+        verify_graphs: captured speculative verify steps of ``fast``
+            (:class:`~runtime.worker.verify_graphs.VerifyGraphs`), or None (eager).
     """
 
     def __init__(self, groups: PPGroups, stage: StageModel, state: DeviceState, overlapped: bool,
                  validate_every: int, sink: EventSink = NULL_SINK,
                  fast: PagedStage | None = None, graphs: DecodeGraphs | None = None,
                  progress: Progress | None = None, spec: SpecDecoder | None = None,
-                 grammar: GrammarHooks | None = None) -> None:
+                 grammar: GrammarHooks | None = None, verify_graphs=None) -> None:
         self.g, self.stage, self.state = groups, stage, state
         self.progress = progress if progress is not None else Progress(groups.rank, hook=None)
         self.fast, self.graphs = fast, graphs
@@ -127,6 +129,8 @@ class StageRunner:
         self.running_step = -1   # the step being run (its consumes may be of skipped numbers)
         self.spec = spec
         self.grammar = grammar
+        self.verify_graphs = verify_graphs
+        self._verify_in = None   # padded inputs of a verify step a graph replays (#33)
 
     @property
     def handler(self) -> PPHandler | None:
@@ -184,8 +188,13 @@ class StageRunner:
     # ---- RankBackend: forward ----------------------------------------------------------------
     def prepare_inputs(self, out: SchedulerOutput) -> _Inputs:
         starts = out.start_positions
+        self._verify_in = None
         if self.spec is not None:  # speculative decoding (#14): own corrected starts, drafts
             starts = self.spec.prepare(out, self.state)
+            if self.verify_graphs is not None:   # a verify step a CUDA graph holds (#33)
+                self._verify_in = self.verify_graphs.inputs(
+                    out.slots, starts, out.num_scheduled_tokens, self.spec.rows.decode,
+                    self.state.block_table_np, self.state.block_size)
         if self.fast is None:
             meta = BatchMeta.build(out.slots, starts, out.num_scheduled_tokens,
                                    self.device, torch.from_numpy(self.state.block_table_np),
@@ -251,6 +260,8 @@ class StageRunner:
         if self.fast is None:
             return self.stage(meta, **inputs)
         self.stage._check(meta, inputs.get("input_ids"), inputs.get("hidden"))
+        if self._verify_in is not None:
+            return self.verify_graphs.run(self._verify_in, **inputs)
         pm = PagedMeta.from_batch(meta, self.stage.cfg.num_kv_heads)
         if self.graphs is not None and meta.max_query_len == 1 and \
                 self.graphs.bucket_for(meta.num_rows) is not None:
