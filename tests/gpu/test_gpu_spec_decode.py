@@ -55,7 +55,8 @@ def config(folder, k: int, pp: int = 1, eager: bool = False, **kw):
     from runtime.config import EngineConfig
     path, _ = folder
     _PORT[0] += 7     # a fresh port per engine
-    return EngineConfig(model=str(path), pp_size=pp, device="cuda", dtype="bfloat16",
+    kw.setdefault("dtype", "bfloat16")
+    return EngineConfig(model=str(path), pp_size=pp, device="cuda",
                         max_num_seqs=8, max_model_len=192, enforce_eager=eager, mode="overlapped",
                         num_spec_tokens=k, spec_ngram=2,
                         engine_port=_PORT[0], **kw)
@@ -138,8 +139,10 @@ def test_seeded_sampling_equal_with_and_without_spec(folder):
     from runtime.sampling_params import SamplingParams
     ps = [SamplingParams(max_tokens=NEW, temperature=0.8, top_p=0.9, seed=11 + i, ignore_eos=True)
           for i in range(len(PROMPTS))]
-    off, _, _ = generate(config(folder, 0, eager=True), PROMPTS, ps)
-    on, stats, _ = generate(config(folder, 4, eager=True), PROMPTS, ps)
+    # fp32: the verify layout's rounding differs from a decode step's, and a seeded draw near a
+    # boundary of the CDF could flip in bf16
+    off, _, _ = generate(config(folder, 0, eager=True, dtype="float32"), PROMPTS, ps)
+    on, stats, _ = generate(config(folder, 4, dtype="float32"), PROMPTS, ps)
     assert [g[0] for g in on] == [g[0] for g in off]
     assert stats["spec_accepted_tokens"] > 0, stats
 
