@@ -20,13 +20,13 @@ mkdir -p "$out"
 log="$out/specgpu-bench.log"
 python3 -c "import torch; print('cuda', torch.cuda.is_available(), torch.cuda.device_count())" | tee "$log"
 
-timeout 170 python3 -m pytest -p no:cacheprovider -q -rs -s --durations=15 \
+timeout 150 python3 -m pytest -p no:cacheprovider -q -rs -s --durations=15 \
   tests/gpu/test_gpu_spec_decode.py tests/runtime/test_verify_graphs.py \
   tests/runtime/test_spec_device.py tests/core/test_spec_probe.py > "$out/specgpu-tests.log" 2>&1
 echo "pytest rc=$?" | tee -a "$log"
 grep -E "passed|failed|error" "$out/specgpu-tests.log" | tail -3 | tee -a "$log"
 
-timeout 110 python3 -m runtime.bench.spec_cost --shape llama-3-8b --rows 1,8,32 --spec-list 2,4 \
+timeout 90 python3 -m runtime.bench.spec_cost --shape llama-3-8b --rows 1,8,32 --spec-list 2,4 \
   --context 512 --iters 20 --out "$out/spec-cost-llama3-8b.json" >> "$log" 2>&1
 echo "spec_cost rc=$?" | tee -a "$log"
 
@@ -38,7 +38,7 @@ else
     --make-folder $model >> "$log" 2>&1
 fi
 echo "engine bench model: $model" | tee -a "$log"
-timeout 150 python3 -m runtime.bench.spec --device cuda --dtype bfloat16 --model "$model" \
+timeout 125 python3 -m runtime.bench.spec --device cuda --dtype bfloat16 --model "$model" \
   --pp 1 --spec-list 2,4 --workloads friendly,unfriendly --num-requests 1 --max-tokens 128 \
   --repeats 2 --max-num-seqs 8 --max-model-len 1024 --out "$out/spec-engine.json" \
   2>&1 | grep -v -i warn >> "$log"
