@@ -204,7 +204,10 @@ class StageRunner:
                                    self.state.block_table_np, self.state.block_size, self.device)
         self._meta = meta
         if self.spec is not None and self.g.is_last:
-            meta = self.spec.logit_meta(meta, out)
+            if self.spec.rows.any_drafts:   # else one logit row per step row, as without
+                meta = self.spec.logit_meta(meta, out)
+            else:
+                self.spec.first = np.arange(out.num_rows, dtype=np.int64)
         elif self.g.is_last:   # prompt logprobs: logits at every token of the scoring rows
             self._prompt_plan = self.state.sampling_state.prompt_logprobs.plan(
                 out.slots, starts, out.num_scheduled_tokens)
@@ -284,7 +287,8 @@ class StageRunner:
             self._prompt_plan = None
         if mask is not None and self.grammar is not None:
             self.grammar.mask(logits)
-        if mask is not None and self.spec is not None:  # speculative decoding (#14)
+        spec = self.spec if self.spec is not None and self.spec.rows.any_drafts else None
+        if mask is not None and spec is not None:  # speculative decoding (#14)
             v, rows = self.spec.sample(out, mask, logits, self.state, payload.buf)
             if self.grammar is not None:
                 self.grammar.accept_spec(out.slots[rows], v.token_ids, v.num_sampled)
@@ -293,8 +297,10 @@ class StageRunner:
         elif mask is not None:
             rows = np.flatnonzero(mask)
             s_rows = out.slots[rows]
+            # a step without drafts under --spec-tokens: the rank's corrected starts (#33)
+            starts = out.start_positions if self.spec is None else self.spec.rows.starts
             batch, slots_t = self.state.sampling_state.batch(
-                s_rows, out.start_positions[rows] + out.num_scheduled_tokens[rows])
+                s_rows, starts[rows] + out.num_scheduled_tokens[rows])
             history = None
             if batch.penalty_rows is not None:  # penalties read the slots' token history
                 history = TokenHistory.gather(self.state.all_token_ids, self.state.prefill_len,
@@ -320,7 +326,9 @@ class StageRunner:
     def apply_sampled(self, step: int, idx_mapping: np.ndarray, payload: SampledPayload) -> None:
         p = SampledPayload(payload.buf.to(self.device, non_blocking=True))
         idx = to_device(idx_mapping, self.device, torch.int64)
-        if self.spec is None:  # no drafts: nothing is ever rejected, so no host read of the
+        plain = self.spec is None or (payload is self._sampled and not self.spec.rows.any_drafts)
+        if plain:  # no drafts (none at all, or none in the step this last rank just sampled):
+            # nothing is rejected, so no host read (a device sync) of the
             # payload's num_rejected column (zeros) on any rank, the last or a receiving one;
             # every applied row samples exactly one id
             rejected_np = np.zeros(len(idx_mapping), dtype=np.int64)
