@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from inproc_pipeline import InprocPipeline
+from ppstate.spec_probe import NgramProbe
 from runtime.bench.gpu_models import model_config, random_tensor
 from runtime.model.paged_stage import PagedStage
 from runtime.model.stage import StageModel
@@ -18,6 +19,7 @@ from runtime.worker.verify_graphs import VerifyGraphs
 
 MAXLEN, SEQS = 96, 4
 PROMPTS = {"cyc": [5, 6, 7, 8] * 5, "rnd": [11, 300, 42, 97, 8, 250, 3, 77, 150, 19]}
+MAX_TOKENS = {"cyc": 14, "rnd": 14}
 
 
 def stages(ranges):
@@ -39,15 +41,19 @@ def run(pp: int, k: int, graphs_layout: bool) -> InprocPipeline:
         r.fast = PagedStage(r.stage)
         if k and graphs_layout:
             r.verify_graphs = VerifyGraphs(r.fast, SEQS, MAXLEN // 16, MAXLEN, k)
+    if k and graphs_layout:   # the engine's n-gram probe: rows without a proposal get no drafts
+        pipe.sched.spec_probe = NgramProbe(2)
     for rid, p in PROMPTS.items():
-        pipe.add(rid, p, SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True))
+        pipe.add(rid, p, SamplingParams(max_tokens=MAX_TOKENS[rid], temperature=0.0,
+                                        ignore_eos=True))
     pipe.run_until(lambda p: p.idle, 300)
     return pipe
 
 
 def test_fast_path_spec_equals_no_spec(monkeypatch):
-    """PP=2; K = 3 in the verify graphs' padded layout (steps a graph would replay, run eagerly),
-    K = 2 in the compact eager layout."""
+    """PP=2; K = 3 in the verify graphs' padded layout (steps a graph would replay, run eagerly)
+    with the scheduler's n-gram probe (steps with and without drafts), K = 2 in the compact eager
+    layout with drafts on every decode row."""
     padded = []
     orig = VerifyGraphs.run
     monkeypatch.setattr(VerifyGraphs, "run", lambda self, vin, **kw: padded.append(vin.num_rows)
@@ -59,3 +65,6 @@ def test_fast_path_spec_equals_no_spec(monkeypatch):
         assert on.tokens == off, (k, layout)
         assert on.sched.spec_stats()["spec_accepted_tokens"] > 0
         assert (len(padded) > n) == layout
+        if layout:   # some steps carried no drafts at all (the plain path)
+            drafts = [int((o.num_scheduled_tokens > 1).sum()) for o in on.steps if o.num_rows]
+            assert 0 in drafts[2:] and max(drafts) > 0, drafts
