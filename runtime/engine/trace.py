@@ -18,9 +18,7 @@ def scheduler_config(config: EngineConfig, num_kv_blocks: int | None = None) -> 
     coefficients (``cost_*``, issue 11)."""
     from runtime.config import load_step_cost
     cost = load_step_cost(config.step_cost) if config.step_cost else {}
-    probe = config.spec_ngram if config.scheduler.num_spec_tokens else 0   # issue #33
     return dataclasses.replace(config.scheduler, num_kv_blocks=num_kv_blocks,
-                               spec_probe_ngram=probe,
                                **{f"cost_{k}": v for k, v in cost.items()})
 
 
