@@ -8,8 +8,9 @@ a step's rows over device state:
   start position from this rank's own counters, which already hold every ``-num_rejected``
   correction it consumed (the scheduler's ``start_positions`` may still be optimistic: it
   scheduled the row before the previous row's rejections reached it), and for decode rows the
-  ``k = num_scheduled_tokens - 1`` drafts, computed from the slot's token history (rank 0 and the
-  last rank only; the others need no token ids). A decode row is one whose slot finished its
+  ``k = num_scheduled_tokens - 1`` drafts, computed from the slots' token history on the device,
+  all rows in one batched proposal (:mod:`runtime.sampling.spec_device`; rank 0 and the last rank
+  only; the others need no token ids). A decode row is one whose slot finished its
   prefill before this step (mirror ``num_computed_prefill_tokens == prefill_len``), a fact every
   rank derives from the same replicated outputs, so all ranks agree.
 * :func:`write_drafts` (rank 0, last rank): drafts into ``all_token_ids[slot, start + 1 ..]`` so
@@ -17,9 +18,12 @@ a step's rows over device state:
 * :func:`logit_index` (last rank): which tokens' logits the stage computes: all ``1 + k`` of a
   decode row, the last one of any other row.
 * :func:`verify` (last rank): sample every position as its own row (output index ``base + j``,
-  history through draft ``j``), then keep the longest prefix whose drafts match.
+  history through draft ``j``), then keep the longest prefix whose drafts match; one sampler
+  call and one batched acceptance on the device (issue #33: the CUDA fast path runs the same
+  code; no loop over rows, no host sync).
 
-Without drafts (``--spec-tokens 0``) none of this runs and the runner behaves as before.
+Without drafts (``--spec-tokens 0``) none of this runs and the runner behaves as before; a step
+in which no row carries drafts samples on the runner's plain path.
 """
 
 from __future__ import annotations
