@@ -49,8 +49,9 @@ class NgramProbe:
 
         Args:
             req: the request (the index's key; any weak-referenceable object).
-            prompt: its prompt ids; outputs: its received output ids (only ever appended to
-                while the request lives).
+            prompt: its prompt ids; outputs: ``[num_outputs]`` its received output ids (any
+                sequence, e.g. the scheduler's ``out_tokens`` row; only ever appended to while
+                the request lives).
         """
         n = self.n
         total = len(prompt) + len(outputs)
@@ -62,7 +63,7 @@ class NgramProbe:
         lp = len(prompt)
 
         def tok(i: int) -> int:
-            return prompt[i] if i < lp else outputs[i - lp]
+            return int(prompt[i] if i < lp else outputs[i - lp])
         # index every n-gram that ends before the last token: starts 0 .. total - 1 - n
         for s in range(idx.indexed, total - n):
             idx.starts[tuple(tok(i) for i in range(s, s + n))] = s

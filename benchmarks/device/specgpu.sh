@@ -40,8 +40,8 @@ else
 fi
 echo "engine bench model: $model" | tee -a "$log"
 timeout 125 python3 -m runtime.bench.spec --device cuda --dtype bfloat16 --model "$model" \
-  --pp 1 --spec-list 2,4 --workloads friendly,unfriendly --num-requests 1 --max-tokens 128 \
-  --repeats 2 --max-num-seqs 8 --max-model-len 1024 --out "$out/spec-engine.json" \
+  --pp 1 --spec-list 2,4 --workloads friendly,unfriendly --num-requests 4 --concurrency 1 --max-tokens 96 \
+  --repeats 1 --max-num-seqs 8 --max-model-len 1024 --out "$out/spec-engine.json" \
   2>&1 | grep -v -i warn >> "$log"
 echo "spec bench rc=${PIPESTATUS[0]}" | tee -a "$log"
 timeout 80 python3 -m runtime.bench.spec --device cuda --dtype bfloat16 --model "$model" \

@@ -9,12 +9,13 @@ of each workload in turn:
   tokenizer (random-weight folders) a counting cycle the model is asked to continue;
 * ``unfriendly`` -- random token ids, where prompt lookup rarely finds anything.
 
-Each workload runs ``--num-requests`` requests concurrently (1: batch 1). Per run it reports
+Each workload runs ``--num-requests`` requests, ``--concurrency`` at a time (default all;
+1: batch 1, one after another). Per run it reports
 output tokens/s, per-token latency (request wall / its tokens, mean), engine steps, tokens per
 step, the acceptance rate (accepted / proposed) and tokens per decode row with drafts, and per
 ``K`` the speedup over off and whether the tokens are identical to off. JSON to ``--out``.
 
-    python -m runtime.bench.spec --device cuda --spec-list 2,4 --num-requests 1
+    python -m runtime.bench.spec --device cuda --spec-list 2,4 --num-requests 4 --concurrency 1
     python -m runtime.bench.spec --pp 2 --spec-tokens 4          # CPU reference path
 """
 
@@ -54,11 +55,11 @@ PASSAGE = ("The committee met on Tuesday to review the budget. After a long disc
            "members agreed that the library would receive new funding for its children's "
            "reading programme, and that the bridge repairs would be postponed until spring.")
 TEXT_FRIENDLY = [
-    f"{CODE}\n# The same code again, unchanged:\n",
     f"Passage: {PASSAGE}\n\nQuote the passage word for word.\nQuote: ",
     f"{CODE}\n# The same code with total_price renamed to compute_total:\ndef compute_total(",
     f"Passage: {PASSAGE}\n\nWhat did the members agree? Answer with the exact sentence.\n"
     "Answer: After a long discussion,",
+    f"{CODE}\n# The same code again, unchanged:\n",
 ]
 
 
@@ -83,14 +84,17 @@ def prompts(workload: str, n: int, seed: int, tokenizer=None, vocab: int = 40000
     return out
 
 
-async def _serve(engine, batch: list[list[int]], max_tokens: int) -> dict:
+async def _serve(engine, batch: list[list[int]], max_tokens: int,
+                 concurrency: int | None = None) -> dict:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    gate = asyncio.Semaphore(concurrency or len(batch))
 
     async def one(rid: str, ids: list[int]):
-        t0, got = time.perf_counter(), []
-        async for out in engine.add_request(rid, ids, params):
-            got += out.new_token_ids
-        return got, time.perf_counter() - t0
+        async with gate:
+            t0, got = time.perf_counter(), []
+            async for out in engine.add_request(rid, ids, params):
+                got += out.new_token_ids
+            return got, time.perf_counter() - t0
     s0, t0 = engine.stats(), time.perf_counter()
     res = await asyncio.gather(*(one(f"b{time.monotonic_ns()}-{i}", p) for i, p in enumerate(batch)))
     wall, s1 = time.perf_counter() - t0, engine.stats()
@@ -109,7 +113,7 @@ async def _serve(engine, batch: list[list[int]], max_tokens: int) -> dict:
 
 
 async def run_one(config, batches: dict[str, list[list[int]]], max_tokens: int,
-                  repeats: int = 1) -> dict:
+                  repeats: int = 1, concurrency: int | None = None) -> dict:
     """One engine: warm up, then each workload's batch ``repeats`` times (the best run kept)."""
     engine = await AsyncEngine.start(config)
     try:
@@ -117,7 +121,7 @@ async def run_one(config, batches: dict[str, list[list[int]]], max_tokens: int,
         await _serve(engine, [first], 8)
         res = {}
         for name, batch in batches.items():
-            runs = [await _serve(engine, batch, max_tokens) for _ in range(repeats)]
+            runs = [await _serve(engine, batch, max_tokens, concurrency) for _ in range(repeats)]
             res[name] = max(runs, key=lambda r: r["output_tokens_per_s"])
     finally:
         await engine.shutdown()
@@ -127,7 +131,9 @@ async def run_one(config, batches: dict[str, list[list[int]]], max_tokens: int,
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m runtime.bench.spec", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--num-requests", type=int, default=8, help="concurrent requests per workload")
+    p.add_argument("--num-requests", type=int, default=8, help="requests per workload")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="requests in flight at once (default: all; 1: batch 1, one after another)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workloads", default="mixed",
@@ -155,9 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     for k in [0] + ks:
         cfg = config.model_copy(update={"scheduler": dataclasses.replace(config.scheduler,
                                                                           num_spec_tokens=k)})
-        runs[k] = asyncio.run(run_one(cfg, batches, args.max_tokens, args.repeats))
+        runs[k] = asyncio.run(run_one(cfg, batches, args.max_tokens, args.repeats,
+                                      args.concurrency))
     report = {"device": config.device, "pp_size": config.scheduler.pp_size,
               "model": str(config.model), "num_requests": args.num_requests,
+              "concurrency": args.concurrency or args.num_requests,
               "max_tokens": args.max_tokens, "spec_ngram": config.spec_ngram,
               "text_prompts": not word_level(tokenizer), "workloads": {}}
     ok = True
