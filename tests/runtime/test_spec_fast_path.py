@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 
 from inproc_pipeline import InprocPipeline
-from ppstate.spec_probe import NgramProbe
 from runtime.bench.gpu_models import model_config, random_tensor
 from runtime.model.paged_stage import PagedStage
 from runtime.model.stage import StageModel
@@ -18,7 +17,15 @@ from runtime.worker.verify_graphs import VerifyGraphs
 
 MAXLEN, SEQS = 96, 4
 PROMPTS = {"cyc": [5, 6, 7, 8] * 5, "rnd": [11, 300, 42, 97, 8, 250, 3, 77, 150, 19]}
-MAX_TOKENS = {"cyc": 14, "rnd": 14}
+MAX_TOKENS = {"cyc": 14, "rnd": 10}
+
+
+class _OnlyCyc:
+    """A stand-in for :class:`ppstate.spec_probe.NgramProbe` (tests/core/test_spec_probe.py tests
+    the real one): proposals for request "cyc" only, so steps with and without drafts alternate."""
+
+    def has_proposal(self, req, prompt, outputs) -> bool:
+        return req.req_id == "cyc"
 
 
 def stages(ranges):
@@ -40,8 +47,8 @@ def run(pp: int, k: int, graphs_layout: bool) -> InprocPipeline:
         r.fast = PagedStage(r.stage)
         if k and graphs_layout:
             r.verify_graphs = VerifyGraphs(r.fast, SEQS, MAXLEN // 16, MAXLEN, k)
-    if k and graphs_layout:   # the engine's n-gram probe: rows without a proposal get no drafts
-        pipe.sched.spec_probe = NgramProbe(2)
+    if k and graphs_layout:   # the scheduler gives drafts to "cyc"'s rows only (a probe's choice)
+        pipe.sched.spec_probe = _OnlyCyc()
     for rid, p in PROMPTS.items():
         pipe.add(rid, p, SamplingParams(max_tokens=MAX_TOKENS[rid], temperature=0.0,
                                         ignore_eos=True))
