@@ -127,6 +127,12 @@ def test_greedy_with_spec_equals_off_and_transformers(folder, reference, off_tok
     got, stats, _ = generate(config(folder, k, pp, eager), PROMPTS, [greedy()] * len(PROMPTS))
     matched = assert_matches_reference(got, reference, label)
     assert matched >= len(PROMPTS) * NEW // 2, (label, matched)
+    for i, ((ours, _, _), off, (ref, scores)) in enumerate(zip(got, off_tokens, reference)):
+        t = next((t for t, (a, b) in enumerate(zip(ours, off)) if a != b), None)
+        if t is not None and ours[:t] == ref[:t]:   # equal to off up to a near-tie
+            margin = abs(float(scores[t, ours[t]] - scores[t, off[t]]))
+            assert margin < NEAR_TIE, f"{label} prompt {i} token {t}: {ours[t]} vs off {off[t]}, margin {margin:.4f}"
+            print(f"{label} prompt {i}: differs from off at token {t}, near-tie margin {margin:.4f}")
     same_as_off = sum(g[0] == o for g, o in zip(got, off_tokens))
     print(f"{label}: {same_as_off}/{len(PROMPTS)} identical to off, accepted "
           f"{stats['spec_accepted_tokens']}/{stats['spec_proposed_tokens']} drafts in "
