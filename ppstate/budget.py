@@ -42,6 +42,8 @@ class SchedulerConfig:
             the step-cost model (:class:`ppstate.step_cost.StepCostModel`, seconds) used by both.
         num_spec_tokens: speculative (n-gram) draft tokens per decode row, ``K`` (0: off). A
             decode row then carries ``1 + k`` tokens, ``k <= K`` (:func:`ppstate.speculative.drafts_for_row`).
+        spec_probe_ngram: ``n`` > 0: a decode row gets drafts only when its request's last ``n``
+            tokens occur earlier in its history (:mod:`ppstate.speculative_probe`); 0: always.
 
     Raises:
         SchedulerError: a field out of range; the message names the field.
@@ -66,6 +68,7 @@ class SchedulerConfig:
     cost_concurrency: float = CPU_DEFAULTS["concurrency"]
     # ---- end issue 11 ----
     num_spec_tokens: int = 0  # speculative decoding (issue #14)
+    spec_probe_ngram: int = 0  # issue #33: no drafts for rows whose n-gram has no match
 
     def __post_init__(self) -> None:
         if self.num_kv_blocks is None and isinstance(self.block_size, int) and self.block_size > 0:
@@ -73,7 +76,8 @@ class SchedulerConfig:
             object.__setattr__(self, "num_kv_blocks", self.max_num_seqs * per_req)
         for name, low in (("pp_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1),
                           ("max_prefill_chunk", 1), ("max_model_len", 2), ("block_size", 1),
-                          ("num_kv_blocks", 1), ("num_spec_tokens", 0)):
+                          ("num_kv_blocks", 1), ("num_spec_tokens", 0),
+                          ("spec_probe_ngram", 0)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise SchedulerError(f"SchedulerConfig.{name} must be an int >= {low}, got {value!r}")

@@ -35,6 +35,7 @@ from ppstate.scheduler_queues import QueueOps
 from ppstate.scheduler_results import FINISHED_HISTORY, StepResults
 from ppstate.scheduler_rows import RowBuilder
 from ppstate.slots import SlotTable
+from ppstate.speculative_probe import NgramProbe
 from ppstate.codec import encode_output
 
 __all__ = ["Scheduler", "SchedulerConfig", "RequestSpec", "TokenUpdate", "FINISHED_HISTORY"]
@@ -58,6 +59,8 @@ class Scheduler(QueueOps, StepResults):
         self.config, self.sink = config, sink
         self.slots = SlotTable(config.max_num_seqs)
         self.arrays = RequestArrays(config.max_num_seqs)
+        self.speculative_probe = (NgramProbe(config.spec_probe_ngram)      # issue #33
+                           if config.num_spec_tokens and config.spec_probe_ngram else None)
         self.lifecycle = Lifecycle()
         self.kv = KVManager(config)
         self.num_preemptions = 0

@@ -223,6 +223,11 @@ class RowBuilder:
         if k_max == 0:
             return 1
         a = self.arrays
+        probe = self.sched.speculative_probe   # issue #33: no drafts where the proposer finds none
+        if probe is not None and not probe.has_proposal(
+                req, req.spec.prompt_token_ids,
+                self.sched.out_tokens[req.slot, :a.num_output_tokens[req.slot]]):
+            return 1
         room = int(a.max_tokens[req.slot] - a.num_sampling_rows[req.slot]) - 1
         return 1 + drafts_for_row(room, k_max, self.budget.tokens)
 

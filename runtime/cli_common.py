@@ -131,8 +131,10 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--step-cost", "step_cost"),
     Flag("--dp", "dp_size"),
     Flag("--spec-tokens", "scheduler.num_spec_tokens", "n-gram speculative decoding: draft tokens "
-         "per decode row (0: off; CPU reference path only)"),
+         "per decode row (0: off; CPU reference path and CUDA fast path)"),
     Flag("--spec-ngram", "spec_ngram"),
+    Flag("--spec-probe-ngram", "scheduler.spec_probe_ngram", "speculative decoding: a decode row "
+         "gets drafts only when its last N tokens occur earlier in its history (0: always)"),
     Flag("--chat-template", "chat_template"),
 )
 

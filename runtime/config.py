@@ -17,7 +17,7 @@ from ppstate.budget import SchedulerConfig
 SCHEDULER_FIELDS = tuple(f.name for f in dataclasses.fields(SchedulerConfig))
 #: the engine's defaults where they differ from the scheduler's own (a server-sized budget)
 ENGINE_SCHEDULER_DEFAULTS = {"max_num_seqs": 32, "max_num_batched_tokens": 512,
-                             "max_prefill_chunk": 128}
+                             "max_prefill_chunk": 128, "spec_probe_ngram": 3}
 #: the engine's bounds on scheduler fields (inclusive; None: unbounded): the scheduler itself
 #: only needs them >= 1, the engine caps what one machine can hold
 SCHEDULER_BOUNDS = {"pp_size": (1, 64), "max_num_seqs": (1, 4096), "max_model_len": (16, None),

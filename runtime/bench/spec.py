@@ -1,21 +1,29 @@
-"""``python -m runtime.bench.spec``: n-gram speculative decoding on vs off on the real model.
+"""``python -m runtime.bench.spec``: n-gram speculative decoding on vs off on the real engine.
 
-Starts one engine with ``--spec-tokens 0`` and one with ``--spec-tokens K`` (same flags otherwise),
-sends the same concurrent greedy requests to each — half with a repetitive prompt (a counting
-cycle, where prompt-lookup drafts get accepted), half with random-token prompts (where they
-rarely do) — checks that both runs emit identical tokens, and reports per run: output tokens/s,
-engine steps, output tokens per step, and with speculation the acceptance rate (accepted /
-proposed drafts) and tokens per decode row with drafts. JSON to ``--out``
-(default ``bench-results/spec_decode.json``).
+One engine per ``K`` in ``0`` (off) and ``--spec-list`` (same flags otherwise; ``--device cuda``
+runs the Triton fast path with its decode and verify CUDA graphs) serves the same greedy requests
+of each workload in turn:
 
-    python -m runtime.bench.spec --pp 2 --spec-tokens 4 --num-requests 8 --max-tokens 64
+* ``friendly`` -- prompts that contain their answers: with a text tokenizer (the real SmolLM2
+  GGUF) a code snippet to repeat with one name changed and a passage to quote; with a word-level
+  tokenizer (random-weight folders) a counting cycle the model is asked to continue;
+* ``unfriendly`` -- random token ids, where prompt lookup rarely finds anything.
+
+Each workload runs ``--num-requests`` requests, ``--concurrency`` at a time (default all;
+1: batch 1, one after another). Per run it reports
+output tokens/s, per-token latency (request wall / its tokens, mean), engine steps, tokens per
+step, the acceptance rate (accepted / proposed) and tokens per decode row with drafts, and per
+``K`` the speedup over off and whether the tokens are identical to off. JSON to ``--out``.
+
+    python -m runtime.bench.spec --device cuda --spec-list 2,4 --num-requests 4 --concurrency 1
+    python -m runtime.bench.spec --pp 2 --spec-tokens 4          # CPU reference path
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import asyncio
+import dataclasses
 import json
 import random
 import time
@@ -28,65 +36,155 @@ from runtime.sampling_params import SamplingParams
 #: "1, 2, 3, 4, 5, " repeated, in SmolLM2 token ids (the default model's tokenizer)
 CYCLE = [33, 28, 216, 34, 28, 216, 35, 28, 216, 36, 28, 216, 37, 28, 216]
 
+CODE = '''def total_price(items, tax_rate):
+    subtotal = 0
+    for item in items:
+        subtotal += item.price * item.quantity
+    tax = subtotal * tax_rate
+    return subtotal + tax
 
-def prompts(n: int, seed: int) -> list[list[int]]:
-    """Half repetitive (the cycle x 3 plus a start), half 40 random ids in [100, 40000)."""
+
+def cheapest(items):
+    best = None
+    for item in items:
+        if best is None or item.price < best.price:
+            best = item
+    return best
+'''
+PASSAGE = ("The committee met on Tuesday to review the budget. After a long discussion, the "
+           "members agreed that the library would receive new funding for its children's "
+           "reading programme, and that the bridge repairs would be postponed until spring.")
+TEXT_FRIENDLY = [
+    f"Passage: {PASSAGE}\n\nQuote the passage word for word.\nQuote: ",
+    f"{CODE}\n# The same code with total_price renamed to compute_total:\ndef compute_total(",
+    f"Passage: {PASSAGE}\n\nWhat did the members agree? Answer with the exact sentence.\n"
+    "Answer: After a long discussion,",
+    f"{CODE}\n# The same code again, unchanged:\n",
+]
+
+
+def word_level(tokenizer) -> bool:
+    """Whether ``tokenizer`` is the word-level one of the random-weight folders (``t0`` ..)."""
+    return tokenizer is None or tokenizer.id_to_token(5) == "t5"
+
+
+def prompts(workload: str, n: int, seed: int, tokenizer=None, vocab: int = 40000) -> list[list[int]]:
+    """``n`` prompts (token ids) of ``workload`` (``friendly`` / ``unfriendly`` / ``mixed``:
+    alternating)."""
     rng = random.Random(seed)
-    return [CYCLE * 3 + CYCLE[:3 * (i % 5 + 1)] if i % 2 == 0
-            else [rng.randrange(100, 40000) for _ in range(40)] for i in range(n)]
+    out = []
+    for i in range(n):
+        kind = workload if workload != "mixed" else ("friendly" if i % 2 == 0 else "unfriendly")
+        if kind == "unfriendly":
+            out.append([rng.randrange(100, vocab) for _ in range(40)])
+        elif word_level(tokenizer):
+            out.append(CYCLE * 3 + CYCLE[:3 * (i % 5 + 1)])
+        else:
+            out.append(tokenizer.encode(TEXT_FRIENDLY[i % len(TEXT_FRIENDLY)]))
+    return out
 
 
-async def run_one(config, batch: list[list[int]], max_tokens: int) -> dict:
-    """One engine: warm up, run ``batch`` concurrently, report throughput and step figures."""
-    engine = await AsyncEngine.start(config)
+async def _serve(engine, batch: list[list[int]], max_tokens: int,
+                 concurrency: int | None = None) -> dict:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    gate = asyncio.Semaphore(concurrency or len(batch))
 
-    async def one(rid: str, ids: list[int], p: SamplingParams) -> list[int]:
-        return [t async for out in engine.add_request(rid, ids, p) for t in out.new_token_ids]
-    try:
-        await one("warmup", batch[0], SamplingParams(max_tokens=4, temperature=0.0))
-        s0, t0 = engine.stats(), time.perf_counter()
-        tokens = await asyncio.gather(*(one(f"b{i}", p, params) for i, p in enumerate(batch)))
-        wall, s1 = time.perf_counter() - t0, engine.stats()
-    finally:
-        await engine.shutdown()
-    d = {k: s1[k] - s0[k] for k in ("steps_total", "generated_tokens_total", "spec_proposed_tokens",
-                                     "spec_accepted_tokens", "spec_decode_rows")}
+    async def one(rid: str, ids: list[int]):
+        async with gate:
+            t0, got = time.perf_counter(), []
+            async for out in engine.add_request(rid, ids, params):
+                got += out.new_token_ids
+            return got, time.perf_counter() - t0
+    s0, t0 = engine.stats(), time.perf_counter()
+    res = await asyncio.gather(*(one(f"b{time.monotonic_ns()}-{i}", p) for i, p in enumerate(batch)))
+    wall, s1 = time.perf_counter() - t0, engine.stats()
+    d = {k: s1.get(k, 0) - s0.get(k, 0) for k in ("steps_total", "spec_proposed_tokens",
+                                                   "spec_accepted_tokens", "spec_decode_rows")}
+    tokens = [r[0] for r in res]
     out = sum(len(t) for t in tokens)
-    return {"spec_tokens": config.scheduler.num_spec_tokens, "wall_s": wall, "output_tokens": out,
-            "output_tokens_per_s": out / wall, "steps": d["steps_total"],
-            "output_tokens_per_step": out / max(d["steps_total"], 1),
+    return {"wall_s": wall, "output_tokens": out, "output_tokens_per_s": out / wall,
+            "per_token_latency_ms": 1e3 * sum(w / max(len(t), 1) for t, w in res) / len(res),
+            "steps": d["steps_total"], "output_tokens_per_step": out / max(d["steps_total"], 1),
             "acceptance_rate": (d["spec_accepted_tokens"] / d["spec_proposed_tokens"]
                                 if d["spec_proposed_tokens"] else None),
             "tokens_per_spec_row": (1 + d["spec_accepted_tokens"] / d["spec_decode_rows"]
                                     if d["spec_decode_rows"] else None),
-            "token_ids": tokens}
+            "proposed_tokens": d["spec_proposed_tokens"], "token_ids": tokens}
+
+
+async def run_one(config, batches: dict[str, list[list[int]]], max_tokens: int,
+                  repeats: int = 1, concurrency: int | None = None) -> dict:
+    """One engine: warm up, then each workload's batch ``repeats`` times (the best run kept)."""
+    engine = await AsyncEngine.start(config)
+    try:
+        first = next(iter(batches.values()))[0]
+        await _serve(engine, [first], 8)
+        res = {}
+        for name, batch in batches.items():
+            runs = [await _serve(engine, batch, max_tokens, concurrency) for _ in range(repeats)]
+            res[name] = max(runs, key=lambda r: r["output_tokens_per_s"])
+    finally:
+        await engine.shutdown()
+    return res
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m runtime.bench.spec", description=__doc__)
-    p.add_argument("--num-requests", type=int, default=8)
+    p = argparse.ArgumentParser(prog="python -m runtime.bench.spec", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-requests", type=int, default=8, help="requests per workload")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="requests in flight at once (default: all; 1: batch 1, one after another)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workloads", default="mixed",
+                   help="comma-separated: friendly, unfriendly, mixed (default: mixed)")
+    p.add_argument("--spec-list", default=None,
+                   help="comma-separated K values to compare with off (default: --spec-tokens or 4)")
+    p.add_argument("--repeats", type=int, default=1, help="runs per workload (best kept)")
     p.add_argument("--out", default="bench-results/spec_decode.json")
     add_engine_flags(p)
     args = p.parse_args(argv)
     config = engine_config(p, args)
-    k = config.scheduler.num_spec_tokens or 4
-    batch = prompts(args.num_requests, args.seed)
-    runs = [asyncio.run(run_one(config.model_copy(update={"scheduler": dataclasses.replace(config.scheduler, num_spec_tokens=s)}), batch, args.max_tokens))
-            for s in (0, k)]
-    same = runs[0]["token_ids"] == runs[1]["token_ids"]
-    for r in runs:
-        del r["token_ids"]
-    report = {"pp_size": config.scheduler.pp_size, "num_requests": args.num_requests,
-              "max_tokens": args.max_tokens, "spec_ngram": config.spec_ngram, "off": runs[0],
-              "on": runs[1], "identical_tokens": same,
-              "speedup": runs[1]["output_tokens_per_s"] / runs[0]["output_tokens_per_s"]}
+    ks = ([int(k) for k in args.spec_list.split(",")] if args.spec_list
+          else [config.scheduler.num_spec_tokens or 4])
+    tokenizer = None
+    try:
+        from runtime.model.registry import resolve_model_path
+        from runtime.model.tokenizer import load_tokenizer
+        tokenizer = load_tokenizer(resolve_model_path(config.model))
+    except Exception as exc:   # a folder without a tokenizer: token-id prompts only
+        print(f"no tokenizer ({exc}); token-id prompts")
+    vocab = tokenizer.vocab_size if tokenizer is not None else 40000
+    batches = {w: prompts(w, args.num_requests, args.seed, tokenizer, min(vocab, 40000))
+               for w in args.workloads.split(",")}
+    runs = {}
+    for k in [0] + ks:
+        cfg = config.model_copy(update={"scheduler": dataclasses.replace(config.scheduler,
+                                                                          num_spec_tokens=k)})
+        runs[k] = asyncio.run(run_one(cfg, batches, args.max_tokens, args.repeats,
+                                      args.concurrency))
+    report = {"device": config.device, "pp_size": config.scheduler.pp_size,
+              "model": str(config.model), "num_requests": args.num_requests,
+              "concurrency": args.concurrency or args.num_requests,
+              "max_tokens": args.max_tokens, "spec_ngram": config.spec_ngram,
+              "text_prompts": not word_level(tokenizer), "workloads": {}}
+    ok = True
+    for w in batches:
+        off = runs[0][w]
+        entry = {"off": off}
+        for k in ks:
+            on = runs[k][w]
+            same = on["token_ids"] == off["token_ids"]
+            ok &= same
+            entry[f"k{k}"] = dict(on, identical_tokens=same,
+                                  speedup=on["output_tokens_per_s"] / off["output_tokens_per_s"])
+        for r in entry.values():
+            r.pop("token_ids", None)
+        report["workloads"][w] = entry
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
-    return 0 if same else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -8,8 +8,9 @@ a step's rows over device state:
   start position from this rank's own counters, which already hold every ``-num_rejected``
   correction it consumed (the scheduler's ``start_positions`` may still be optimistic: it
   scheduled the row before the previous row's rejections reached it), and for decode rows the
-  ``k = num_scheduled_tokens - 1`` drafts, computed from the slot's token history (rank 0 and the
-  last rank only; the others need no token ids). A decode row is one whose slot finished its
+  ``k = num_scheduled_tokens - 1`` drafts, computed from the slots' token history on the device,
+  all rows in one batched proposal (:mod:`runtime.sampling.speculative_device`; rank 0 and the last rank
+  only; the others need no token ids). A decode row is one whose slot finished its
   prefill before this step (mirror ``num_computed_prefill_tokens == prefill_len``), a fact every
   rank derives from the same replicated outputs, so all ranks agree.
 * :func:`write_drafts` (rank 0, last rank): drafts into ``all_token_ids[slot, start + 1 ..]`` so
@@ -17,9 +18,12 @@ a step's rows over device state:
 * :func:`logit_index` (last rank): which tokens' logits the stage computes: all ``1 + k`` of a
   decode row, the last one of any other row.
 * :func:`verify` (last rank): sample every position as its own row (output index ``base + j``,
-  history through draft ``j``), then keep the longest prefix whose drafts match.
+  history through draft ``j``), then keep the longest prefix whose drafts match; one sampler
+  call and one batched acceptance on the device (issue #33: the CUDA fast path runs the same
+  code; no loop over rows, no host sync).
 
-Without drafts (``--spec-tokens 0``) none of this runs and the runner behaves as before.
+Without drafts (``--spec-tokens 0``) none of this runs and the runner behaves as before; a step
+in which no row carries drafts samples on the runner's plain path.
 """
 
 from __future__ import annotations
@@ -29,9 +33,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ppstate.speculative import propose_ngram, verify_rows
+from runtime.host_copy import to_device
 from runtime.sampling.penalties import TokenHistory
 from runtime.sampling.sampler import sample
+from runtime.sampling.speculative_device import accept_rows, draft_scatter, propose_ngram_rows
 
 
 @dataclass
@@ -41,11 +46,14 @@ class SpecRows:
     Attributes:
         starts: ``[R]`` int64 position of each row's first token from this rank's counters.
         num_drafts: ``[R]`` int64 drafts per row (0 except on decode rows).
-        drafts: ``[R, K]`` int64 proposals (zeros where not computed / not used).
+        drafts: ``[R, K]`` int64 proposals on the rank's device (zeros where not computed /
+            not used).
+        decode: ``[R]`` bool, the rows whose slot finished its prefill before this step.
     """
     starts: np.ndarray
     num_drafts: np.ndarray
-    drafts: np.ndarray
+    drafts: torch.Tensor
+    decode: np.ndarray | None = None
 
     @property
     def any_drafts(self) -> bool:
@@ -53,7 +61,9 @@ class SpecRows:
 
 
 def plan_rows(out, state, num_spec_tokens: int, ngram: int, with_drafts: bool) -> SpecRows:
-    """The step's :class:`SpecRows`, read before the immediate post-update.
+    """The step's :class:`SpecRows`, read before the immediate post-update. The drafts of all
+    rows come from one batched proposal over the device's token history
+    (:func:`~runtime.sampling.speculative_device.propose_ngram_rows`): no loop over rows, no host sync.
 
     Args:
         out: the step's SchedulerOutput.
@@ -73,23 +83,31 @@ def plan_rows(out, state, num_spec_tokens: int, ngram: int, with_drafts: bool) -
     if int(num_drafts.max(initial=0)) > num_spec_tokens:
         raise ValueError(f"step {out.step}: a decode row carries {int(num_drafts.max())} drafts, "
                          f"--spec-tokens is {num_spec_tokens}")
-    drafts = np.zeros((out.num_rows, num_spec_tokens), dtype=np.int64)
-    if with_drafts:
-        for i in np.nonzero(num_drafts)[0]:
-            history = state.all_token_ids[int(slots[i]), :int(starts[i]) + 1].cpu().numpy()
-            drafts[i, :num_drafts[i]] = propose_ngram(history, ngram, int(num_drafts[i]))
-    return SpecRows(starts, num_drafts, drafts)
+    dev = state.all_token_ids.device
+    if with_drafts and num_drafts.any():
+        packed = to_device(np.concatenate([slots, starts + 1]), dev, torch.int64)  # [2R]
+        r = slots.size
+        drafts = propose_ngram_rows(state.all_token_ids, packed[:r], packed[r:],
+                                    int(starts.max()) + 1, ngram, num_spec_tokens)
+    else:
+        drafts = torch.zeros(out.num_rows, num_spec_tokens, dtype=torch.int64, device=dev)
+    return SpecRows(starts, num_drafts, drafts, decode)
 
 
 def write_drafts(state, out, rows: SpecRows) -> None:
-    """``all_token_ids[slot, start + 1 + j] = drafts[i, j]`` for every decode row ``i`` (device).
-    The sampled post-update later overwrites them from ``start + 1`` with the accepted tokens."""
-    for i in np.nonzero(rows.num_drafts)[0]:
-        s, st, k = int(out.slots[i]), int(rows.starts[i]), int(rows.num_drafts[i])
-        state.all_token_ids[s, st + 1:st + 1 + k] = torch.as_tensor(rows.drafts[i, :k],
-                                                                    device=state.device)
-        if getattr(state, "tokens", None) is not None:   # the mirror checks' host copy
-            state.tokens.write(s, st + 1, rows.drafts[i, :k])
+    """``all_token_ids[slot, start + 1 + j] = drafts[i, j]`` for every draft of every decode row
+    ``i`` (one scatter on the device). The sampled post-update later overwrites them from
+    ``start + 1`` with the accepted tokens."""
+    row, j = draft_scatter(rows.num_drafts)
+    if not row.size:
+        return
+    slots = out.slots.astype(np.int64)
+    idx = to_device(np.concatenate([slots[row], rows.starts[row] + 1 + j, row, j]),
+                    state.device, torch.int64)                             # [4D]
+    d = row.size
+    state.all_token_ids[idx[:d], idx[d:2 * d]] = rows.drafts[idx[2 * d:3 * d], idx[3 * d:]]
+    if getattr(state, "tokens", None) is not None:   # the mirror checks' host copy (#27)
+        state.tokens.record(rows.drafts, slots, rows.starts + 1, rows.num_drafts)
 
 
 def logit_index(num_scheduled_tokens: np.ndarray, rows: SpecRows) -> tuple[np.ndarray, np.ndarray]:
@@ -104,30 +122,33 @@ def logit_index(num_scheduled_tokens: np.ndarray, rows: SpecRows) -> tuple[np.nd
     ends = np.cumsum(q)
     per_row = rows.num_drafts + 1
     first = np.cumsum(per_row) - per_row
-    index = np.concatenate([np.arange(e - n, e) for e, n in zip(ends, per_row)])
+    row = np.repeat(np.arange(q.size, dtype=np.int64), per_row)
+    index = (ends - per_row)[row] + np.arange(row.size, dtype=np.int64) - first[row]
     return index.astype(np.int64), first.astype(np.int64)
 
 
 @dataclass
 class Verified:
-    """The verify of the sampled rows (``S`` of them).
+    """The verify of the sampled rows (``S`` of them), on the rank's device.
 
     Attributes:
-        token_ids: ``[S, K + 1]`` int64 emitted ids (first ``num_sampled`` of a row valid).
+        token_ids: ``[S, K + 1]`` int64 sampled ids (the first ``num_sampled`` of a row emitted).
         num_sampled, num_rejected: ``[S]`` int64.
         sample_out: the sampler's output over the virtual rows (logprobs), or None.
-        virtual_first: ``[S]`` index of each row's first virtual row in ``sample_out``.
+        virtual_first: ``[S]`` (host) index of each row's first virtual row in ``sample_out``.
     """
-    token_ids: np.ndarray
-    num_sampled: np.ndarray
-    num_rejected: np.ndarray
+    token_ids: torch.Tensor
+    num_sampled: torch.Tensor
+    num_rejected: torch.Tensor
     sample_out: object
     virtual_first: np.ndarray
 
 
 def verify(logits: torch.Tensor, first: np.ndarray, rows_idx: np.ndarray, out, rows: SpecRows,
            positions_after: np.ndarray, state, num_spec_tokens: int) -> Verified:
-    """Sample each position of the sampled rows and accept the longest matching draft prefix.
+    """Sample each position of the sampled rows and accept the longest matching draft prefix,
+    all rows at once on the device (one sampler call over the ``N`` virtual rows, one
+    acceptance kernel chain; no per-row Python, no host sync).
 
     Args:
         logits: ``[N, V]`` fp32, row layout of :func:`logit_index`.
@@ -144,25 +165,27 @@ def verify(logits: torch.Tensor, first: np.ndarray, rows_idx: np.ndarray, out, r
     k = rows.num_drafts[rows_idx]                                   # [S]
     n_virtual = k + 1
     vfirst = np.cumsum(n_virtual) - n_virtual                       # [S]
-    src = np.concatenate([first[r] + np.arange(n) for r, n in zip(rows_idx, n_virtual)])
-    v_slots = np.repeat(out.slots[rows_idx].astype(np.int64), n_virtual)          # [sum n]
-    v_pos = np.concatenate([b + np.arange(n) for b, n in zip(positions_after, n_virtual)])
+    vrow = np.repeat(np.arange(k.size, dtype=np.int64), n_virtual)  # [N'] virtual -> sampled row
+    j = np.arange(vrow.size, dtype=np.int64) - vfirst[vrow]         # [N'] draft position
+    src = first[rows_idx][vrow] + j
+    v_slots = out.slots[rows_idx].astype(np.int64)[vrow]
+    v_pos = positions_after[vrow] + j
     batch, _ = state.sampling_state.batch(v_slots, v_pos)
+    v_total = rows.starts[rows_idx][vrow] + 1 + j                   # history through draft j
+    idx = to_device(np.concatenate([src, vrow, j, v_total, rows_idx, k]), dev, torch.int64)
+    nv, s = vrow.size, k.size
+    src_t, vrow_t, j_t = idx[:nv], idx[nv:2 * nv], idx[2 * nv:3 * nv]
+    total_t, rows_t, k_t = idx[3 * nv:4 * nv], idx[4 * nv:4 * nv + s], idx[4 * nv + s:]
     history = None
-    if batch.penalty_rows is not None:  # history through draft j for virtual row j
-        v_total = np.concatenate([rows.starts[r] + 1 + np.arange(n) for r, n in zip(rows_idx, n_virtual)])
+    if batch.penalty_rows is not None:
         pr = batch.penalty_rows
-        s_t = torch.as_tensor(v_slots, device=dev)[pr]
+        s_t = to_device(v_slots, dev, torch.int64)[pr]
         history = TokenHistory(state.all_token_ids.index_select(0, s_t),
-                               state.prefill_len.index_select(0, s_t),
-                               torch.as_tensor(v_total, device=dev)[pr])
-    so = sample(logits.index_select(0, torch.as_tensor(src, device=dev)).float(), batch, history)
-    flat = so.token_ids.cpu().numpy().astype(np.int64)
-    width = num_spec_tokens + 1
-    sampled = np.zeros((len(rows_idx), width), dtype=np.int64)
-    for i, (f, n) in enumerate(zip(vfirst, n_virtual)):
-        sampled[i, :n] = flat[f:f + n]
-    num_sampled, num_rejected = verify_rows(sampled, rows.drafts[rows_idx], k)
+                               state.prefill_len.index_select(0, s_t), total_t[pr])
+    so = sample(logits.index_select(0, src_t).float(), batch, history)
+    sampled = torch.zeros(s, num_spec_tokens + 1, dtype=torch.int64, device=dev)
+    sampled[vrow_t, j_t] = so.token_ids
+    num_sampled, num_rejected = accept_rows(sampled, rows.drafts.index_select(0, rows_t), k_t)
     return Verified(sampled, num_sampled, num_rejected, so, vfirst)
 
 
@@ -194,7 +217,7 @@ class SpecDecoder:
         """Last rank: ``meta`` with ``last_token`` covering every decode row's ``1 + k`` tokens."""
         import dataclasses
         index, self.first = logit_index(out.num_scheduled_tokens, self.rows)
-        return dataclasses.replace(meta, last_token=torch.as_tensor(index, device=meta.slots.device))
+        return dataclasses.replace(meta, last_token=to_device(index, meta.slots.device, torch.int64))
 
     def sample(self, out, mask: np.ndarray, logits: torch.Tensor, state,
                payload: torch.Tensor) -> tuple[Verified, np.ndarray]:
@@ -205,10 +228,15 @@ class SpecDecoder:
             - self.rows.num_drafts[rows_idx]
         v = verify(logits, self.first, rows_idx, out, self.rows, pos, state, self.k)
         w = self.k + 1
-        r = torch.as_tensor(rows_idx, dtype=torch.int64, device=payload.device)
-        payload[r, :w] = torch.as_tensor(v.token_ids, device=payload.device)
-        payload[r, w] = torch.as_tensor(v.num_sampled, device=payload.device)
-        payload[r, w + 1] = torch.as_tensor(v.num_rejected, device=payload.device)
+        if rows_idx.size == out.num_rows:     # every row samples: no row scatter
+            payload[:, :w] = v.token_ids
+            payload[:, w] = v.num_sampled
+            payload[:, w + 1] = v.num_rejected
+        else:
+            r = to_device(rows_idx, payload.device, torch.int64)
+            payload[r, :w] = v.token_ids
+            payload[r, w] = v.num_sampled
+            payload[r, w + 1] = v.num_rejected
         return v, rows_idx
 
 
@@ -220,6 +248,7 @@ def logprob_rows(v: Verified, rows_idx: np.ndarray, num_rows: int, ks: np.ndarra
     if so.logprobs is None or not (ks >= 0).any():
         return None
     lp = so.logprobs.float().cpu().tolist()
+    num_sampled = v.num_sampled.cpu().tolist()
     top = None
     if so.top_logprobs is not None:
         top = (so.top_logprobs[0].cpu().tolist(), so.top_logprobs[1].float().cpu().tolist())
@@ -230,5 +259,5 @@ def logprob_rows(v: Verified, rows_idx: np.ndarray, num_rows: int, ks: np.ndarra
             continue
         f = int(v.virtual_first[j])
         outs[int(i)] = [(lp[f + t], {} if top is None else dict(zip(top[0][f + t][:k], top[1][f + t][:k])))
-                        for t in range(int(v.num_sampled[j]))]
+                        for t in range(num_sampled[j])]
     return outs

@@ -87,13 +87,12 @@ class _Worker:
         # block the host on a peer (PP=1, or NCCL's stream-ordered receives).
         self._may_hold = cfg.scheduler.pp_size == 1 or self.groups.nccl
         fast, graphs = self._fast_path(stage, cfg, device)
-        spec = None
-        if k > 0:  # speculative decoding (#14); the reference (CPU) path only
-            if fast is not None:
-                raise ValueError("--spec-tokens: speculative decoding runs on the CPU reference "
-                                 "path only (the CUDA fast path does not verify drafts yet)")
+        spec = verify_graphs = None
+        if k > 0:  # speculative decoding (#14; on the CUDA fast path #33)
             from runtime.sampling.speculative_verify import SpecDecoder
             spec = SpecDecoder(k, cfg.spec_ngram, self.groups.is_first, self.groups.is_last)
+            if graphs is not None:
+                verify_graphs = self._verify_graphs(fast, cfg, k)
         grammar = None
         if self.groups.is_last:   # structured outputs: built on the first constrained request
             from runtime.worker.grammar_hooks import GrammarHooks
@@ -101,7 +100,8 @@ class _Worker:
                                            stage.cfg.vocab_size, cfg.scheduler.max_num_seqs))
         self.runner = StageRunner(self.groups, stage, state, cfg.scheduler.mode == "overlapped",
                                   cfg.validate_every, sink, fast=fast, graphs=graphs,
-                                  progress=self.progress, spec=spec, grammar=grammar)
+                                  progress=self.progress, spec=spec, grammar=grammar,
+                                  verify_graphs=verify_graphs)
         self.sink = sink
 
     def _load_stage(self, cfg: EngineConfig, device: torch.device, dtype: torch.dtype):
@@ -154,6 +154,20 @@ class _Worker:
               f"{rep.buckets[0]}..{rep.buckets[-1]}) in {rep.seconds:.1f} s, "
               f"{rep.bytes / 2**20:.0f} MiB", file=sys.stderr, flush=True)
         return fast, graphs
+
+    def _verify_graphs(self, fast, cfg: EngineConfig, k: int):
+        """CUDA graphs of speculative verify steps (every row ``1 + K`` tokens, padded), captured
+        now after the decode graphs (``runtime/worker/verify_graphs.py``)."""
+        from runtime.worker.verify_graphs import VerifyGraphs
+        s = cfg.scheduler
+        vg = VerifyGraphs(fast, s.max_num_seqs, -(-s.max_model_len // s.block_size),
+                          s.max_model_len, k)
+        rep = vg.capture(progress=(self.rank == 0))
+        self.graph_report = dict(self.graph_report or {}, verify_buckets=len(rep.buckets),
+                                 verify_seconds=round(rep.seconds, 2), verify_bytes=rep.bytes)
+        print(f"rank {self.rank}: captured {len(rep.buckets)} verify CUDA graphs (K = {k}) in "
+              f"{rep.seconds:.1f} s, {rep.bytes / 2**20:.0f} MiB", file=sys.stderr, flush=True)
+        return vg
 
     def serve(self, pull: zmq.Socket) -> None:
         """Handle engine messages until shutdown, parent death or ``idle_exit_s`` of silence."""

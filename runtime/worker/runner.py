@@ -98,13 +98,15 @@ class StageRunner:
         spec: speculative decoding hooks (``--spec-tokens`` > 0), or None.
         grammar: structured-output hooks of the last rank
             (:class:`~runtime.worker.grammar_hooks.GrammarHooks`), or None.
+        verify_graphs: captured speculative verify steps of ``fast``
+            (:class:`~runtime.worker.verify_graphs.VerifyGraphs`), or None (eager).
     """
 
     def __init__(self, groups: PPGroups, stage: StageModel, state: DeviceState, overlapped: bool,
                  validate_every: int, sink: EventSink = NULL_SINK,
                  fast: PagedStage | None = None, graphs: DecodeGraphs | None = None,
                  progress: Progress | None = None, spec: SpecDecoder | None = None,
-                 grammar: GrammarHooks | None = None) -> None:
+                 grammar: GrammarHooks | None = None, verify_graphs=None) -> None:
         self.g, self.stage, self.state = groups, stage, state
         self.progress = progress if progress is not None else Progress(groups.rank, hook=None)
         self.fast, self.graphs = fast, graphs
@@ -130,6 +132,8 @@ class StageRunner:
         self.running_step = -1   # the step being run (its consumes may be of skipped numbers)
         self.spec = spec
         self.grammar = grammar
+        self.verify_graphs = verify_graphs
+        self._verify_in = None   # padded inputs of a verify step a graph replays (#33)
 
     @property
     def handler(self) -> PPHandler | None:
@@ -184,8 +188,13 @@ class StageRunner:
     # ---- RankBackend: forward ----------------------------------------------------------------
     def prepare_inputs(self, out: SchedulerOutput) -> _Inputs:
         starts = out.start_positions
+        self._verify_in = None
         if self.spec is not None:  # speculative decoding (#14): own corrected starts, drafts
             starts = self.spec.prepare(out, self.state)
+            if self.verify_graphs is not None:   # a verify step a CUDA graph holds (#33)
+                self._verify_in = self.verify_graphs.inputs(
+                    out.slots, starts, out.num_scheduled_tokens, self.spec.rows.decode,
+                    self.state.block_table_np, self.state.block_size)
         if self.fast is None:
             meta = BatchMeta.build(out.slots, starts, out.num_scheduled_tokens,
                                    self.device, torch.from_numpy(self.state.block_table_np),
@@ -195,7 +204,10 @@ class StageRunner:
                                    self.state.block_table_np, self.state.block_size, self.device)
         self._meta = meta
         if self.spec is not None and self.g.is_last:
-            meta = self.spec.logit_meta(meta, out)
+            if self.spec.rows.any_drafts:   # else one logit row per step row, as without
+                meta = self.spec.logit_meta(meta, out)
+            else:
+                self.spec.first = np.arange(out.num_rows, dtype=np.int64)
         elif self.g.is_last:   # prompt logprobs: logits at every token of the scoring rows
             self._prompt_plan = self.state.sampling_state.prompt_logprobs.plan(
                 out.slots, starts, out.num_scheduled_tokens)
@@ -247,6 +259,8 @@ class StageRunner:
         if self.fast is None:
             return self.stage(meta, **inputs)
         self.stage._check(meta, inputs.get("input_ids"), inputs.get("hidden"))
+        if self._verify_in is not None:
+            return self.verify_graphs.run(self._verify_in, **inputs)
         pm = PagedMeta.from_batch(meta, self.stage.cfg.num_kv_heads)
         if self.graphs is not None and meta.max_query_len == 1 and \
                 self.graphs.bucket_for(meta.num_rows) is not None:
@@ -268,7 +282,8 @@ class StageRunner:
             self._prompt_plan = None
         if mask is not None and self.grammar is not None:
             self.grammar.mask(logits)
-        if mask is not None and self.spec is not None:  # speculative decoding (#14)
+        spec = self.spec if self.spec is not None and self.spec.rows.any_drafts else None
+        if mask is not None and spec is not None:  # speculative decoding (#14)
             v, rows = self.spec.sample(out, mask, logits, self.state, payload.buf)
             if self.grammar is not None:
                 self.grammar.accept_spec(out.slots[rows], v.token_ids, v.num_sampled)
@@ -277,8 +292,10 @@ class StageRunner:
         elif mask is not None:
             rows = np.flatnonzero(mask)
             s_rows = out.slots[rows]
+            # a step without drafts under --spec-tokens: the rank's corrected starts (#33)
+            starts = out.start_positions if self.spec is None else self.spec.rows.starts
             batch, slots_t = self.state.sampling_state.batch(
-                s_rows, out.start_positions[rows] + out.num_scheduled_tokens[rows])
+                s_rows, starts[rows] + out.num_scheduled_tokens[rows])
             history = None
             if batch.penalty_rows is not None:  # penalties read the slots' token history
                 history = TokenHistory.gather(self.state.all_token_ids, self.state.prefill_len,
@@ -304,7 +321,9 @@ class StageRunner:
     def apply_sampled(self, step: int, idx_mapping: np.ndarray, payload: SampledPayload) -> None:
         p = SampledPayload(payload.buf.to(self.device, non_blocking=True))
         idx = to_device(idx_mapping, self.device, torch.int64)
-        if self.spec is None:  # no drafts: nothing is ever rejected, so no host read of the
+        plain = self.spec is None or (payload is self._sampled and not self.spec.rows.any_drafts)
+        if plain:  # no drafts (none at all, or none in the step this last rank just sampled):
+            # nothing is rejected, so no host read (a device sync) of the
             # payload's num_rejected column (zeros) on any rank, the last or a receiving one;
             # every applied row samples exactly one id
             rejected_np = np.zeros(len(idx_mapping), dtype=np.int64)

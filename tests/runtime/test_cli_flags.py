@@ -50,7 +50,8 @@ def test_flags_set_their_fields():
                                          "--step-timeout", "7.5", "--dtype", "float16"]))
     assert cfg.scheduler == SchedulerConfig(pp_size=3, mode="sync", max_model_len=64,
                                             enable_prefix_caching=False, max_num_seqs=32,
-                                            max_num_batched_tokens=512, max_prefill_chunk=128)
+                                            max_num_batched_tokens=512, max_prefill_chunk=128,
+                                            spec_probe_ngram=3)
     assert (cfg.enforce_eager, cfg.step_timeout_s, cfg.dtype) == (True, 7.5, "float16")
 
 
