@@ -16,7 +16,6 @@ Usage: ``python -m runtime.bench cpu-serve [--llama-server PATH] [--only fast-pp
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import subprocess
 import sys
@@ -26,7 +25,7 @@ import httpx
 import psutil
 
 from runtime.bench.results import subcommand_line, write_result
-from runtime.bench.serve import benchmark, build_parser as serve_parser
+from runtime.bench.serve import build_parser as serve_parser, run as run_load
 from runtime.model.registry import default_model_path
 
 CONFIGS = {  # name -> ppstate serve flags
@@ -79,17 +78,14 @@ def _rss_mib(proc: subprocess.Popen) -> dict:
     return {"server": mib(p), "children": sorted((mib(c) for c in kids), reverse=True)}
 
 
-def _load(url: str, args: argparse.Namespace, prompts: int, concurrency: int) -> dict:
+def _load(url: str, args: argparse.Namespace, prompts: int, concurrency: int, seed: int) -> dict:
+    """One load of ``runtime.bench serve`` (one client process); ``seed`` picks the random prompts
+    (each load its own, so no load reuses a prompt a server has cached)."""
     a = serve_parser().parse_args(["--url", url, "--input-len", str(args.input_len),
                                    "--output-len", str(args.output_len), "--num-prompts",
                                    str(prompts), "--max-concurrency", str(concurrency),
-                                   "--no-progress"])
-
-    async def go() -> dict:
-        async with httpx.AsyncClient(base_url=url, limits=httpx.Limits(
-                max_connections=concurrency)) as client:
-            return await benchmark(client, a)
-    return asyncio.run(go())
+                                   "--seed", str(seed), "--no-progress"])
+    return run_load(a)
 
 
 def run_server(name: str, cmd: list[str], args: argparse.Namespace) -> dict:
@@ -102,9 +98,9 @@ def run_server(name: str, cmd: list[str], args: argparse.Namespace) -> dict:
     try:
         _wait_ready(url, proc, args.start_timeout)
         start_s = time.monotonic() - t0
-        _load(url, args, 1, 1)   # warm-up
-        single = _load(url, args, args.single_prompts, 1)
-        multi = _load(url, args, 2 * args.concurrency, args.concurrency)
+        _load(url, args, 1, 1, seed=1)   # warm-up
+        single = _load(url, args, args.single_prompts, 1, seed=2)
+        multi = _load(url, args, 2 * args.concurrency, args.concurrency, seed=3)
         rss = _rss_mib(proc)
     finally:
         proc.terminate()
