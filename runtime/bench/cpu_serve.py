@@ -32,9 +32,14 @@ CONFIGS = {  # name -> ppstate serve flags
     "fast-pp1": ["--pp", "1", "--cpu-path", "fast"],
     "fast-pp2": ["--pp", "2", "--cpu-path", "fast"],
     "fast-pp2-pinned": ["--pp", "2", "--cpu-path", "fast", "--cpu-pin"],
+    "fast-pp2-split": ["--pp", "2", "--cpu-path", "fast", "--cpu-threads", str(os.cpu_count())],
     "exact-pp1": ["--pp", "1", "--cpu-path", "exact"],
     "exact-pp2": ["--pp", "2", "--cpu-path", "exact"],
 }
+
+#: configurations run only when ``--only`` names them (thread-placement variants of fast-pp2,
+#: whose ranks may each use every core: pinned ranks; the cores' threads split between the ranks)
+VARIANTS = ("fast-pp2-pinned", "fast-pp2-split")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,7 +131,7 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
                             str(args.port), "-t", str(cores), "-np", str(args.concurrency),
                             "-c", str(args.concurrency * (args.input_len + args.output_len + 16))]
     for name, flags in CONFIGS.items():
-        if name.endswith("-pinned") and not args.only:
+        if name in VARIANTS and not args.only:
             continue
         out[name] = [sys.executable, "-m", "runtime.serve", "--port", str(args.port), *flags,
                      "--kv-cache-memory", args.kv_cache_memory]
