@@ -1,6 +1,6 @@
 """Generate the README's benchmark tables from ``benchmarks/results/*.json`` (kinds ``pp``,
-``sched`` and ``contention``, written by ``python -m runtime.bench pp|sched|contention
---json-out``).
+``sched``, ``contention`` and ``cpu_serve``, written by ``python -m runtime.bench
+pp|sched|contention|cpu-serve --json-out``; of ``cpu_serve`` the newest file only).
 
 ``python benchmarks/readme_table.py`` rewrites the block between the two marker comments in
 README.md; ``--check`` exits 1 when the block differs from what the results say
@@ -40,7 +40,7 @@ def load_results(folder: Path = RESULTS) -> list[tuple[str, dict]]:
     docs = []
     for f in sorted(folder.glob("*.json")):
         doc = json.loads(f.read_text())
-        if isinstance(doc, dict) and doc.get("kind") in ("pp", "sched", "contention"):
+        if isinstance(doc, dict) and doc.get("kind") in ("pp", "sched", "contention", "cpu_serve"):
             docs.append((f.name, doc))
     return sorted(docs, key=lambda d: (d[1]["date"], d[0]))
 
@@ -79,8 +79,12 @@ def render(docs: list[tuple[str, dict]]) -> str:
     found: dict[str, tuple[str, dict]] = {}
     sweep, sched = None, None
     contention: list[tuple[str, dict]] = []   # every machine's contention file, one table each
+    serving = None
     for name, doc in docs:                 # newer files override older ones
         res = doc["results"]
+        if doc["kind"] == "cpu_serve":
+            serving = (name, doc)
+            continue
         for key, *_ in METRICS:
             if metric(res, key) is not None:
                 found[key] = (name, doc)
@@ -119,7 +123,9 @@ def render(docs: list[tuple[str, dict]]) -> str:
             lines.append(f"| {p['concurrency']} | " + " | ".join(cells) + " |")
     for c in contention:
         lines += ["", *contention_table(*c)]
-    extra = [x for x in (sweep, sched) if x] + contention
+    if serving:
+        lines += ["", *serving_table(*serving)]
+    extra = [x for x in (sweep, sched, serving) if x] + contention
     cmds = sorted({doc["command"] for _, doc in [*found.values(), *extra]})
     machines = sorted({doc["machine"] for _, doc in [*found.values(), *extra]})
     lines += ["", "Machine: " + "; ".join(machines) + ".", "", "Commands:", ""]
@@ -150,6 +156,32 @@ def contention_table(name: str, doc: dict) -> list[str]:
                    f"| {max(p['slowdown']):.2f} | "
                    + (f"{c['ceiling']:.2f} at {c['concurrency']} | "
                       f"{c['ceiling_without_contention']:.2f} |" if c else "- | - |"))
+    return out
+
+
+def serving_table(name: str, doc: dict) -> list[str]:
+    """Lines of the CPU serving table (``bench cpu-serve``): output tokens/s of each server at 1
+    stream and at the run's concurrency, each over llama.cpp's when it ran, and the ranks' RSS."""
+    res, conc = doc["results"], doc["args"]["concurrency"]
+    vs = res["ratios"].get("vs_llama_cpp", {})
+    out = [f"CPU serving, streamed `/v1/completions`, {doc['args']['input_len']}-token prompts, "
+           f"{doc['args']['output_len']} new tokens, greedy, EOS ignored (`{name}`, {doc['date'][:16]} "
+           f"UTC); machine: {doc['machine']}:", "",
+           f"| server | 1 stream tok/s | {conc} streams tok/s | vs llama.cpp (1 / {conc}) "
+           "| rank RSS MiB |", "|---|---|---|---|---|"]
+    for srv, r in res["servers"].items():
+        if "error" in r:
+            out.append(f"| {srv} | failed: {r['error']} | | | |")
+            continue
+        one, many = r["single"]["output_throughput"], r[f"concurrent_{conc}"]["output_throughput"]
+        ratio = " / ".join(f"{x:.2f}" for x in vs[srv]) if srv in vs else "-"
+        rss = ", ".join(f"{x:.0f}" for x in r["rss_mib"]["children"] if x > 100) or \
+            f"{r['rss_mib']['server']:.0f}"
+        out.append(f"| {srv} | {one:.1f} | {many:.1f} | {ratio} | {rss} |")
+    pp = {k: v for k, v in res["ratios"].items() if k.endswith("_pp2_over_pp1_concurrent")}
+    if pp:
+        out += ["", f"PP=2 / PP=1 at {conc} streams: "
+                + ", ".join(f"{k.split('_')[0]} {v:.2f}" for k, v in pp.items()) + "."]
     return out
 
 

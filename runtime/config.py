@@ -70,7 +70,8 @@ class EngineConfig(BaseModel):
         "Runtime int8 GEMMs (docs/cpu_fast_path.md; runtime.serve's default)")
     cpu_threads: int | None = Field(default=None, ge=1, description="fast CPU path: threads the "
                                     "ranks of the pipeline share, split evenly between stages "
-                                    "(default: all cores)")
+                                    "(default: every rank may use every core; its threads sleep "
+                                    "while it waits)")
     cpu_pin: bool = Field(default=False, description="fast CPU path: pin each rank to its own "
                           "share of the cores (spawn launcher, one pipeline; on a machine shared "
                           "with other jobs pinning measured 1.3-3x slower)")

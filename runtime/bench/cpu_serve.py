@@ -16,7 +16,6 @@ Usage: ``python -m runtime.bench cpu-serve [--llama-server PATH] [--only fast-pp
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import subprocess
 import sys
@@ -26,16 +25,21 @@ import httpx
 import psutil
 
 from runtime.bench.results import subcommand_line, write_result
-from runtime.bench.serve import benchmark, build_parser as serve_parser
+from runtime.bench.serve import build_parser as serve_parser, run as run_load
 from runtime.model.registry import default_model_path
 
 CONFIGS = {  # name -> ppstate serve flags
     "fast-pp1": ["--pp", "1", "--cpu-path", "fast"],
     "fast-pp2": ["--pp", "2", "--cpu-path", "fast"],
     "fast-pp2-pinned": ["--pp", "2", "--cpu-path", "fast", "--cpu-pin"],
+    "fast-pp2-split": ["--pp", "2", "--cpu-path", "fast", "--cpu-threads", str(os.cpu_count())],
     "exact-pp1": ["--pp", "1", "--cpu-path", "exact"],
     "exact-pp2": ["--pp", "2", "--cpu-path", "exact"],
 }
+
+#: configurations run only when ``--only`` names them (thread-placement variants of fast-pp2,
+#: whose ranks may each use every core: pinned ranks; the cores' threads split between the ranks)
+VARIANTS = ("fast-pp2-pinned", "fast-pp2-split")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,17 +83,14 @@ def _rss_mib(proc: subprocess.Popen) -> dict:
     return {"server": mib(p), "children": sorted((mib(c) for c in kids), reverse=True)}
 
 
-def _load(url: str, args: argparse.Namespace, prompts: int, concurrency: int) -> dict:
+def _load(url: str, args: argparse.Namespace, prompts: int, concurrency: int, seed: int) -> dict:
+    """One load of ``runtime.bench serve`` (one client process); ``seed`` picks the random prompts
+    (each load its own, so no load reuses a prompt a server has cached)."""
     a = serve_parser().parse_args(["--url", url, "--input-len", str(args.input_len),
                                    "--output-len", str(args.output_len), "--num-prompts",
                                    str(prompts), "--max-concurrency", str(concurrency),
-                                   "--no-progress"])
-
-    async def go() -> dict:
-        async with httpx.AsyncClient(base_url=url, limits=httpx.Limits(
-                max_connections=concurrency)) as client:
-            return await benchmark(client, a)
-    return asyncio.run(go())
+                                   "--seed", str(seed), "--no-progress"])
+    return run_load(a)
 
 
 def run_server(name: str, cmd: list[str], args: argparse.Namespace) -> dict:
@@ -102,9 +103,9 @@ def run_server(name: str, cmd: list[str], args: argparse.Namespace) -> dict:
     try:
         _wait_ready(url, proc, args.start_timeout)
         start_s = time.monotonic() - t0
-        _load(url, args, 1, 1)   # warm-up
-        single = _load(url, args, args.single_prompts, 1)
-        multi = _load(url, args, 2 * args.concurrency, args.concurrency)
+        _load(url, args, 1, 1, seed=1)   # warm-up
+        single = _load(url, args, args.single_prompts, 1, seed=2)
+        multi = _load(url, args, 2 * args.concurrency, args.concurrency, seed=3)
         rss = _rss_mib(proc)
     finally:
         proc.terminate()
@@ -130,7 +131,7 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
                             str(args.port), "-t", str(cores), "-np", str(args.concurrency),
                             "-c", str(args.concurrency * (args.input_len + args.output_len + 16))]
     for name, flags in CONFIGS.items():
-        if name.endswith("-pinned") and not args.only:
+        if name in VARIANTS and not args.only:
             continue
         out[name] = [sys.executable, "-m", "runtime.serve", "--port", str(args.port), *flags,
                      "--kv-cache-memory", args.kv_cache_memory]

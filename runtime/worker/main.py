@@ -115,8 +115,8 @@ class _Worker:
             from runtime.model.cpu.fast_stage import load_fast_stage
             from runtime.model.cpu.threads import apply_threads, plan_threads
             pin = cfg.cpu_pin and cfg.launcher == "spawn" and cfg.dp_size == 1
-            threads, cores = plan_threads(cfg.cpu_threads, cfg.scheduler.pp_size, self.rank)
-            apply_threads(threads, cores if pin else None)
+            threads, cores = plan_threads(cfg.cpu_threads, cfg.scheduler.pp_size, self.rank, pin=pin)
+            apply_threads(threads, cores)
             return load_fast_stage(self.args.model_path, self.args.layer_range, **common)
         return load_stage(self.args.model_path, self.args.layer_range, dtype=dtype,
                           device=device, batch_invariant=True, **common)

@@ -75,11 +75,13 @@ def test_greedy_first_tokens_agree(agreement):
 
 
 def test_threads_split_between_stages():
-    assert plan_threads(None, 2, 0, [0, 1]) == (1, [0])
-    assert plan_threads(None, 2, 1, [0, 1]) == (1, [1])
-    assert plan_threads(None, 1, 0, [0, 1]) == (2, [0, 1])
-    assert plan_threads(4, 2, 1, [0, 1]) == (2, None)    # more threads than cores: no pinning
-    assert plan_threads(None, 3, 2, [0, 1]) == (1, None)
+    assert plan_threads(None, 2, 1, [0, 1]) == (2, None)   # default: every rank every core
+    assert plan_threads(2, 2, 1, [0, 1]) == (1, None)      # --cpu-threads: split, not pinned
+    assert plan_threads(None, 2, 0, [0, 1], pin=True) == (1, [0])
+    assert plan_threads(None, 2, 1, [0, 1], pin=True) == (1, [1])
+    assert plan_threads(None, 1, 0, [0, 1], pin=True) == (2, [0, 1])
+    assert plan_threads(4, 2, 1, [0, 1], pin=True) == (2, None)   # more threads than cores
+    assert plan_threads(None, 3, 2, [0, 1], pin=True) == (1, None)
 
 
 def test_defaults_exact_config_fast_server():

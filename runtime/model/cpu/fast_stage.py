@@ -1,6 +1,7 @@
-"""One pipeline stage on the CPU fast path: quantized GEMMs in ONNX Runtime segments
-(:mod:`runtime.model.cpu.segments`), attention in torch over the same paged KV cache and with the
-same code as the reference path (``runtime.model.layers.attend``, SDPA form).
+"""One pipeline stage on the CPU fast path: quantized GEMMs and RoPE in ONNX Runtime segments
+(:mod:`runtime.model.cpu.segments`), attention in torch over the same paged KV cache (the reference
+path's row groups and masks; grouped two-matmul attention for decode rows, SDPA for prefill
+rows; per layer one cache write and one context read).
 
 Drop-in for :class:`~runtime.model.stage.StageModel` in a worker: same ``forward(meta, ...)``
 contract (first stage ``input_ids [T]``; later ones ``hidden, residual [T, H]``; the last returns
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -22,7 +24,8 @@ from runtime.model.batch_meta import BatchMeta, contiguous_block_table
 from runtime.model.cpu.quant_weights import read_embedding, read_head, read_layer
 from runtime.model.cpu.segments import head_segment, mid_segment, tail_segment
 from runtime.model.errors import PartitionError, UnsupportedModelError
-from runtime.model.layers import apply_rope, attend, rope_inv_freq, rope_tables
+from runtime.model.layers import _grouped_attention, rope_inv_freq, rope_tables
+from runtime.model.paged_attention import head_major_index
 from runtime.model.registry import resolve_model_path
 from runtime.model.rope import rope_type
 from runtime.model.stage import StageModel
@@ -59,13 +62,14 @@ class CpuFastStage(nn.Module):
         head = read_head(ckpt) if self.is_last else None
         self.weight_bytes = 0 if self.embed is None else self.embed.q.numel() + self.embed.scales.numel() * 4
         self.layers, self.segments, prev = [None] * n, [], None
+        heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         for j in tqdm(range(n), desc="quantized layers", disable=not progress, leave=False):
             layer = read_layer(ckpt, self.layer_start + j, bits)
             self.weight_bytes += sum(w.packed.nbytes + w.scales.nbytes + (
                 0 if w.zero_points is None else w.zero_points.nbytes)
                 for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
-            self.segments.append(head_segment(layer, accuracy_level, eps) if prev is None
-                                 else mid_segment(prev, layer, accuracy_level, eps))
+            self.segments.append(head_segment(layer, heads, accuracy_level, eps) if prev is None
+                                 else mid_segment(prev, layer, heads, accuracy_level, eps))
             prev = layer
         self.segments.append(tail_segment(prev, accuracy_level, eps, head))
         if head is not None:
@@ -94,31 +98,79 @@ class CpuFastStage(nn.Module):
             residual = torch.zeros_like(hidden)
         elif residual is None:
             residual = torch.zeros_like(hidden)
-        cos = self.rope_cos.index_select(0, meta.positions)
-        sin = self.rope_sin.index_select(0, meta.positions)
-        qkv, res = self.segments[0].run(None, {"x": _np(hidden.float()), "res": _np(residual.float())})
+        rope = {"pos": np.arange(meta.num_tokens, dtype=np.int64)[None],
+                "cos": _np(self.rope_cos.index_select(0, meta.positions)),
+                "sin": _np(self.rope_sin.index_select(0, meta.positions))}
+        plan = _AttnPlan(meta)
+        q, kv, res = self.segments[0].run(None, {"x": _np(hidden.float()), "res": _np(residual.float()),
+                                                  **rope})
         last = len(self.layers) - 1
         for i in range(last + 1):
-            attn = _np(self._attend(torch.from_numpy(qkv), meta, cos, sin, i))
+            attn = _np(self._attend(torch.from_numpy(q), torch.from_numpy(kv), plan, i))
             if i < last:
-                qkv, res = self.segments[i + 1].run(None, {"x": attn, "res": res})
+                q, kv, res = self.segments[i + 1].run(None, {"x": attn, "res": res, **rope})
         if self.is_last:
             rows = _np(meta.last_token.to(torch.int64))
             return torch.from_numpy(self.segments[-1].run(None, {"x": attn, "res": res, "rows": rows})[0])
         out, res = self.segments[-1].run(None, {"x": attn, "res": res})
         return torch.from_numpy(out), torch.from_numpy(res)
 
-    def _attend(self, qkv: torch.Tensor, meta: BatchMeta, cos: torch.Tensor, sin: torch.Tensor,
-                i: int) -> torch.Tensor:
-        """RoPE, KV write and attention of local layer ``i``: ``qkv [T, (NH + 2 KVH) D]`` ->
-        ``[T, NH D]``."""
-        cfg, t = self.cfg, qkv.shape[0]
-        nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
-        q = apply_rope(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = apply_rope(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-        return attend(q, k, v.reshape(t, cfg.num_kv_heads, cfg.head_dim), meta,
-                      self.kv_cache[i, 0], self.kv_cache[i, 1], invariant=False)
+    def _attend(self, q: torch.Tensor, kv: torch.Tensor, plan: "_AttnPlan", i: int) -> torch.Tensor:
+        """KV write and attention of local layer ``i`` (RoPE already applied by the segment):
+        ``q [T, NH D]``, ``kv [2, T, KVH D]`` -> ``[T, NH D]``.
+
+        Both planes of the layer's cache are written with one ``index_copy_``; each group's
+        context (keys and values together) is read with one ``index_select`` into the head-major
+        layout ``[2, Rg, KVH, L, D]``. Decode rows use the grouped two-matmul form of
+        ``layers._grouped_attention`` (query heads sharing a KV head stacked, K/V never repeated;
+        10-25% less CPU than SDPA's flash kernel at 8-64 decode rows), prefill rows SDPA.
+        """
+        cfg = self.cfg
+        h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        layer = self.kv_cache[i]                          # [2, blocks, block_size, KVH, D]
+        if plan.keep is not None:
+            kv = kv.index_select(1, plan.keep)
+        layer.view(2, -1, kvh * d).index_copy_(1, plan.write, kv)
+        out = None if plan.dense else q.new_empty(q.shape)
+        for g, idx in zip(plan.groups, plan.context_index(layer[0].numel() // d, kvh)):
+            rows = g.slots.shape[0]
+            ctx = layer.view(-1, d).index_select(0, idx).view(2, rows, kvh, g.kv_len, d)
+            qg = q if out is None else q.index_select(0, g.gather)
+            qg = qg.view(rows, g.q_max, h, d).transpose(1, 2)
+            if g.q_max == 1:   # decode rows
+                o = _grouped_attention(qg, ctx[0], ctx[1], g.mask)
+            else:
+                o = F.scaled_dot_product_attention(qg, ctx[0], ctx[1], attn_mask=g.mask, enable_gqa=True)
+            o = o.transpose(1, 2).reshape(rows * g.q_max, h * d)
+            if out is None:
+                return o
+            out.index_copy_(0, g.tokens, o.index_select(0, g.padded))
+        return out
+
+
+class _AttnPlan:
+    """What every layer's attention of one step shares: the KV write index (``write [T']``, with
+    ``keep [T']`` the tokens written when some have no cache cell, ``slot_mapping == -1``), the
+    groups of ``meta``, whether there is a single dense one (queries already in token order), and
+    each group's context index (:meth:`context_index`, built by the first layer)."""
+
+    def __init__(self, meta: BatchMeta) -> None:
+        keep = meta.slot_mapping >= 0
+        self.keep = None if bool(keep.all()) else keep.nonzero()[:, 0]
+        self.write = meta.slot_mapping if self.keep is None else meta.slot_mapping[self.keep]
+        self.groups = meta.groups
+        self.dense = len(meta.groups) == 1 and meta.groups[0].dense
+        self._context = None
+
+    def context_index(self, plane: int, kvh: int) -> list[torch.Tensor]:
+        """Per group ``[2 * Rg * KVH * L]`` long: rows of a layer's cache viewed ``[2 * plane, D]``
+        (``plane`` = D-vectors per K or V plane) holding its keys, then its values, head major."""
+        if self._context is None:
+            self._context = []
+            for g in self.groups:
+                idx = head_major_index(g.kv_index, g.slots.shape[0], g.kv_len, kvh)
+                self._context.append(torch.cat([idx, idx + plane]))
+        return self._context
 
 
 def fast_path_unsupported(cfg) -> str | None:

@@ -4,10 +4,17 @@ A stage's step alternates attention (torch, over the paged KV cache) with a *seg
 Runtime: everything from one layer's attention output to the next layer's QKV projection, so a
 layer costs one ONNX Runtime call. With ``x``, ``res`` ``[T, H]``:
 
-* ``head``: ``res' = x + res``; ``qkv = norm1_0(res') @ Wqkv_0^T``  -> ``(qkv, res')``
+* ``head``: ``res' = x + res``; ``qkv = norm1_0(res') @ Wqkv_0^T``  -> ``(q, kv, res')``
 * ``mid i``: ``h = attn @ Wo_i^T``; ``res' = h + res``; ``m = down_i(silu(g) * u)`` with
   ``(g, u) = norm2_i(res') @ Wgu_i^T``; ``res'' = m + res'``; ``qkv = norm1_{i+1}(res'') @ Wqkv^T``
-  -> ``(qkv, res'')``
+  -> ``(q, kv, res'')``
+
+Where a segment ends in a QKV projection it also applies RoPE (``RotaryEmbedding``, half-split
+pairing as ``layers.apply_rope``) to the queries and keys with the step's ``cos``, ``sin``
+``[T, D / 2]`` (the rows of the stage's tables at each token's position; ``pos`` is ``[[0 .. T-1]]``
+into them) and returns ``q [T, NH D]`` and ``kv [2, T, KVH D]`` (rotated keys, values), the layout of
+one layer's KV cache viewed ``[2, blocks * block_size, KVH D]``, so the attention writes both with
+one ``index_copy_``.
 * ``tail``: as ``mid`` up to ``m``; a non-last stage returns ``(m, res')`` (the carried-residual
   convention of ``runtime.model.layers``), the last stage gathers each row's last token
   (``rows [R]``) and returns ``logits [R, V] = norm_f(m + res') @ W_head^T``.
@@ -76,6 +83,27 @@ class _Builder:
                        helper.make_node("Mul", [act, u], [prod])]
         return self.matmul(prod, layer.down), res
 
+    def rope_qkv(self, normed: str, w: BlockWeight, heads: tuple[int, int, int]) -> tuple[str, str]:
+        """``normed [T, H] -> (q [T, NH D], kv [2, T, KVH D])``: QKV GEMM, RoPE on q and k."""
+        nh, kvh, d = heads
+        qkv = self.matmul(normed, w)
+        qk, v, qk3, rot3, rot, q, k = (self.name(n) for n in ("qk", "v", "qk3", "rot3", "rot", "q", "k"))
+        ax0 = self.const(np.array([0], dtype=np.int64), "ax0")
+        self.nodes += [
+            helper.make_node("Split", [qkv, self.const(np.array([(nh + kvh) * d, kvh * d]), "sp")],
+                             [qk, v], axis=-1),
+            helper.make_node("Unsqueeze", [qk, ax0], [qk3]),
+            helper.make_node("RotaryEmbedding", [qk3, "pos", "cos", "sin"], [rot3], domain=MS,
+                             interleaved=0, num_heads=nh + kvh),
+            helper.make_node("Squeeze", [rot3, ax0], [rot]),
+            helper.make_node("Split", [rot, self.const(np.array([nh * d, kvh * d]), "sp")], [q, k],
+                             axis=-1)]
+        k0, v0, kv = self.name("k0"), self.name("v0"), self.name("kv")
+        self.nodes += [helper.make_node("Unsqueeze", [k, ax0], [k0]),
+                       helper.make_node("Unsqueeze", [v, ax0], [v0]),
+                       helper.make_node("Concat", [k0, v0], [kv], axis=0)]
+        return q, kv
+
     def session(self, inputs: list[tuple[str, int, list]], outputs: dict[str, tuple[str, list]],
                 ) -> ort.InferenceSession:
         """Finish the graph (renaming the chosen values to the output names) and open it."""
@@ -95,24 +123,37 @@ class _Builder:
 _F = TensorProto.FLOAT
 
 
-def head_segment(layer, level: int, eps: float) -> ort.InferenceSession:
-    """``(x, res) -> (qkv, res)`` into ``layer``'s attention."""
+def _rope_inputs(d: int) -> list[tuple[str, int, list]]:
+    return [("pos", TensorProto.INT64, [1, "T"]), ("cos", _F, ["T", d // 2]), ("sin", _F, ["T", d // 2])]
+
+
+def _qkv_outputs(q: str, kv: str, heads: tuple[int, int, int]) -> dict:
+    nh, kvh, d = heads
+    return {"q": (q, ["T", nh * d]), "kv": (kv, [2, "T", kvh * d])}
+
+
+def head_segment(layer, heads: tuple[int, int, int], level: int, eps: float,
+                 ) -> ort.InferenceSession:
+    """``(x, res, pos, cos, sin) -> (q, kv, res)`` into ``layer``'s attention; ``heads`` is
+    ``(NH, KVH, D)``."""
     b = _Builder(level, eps)
+    h = layer.ln1.shape[0]
     normed, res = b.add_norm("x", "res", layer.ln1)
-    return b.session([("x", _F, ["T", layer.ln1.shape[0]]), ("res", _F, ["T", layer.ln1.shape[0]])],
-                     {"qkv": (b.matmul(normed, layer.qkv), ["T", layer.qkv.n]),
-                      "res_out": (res, ["T", layer.ln1.shape[0]])})
+    q, kv = b.rope_qkv(normed, layer.qkv, heads)
+    return b.session([("x", _F, ["T", h]), ("res", _F, ["T", h])] + _rope_inputs(heads[2]),
+                     {**_qkv_outputs(q, kv, heads), "res_out": (res, ["T", h])})
 
 
-def mid_segment(layer, nxt, level: int, eps: float) -> ort.InferenceSession:
-    """``(attn, res) -> (qkv, res)``: rest of ``layer``, start of ``nxt``."""
+def mid_segment(layer, nxt, heads: tuple[int, int, int], level: int, eps: float,
+                ) -> ort.InferenceSession:
+    """``(attn, res, pos, cos, sin) -> (q, kv, res)``: rest of ``layer``, start of ``nxt``."""
     b = _Builder(level, eps)
     h = layer.ln1.shape[0]
     m, res = b.mlp("x", "res", layer)
     normed, res = b.add_norm(m, res, nxt.ln1)
-    return b.session([("x", _F, ["T", layer.o.k]), ("res", _F, ["T", h])],
-                     {"qkv": (b.matmul(normed, nxt.qkv), ["T", nxt.qkv.n]),
-                      "res_out": (res, ["T", h])})
+    q, kv = b.rope_qkv(normed, nxt.qkv, heads)
+    return b.session([("x", _F, ["T", layer.o.k]), ("res", _F, ["T", h])] + _rope_inputs(heads[2]),
+                     {**_qkv_outputs(q, kv, heads), "res_out": (res, ["T", h])})
 
 
 def tail_segment(layer, level: int, eps: float, head: tuple[np.ndarray, BlockWeight] | None,
