@@ -2,10 +2,12 @@
 
 Two engines, each shared by its tests (module fixtures):
 
-* TP=2 x PP=1 on a Llama with ONE KV head (replicated on both TP ranks) and a vocabulary of 509
-  (the second vocab shard is zero-padded), prefill chunks of 8 tokens;
-* TP=2 x PP=2, overlapped schedule, on a Llama with two KV heads (one per TP rank): hidden states
-  go stage 0 TP r -> stage 1 TP r, the sampled ids come back on each TP rank's chain.
+* TP=2 x PP=1 on a Qwen3-MoE (8 experts, 2 per token, q/k norms) with ONE KV head (replicated on
+  both TP ranks) and a vocabulary of 509 (the second vocab shard is zero-padded): every expert's
+  intermediate dimension split across the TP ranks; prefill chunks of 8 tokens;
+* TP=2 x PP=2, overlapped schedule, on a Qwen2 (q/k/v biases) with two KV heads (one per TP
+  rank): hidden states go stage 0 TP r -> stage 1 TP r, the sampled ids come back on each TP
+  rank's chain.
 
 Greedy ids equal transformers' ``generate`` token for token; mirrors are validated after every step
 on every rank; a corrupted device field on TP rank 1 of stage 1 stops the engine with an error
@@ -43,17 +45,17 @@ def _engine(folder, **kw) -> EngineThread:
 
 @pytest.fixture(scope="module")
 def kv1(tmp_path_factory):
-    """(folder, transformers model): 2 layers, 1 KV head, vocabulary 509."""
+    """(folder, transformers model): Qwen3-MoE, 2 layers, 1 KV head, vocabulary 509."""
     folder = tmp_path_factory.mktemp("tp-kv1")
-    return folder, build_family_model("llama", folder, layers=2, num_key_value_heads=1,
+    return folder, build_family_model("qwen3_moe", folder, layers=2, num_key_value_heads=1,
                                       vocab_size=509)
 
 
 @pytest.fixture(scope="module")
 def kv2(tmp_path_factory):
-    """(folder, transformers model): 2 layers, 2 KV heads, vocabulary 512."""
+    """(folder, transformers model): Qwen2 (q/k/v biases), 2 layers, 2 KV heads, vocabulary 512."""
     folder = tmp_path_factory.mktemp("tp-kv2")
-    return folder, build_family_model("llama", folder, layers=2)
+    return folder, build_family_model("qwen2", folder, layers=2)
 
 
 @pytest.fixture(scope="module")
