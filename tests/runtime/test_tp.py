@@ -39,7 +39,7 @@ def _prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]
 
 def _engine(folder, **kw) -> EngineThread:
     base = dict(model=str(folder), max_num_seqs=8, max_model_len=128, max_prefill_chunk=8,
-                max_num_batched_tokens=32, step_timeout_s=30.0, tp_size=2)
+                max_num_batched_tokens=32, step_timeout_s=30.0, tp_size=2, device="cpu")
     return EngineThread(EngineConfig(**{**base, **kw}))
 
 
