@@ -129,3 +129,48 @@ def test_tp2_pp2_divergence_on_one_tp_rank_is_named(tp2pp2):
     assert "pp rank 1, tp rank 1" in last.error and "MirrorDivergence" in last.error
     assert "num_computed_tokens" in last.error and "slot" in last.error and "step" in last.error
     assert not eng.is_alive and "rank 3" in eng.error
+
+
+# ---- no processes: the shard layout, the torchrun world ----------------------------------------
+def test_shards_of_every_tensor_reassemble_the_checkpoint(kv1):
+    """Concatenating the TP ranks' slices (KV heads de-duplicated, vocab padding dropped, the O
+    bias summed) gives back every tensor of the stage, for a 1-KV-head MoE at TP=2 and TP=4."""
+    import torch
+
+    from runtime.model.hf_loader import HFCheckpoint
+    from runtime.model.tensor_names import EMBED, LM_HEAD, stage_tensor_names
+    from runtime.model.tp.shard import TPShardPlan
+    ckpt = HFCheckpoint(kv1[0])
+    cfg = ckpt.config
+    for tp in (2, 4):
+        plans = [TPShardPlan(cfg, r, tp) for r in range(tp)]
+        assert [p.local_config().num_kv_heads for p in plans] == [1] * tp
+        for name in stage_tensor_names(cfg, (0, cfg.num_layers)):
+            full, span = ckpt.read(name), plans[0].span(name)
+            parts = [p.read(ckpt, name) for p in plans]
+            if span is None:
+                assert all(torch.equal(x, full) for x in parts), name
+                continue
+            dim = span[0]
+            if name in (EMBED, LM_HEAD):
+                parts[-1] = parts[-1][:cfg.vocab_size - plans[-1].vocab_start]
+            uniq = []
+            for p, x in zip(plans, parts):   # replicated KV heads: keep each slice once
+                if p.span(name)[1:] not in [q.span(name)[1:] for q in plans[:plans.index(p)]]:
+                    uniq.append(x)
+            assert torch.equal(torch.cat(uniq, dim), full), name
+
+
+def test_tp_refuses_a_degree_the_heads_cannot_split(kv1):
+    from runtime.model.hf_loader import HFCheckpoint
+    from runtime.model.tp.shard import check_tp
+    with pytest.raises(ValueError, match="--tp: 3 does not divide .*num_heads=4"):
+        check_tp(HFCheckpoint(kv1[0]).config, 3)
+
+
+def test_torchrun_world_is_pp_times_tp():
+    from runtime.engine.torchrun import resolve_cli
+    env = {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "h", "MASTER_PORT": "1", "LOCAL_RANK": "0"}
+    assert resolve_cli({"launcher": "auto", "pp_size": None, "tp_size": 2}, env)["pp_size"] == 2
+    with pytest.raises(ValueError, match="--pp: pp x tp must equal"):
+        resolve_cli({"launcher": "auto", "pp_size": 4, "tp_size": 2}, env)
