@@ -92,6 +92,9 @@ def resolve_cli(values: dict, environ: Mapping[str, str] | None = None) -> dict:
     if out.get("pp_size") is None:
         out["pp_size"] = (env.world_size // tp_size if out["launcher"] == "torchrun"
                           else EngineConfig().scheduler.pp_size)
+    if out["launcher"] == "torchrun" and out["pp_size"] * tp_size != env.world_size and tp_size == 1:
+        raise ValueError(f"--pp: must equal torchrun's WORLD_SIZE={env.world_size} (one process per "
+                         f"pipeline stage), got {out['pp_size']}; drop --pp to use WORLD_SIZE")
     if out["launcher"] == "torchrun" and out["pp_size"] * tp_size != env.world_size:
         raise ValueError(f"--pp: pp x tp must equal torchrun's WORLD_SIZE={env.world_size} (one "
                          f"process per rank of each stage), got {out['pp_size']} x {tp_size}; "
