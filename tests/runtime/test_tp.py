@@ -4,7 +4,8 @@ Two engines, each shared by its tests (module fixtures):
 
 * TP=2 x PP=1 on a Qwen3-MoE (8 experts, 2 per token, q/k norms) with ONE KV head (replicated on
   both TP ranks) and a vocabulary of 509 (the second vocab shard is zero-padded): every expert's
-  intermediate dimension split across the TP ranks; prefill chunks of 8 tokens;
+  intermediate dimension split across the TP ranks; prefill chunks of 8 tokens, a KV budget small
+  enough to preempt, prefix-cache hits;
 * TP=2 x PP=2, overlapped schedule, on a Qwen2 (q/k/v biases) with two KV heads (one per TP
   rank): hidden states go stage 0 TP r -> stage 1 TP r, the sampled ids come back on each TP
   rank's chain.
@@ -60,7 +61,9 @@ def kv2(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tp2(kv1):
-    eng = _engine(kv1[0], pp_size=1)
+    # 40KB per rank = 10 blocks of 16 tokens (1 local KV head x 16 x 2 layers x fp32): the eight
+    # 12-16 token prompts fit admitted, not decoded past 16 tokens, so requests are preempted
+    eng = _engine(kv1[0], pp_size=1, kv_cache_memory="40KB")
     yield eng
     eng.close()
 
@@ -72,10 +75,23 @@ def tp2pp2(kv2):
     eng.close()
 
 
-def test_tp2_greedy_equals_transformers_with_chunked_prefill(tp2, kv1):
-    prompts = _prompts(5, 3, 30, 509, seed=1)   # up to 4 chunks of 8
+def test_tp2_greedy_equals_transformers_with_chunked_prefill_and_preemption(tp2, kv1):
+    prompts = _prompts(8, 12, 16, 509, seed=1)   # two chunks of 8 each
     got = [tuple(r["token_ids"]) for r in tp2.generate(prompts, GREEDY)]
+    stats = tp2.engine.stats()
+    assert stats["kv_blocks_total"] == 10 and stats["num_preemptions"] > 0
     assert got == generate_reference(kv1[1], prompts, NEW)
+
+
+def test_tp2_prefix_cache_hit_keeps_the_tokens(tp2, kv1):
+    shared = _prompts(1, 32, 32, 509, seed=5)[0]          # two full blocks
+    a, b = shared + [7, 8, 9], shared + [11, 12]
+    first = tp2.generate([a], GREEDY, prefix="pa-")[0]
+    before = tp2.engine.stats()["prefix_cache_hit_tokens"]
+    second = tp2.generate([b], GREEDY, prefix="pb-")[0]
+    assert tp2.engine.stats()["prefix_cache_hit_tokens"] - before == 32
+    assert [tuple(first["token_ids"]), tuple(second["token_ids"])] == \
+        generate_reference(kv1[1], [a, b], NEW)
 
 
 def test_tp2_abort_mid_decode_then_serves_the_rest(tp2, kv1):
