@@ -3,13 +3,14 @@ on a tiny random Qwen2 (2 layers, hidden 64, q/k/v biases) saved by transformers
 from transformers' ``generate`` as the reference:
 
 * ``dp``: TP=2 x PP=2 x DP=2 (8 rank processes, two replicas): greedy ids equal the reference;
+* ``sync``: TP=2 x PP=2 with the sync schedule (one batch in flight): the same;
 * ``kill``: TP=2 x PP=2 under the restart supervisor (``--restart-workers``); SIGKILL of global
   rank 3 (stage 1, TP rank 1) mid-decode: the in-flight request fails (seconds until it does),
   the supervisor restarts the workers (seconds), later greedy ids equal the reference.
 
 Example::
 
-    python -m runtime.bench.tp_checks --checks dp,kill --json-out benchmarks/results/tp-checks.json
+    python -m runtime.bench.tp_checks --checks dp,sync,kill --json-out benchmarks/results/tp-checks.json
 """
 
 from __future__ import annotations
@@ -89,6 +90,15 @@ async def check_dp(config) -> dict:
         await engine.shutdown()
 
 
+async def check_sync(config) -> dict:
+    from runtime.engine import AsyncEngine
+    engine = await AsyncEngine.start(config.replace(pp_size=2, mode="sync"))
+    try:
+        return {"ids": await _greedy(engine)}
+    finally:
+        await engine.shutdown()
+
+
 async def check_kill(config) -> dict:
     from runtime.engine.supervisor import EngineSupervisor
     from runtime.sampling_params import SamplingParams
@@ -115,7 +125,7 @@ async def check_kill(config) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checks", default="dp,kill")
+    p.add_argument("--checks", default="dp,sync,kill")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
@@ -127,7 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
                           max_num_batched_tokens=32, step_timeout_s=30.0)
     results = {}
     for name in args.checks.split(","):
-        r = asyncio.run({"dp": check_dp, "kill": check_kill}[name](config))
+        r = asyncio.run({"dp": check_dp, "sync": check_sync, "kill": check_kill}[name](config))
         r["equal_to_transformers"] = r["ids"] == want
         results[name] = r
         print(name, {k: v for k, v in r.items() if k != "ids"}, flush=True)
