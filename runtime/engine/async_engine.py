@@ -378,6 +378,9 @@ class AsyncEngine:
     # ---- stats -------------------------------------------------------------------------------
     def stats(self) -> dict:
         """Counters for /metrics: requests, steps, tokens, per-rank busy seconds, bubble fraction
-        (:class:`~runtime.engine.counters.EngineCounters`), KV cache and speculative decoding."""
+        (:class:`~runtime.engine.counters.EngineCounters`), KV cache and speculative decoding.
+        ``rank_busy_seconds`` has one entry per rank process (global rank ``pp_rank * tp +
+        tp_rank``) and the bubble fraction counts all of them; ``pp_size`` is the stages."""
         return {"num_running": self.sched.num_running, "num_waiting": self.sched.num_waiting,
-                **self.counters.snapshot(), **self.sched.kv_stats(), **self.sched.spec_stats()}
+                **self.counters.snapshot(), **self.sched.kv_stats(), **self.sched.spec_stats(),
+                "pp_size": self.config.scheduler.pp_size, "tp_size": self.config.tp_size}

@@ -80,6 +80,8 @@ def test_tp2_greedy_equals_transformers_with_chunked_prefill_and_preemption(tp2,
     got = [tuple(r["token_ids"]) for r in tp2.generate(prompts, GREEDY)]
     stats = tp2.engine.stats()
     assert stats["kv_blocks_total"] == 10 and stats["num_preemptions"] > 0
+    assert (stats["pp_size"], stats["tp_size"], len(stats["rank_busy_seconds"])) == (1, 2, 2)
+    assert all(b > 0 for b in stats["rank_busy_seconds"])   # both TP ranks computed
     assert got == generate_reference(kv1[1], prompts, NEW)
 
 
