@@ -201,6 +201,12 @@ class _Worker:
         self.progress.begin_step(out.step, decode_only=bool(
             out.num_rows and (out.num_scheduled_tokens == 1).all()))
         pending = self.runner.launch(out)
+        if self.tp_comm is not None and self.cfg.validate_every \
+                and out.step % self.cfg.validate_every == 0:   # TP ranks agree on token ids
+            from runtime.worker.tp_check import check_tp_agreement
+            st = self.runner.state
+            check_tp_agreement(self.tp_comm, st.all_token_ids, st.total_len, out.step,
+                               self.groups.rank)
         busy = self.runner.timing.busy_s
         self._flush()                   # the previous step's result: its kernels ran first
         if pending is not None:

@@ -118,6 +118,31 @@ def test_tp2_abort_mid_decode_then_serves_the_rest(tp2, kv1):
     assert sched.num_running == 0 and sched.num_waiting == 0
 
 
+def test_tp2_token_ids_diverging_on_one_tp_rank_are_named(tp2):
+    """Runs last on the TP=2 x PP=1 engine: it kills it. The mirrors do not hold token ids; the TP
+    ranks' per-slot digests of ``all_token_ids`` do (runtime/worker/tp_check.py)."""
+    from runtime import transport as tp
+    eng = tp2.engine
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+
+    async def go():
+        sent = False
+        async for out in eng.add_request("victim-ids", [100, 200, 300, 400], params):
+            if not sent and out.new_token_ids:
+                slot = eng.sched.slots.lookup("victim-ids")
+                eng.pool.send_control(1, tp.ControlMsg(kind="corrupt_state", rank=1, slot=slot,
+                                                       field="all_token_ids", delta=1))
+                sent = True
+            if out.finished:
+                return out, slot
+        return None, None
+
+    last, slot = tp2.run(go(), timeout=60)
+    assert last is not None and last.error is not None and "TPDivergence" in last.error
+    assert f"tp rank 1 holds other all_token_ids than tp rank 0 for slot {slot}" in last.error
+    assert "pp rank 0 step" in last.error and not eng.is_alive
+
+
 def test_tp2_pp2_overlapped_greedy_equals_transformers(tp2pp2, kv2):
     prompts = _prompts(6, 3, 28, 512, seed=3)
     got = [tuple(r["token_ids"]) for r in tp2pp2.generate(prompts, GREEDY)]
