@@ -64,6 +64,8 @@ def first_diff(a: list[int], b: list[int]) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """Run every layout of ``--layouts`` in turn; returns the per-layout results (module doc),
+    also written to ``--json-out``."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--device", default="cpu")

@@ -80,6 +80,7 @@ async def _greedy(engine) -> list[list[int]]:
 
 
 async def check_dp(config) -> dict:
+    """TP=2 x PP=2 x DP=2: start seconds and greedy ids."""
     from runtime.dp.replicas import start_engine
     t0 = time.perf_counter()
     engine = await start_engine(config.replace(pp_size=2, dp_size=2))
@@ -91,6 +92,7 @@ async def check_dp(config) -> dict:
 
 
 async def check_sync(config) -> dict:
+    """TP=2 x PP=2, sync schedule: greedy ids."""
     from runtime.engine import AsyncEngine
     engine = await AsyncEngine.start(config.replace(pp_size=2, mode="sync"))
     try:
@@ -100,6 +102,8 @@ async def check_sync(config) -> dict:
 
 
 async def check_kill(config) -> dict:
+    """SIGKILL of global rank 3 mid-decode under the restart supervisor: the in-flight error,
+    seconds until it failed and until an engine serves again, greedy ids afterwards."""
     from runtime.engine.supervisor import EngineSupervisor
     from runtime.sampling_params import SamplingParams
     sup = await EngineSupervisor.start(config.replace(pp_size=2), max_restarts=1, backoff_s=0.0)
@@ -124,6 +128,8 @@ async def check_kill(config) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """Run the ``--checks`` in turn; returns their results (each with ``equal_to_transformers``),
+    also written to ``--json-out``."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checks", default="dp,sync,kill")
     p.add_argument("--device", default="cpu")
