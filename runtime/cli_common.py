@@ -93,6 +93,7 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--pp", "scheduler.pp_size", "pipeline stages = worker processes (under torchrun: "
          "WORLD_SIZE when not given)", cli_default=None),
     Flag("--pp-layer-partition", "pp_layer_partition"),
+    Flag("--tp", "tp_size"),
     Flag("--pp-schedule", "scheduler.mode", "overlapped: bubble-free, pp + 1 batches in flight; "
          "sync: one batch in flight (the baseline)"),
     Flag("--max-num-seqs", "scheduler.max_num_seqs", "live requests at most (further requests "

@@ -106,6 +106,8 @@ class EngineConfig(BaseModel):
     dp_size: int = Field(default=1, ge=1, le=64, description="data-parallel replicas: "
                          "independent pipelines of pp_size ranks each behind one server "
                          "(least-loaded routing; runtime/dp/replicas.py); dp x pp rank processes")
+    tp_size: int = Field(default=1, ge=1, le=64, description="tensor-parallel ranks inside each "
+                         "pipeline stage: pp x tp rank processes per pipeline (docs/tp.md)")
     spec_ngram: int = Field(default=3, ge=1, le=16, description="n-gram length the speculative "
                             "proposer matches against the request's earlier tokens (tokens)")
     step_cost: str | None = Field(default=None, description="JSON file of step-cost coefficients "
@@ -182,6 +184,17 @@ class EngineConfig(BaseModel):
         if self.scheduler.max_prefill_chunk > self.scheduler.max_num_batched_tokens:
             raise ValueError("max_prefill_chunk must be <= max_num_batched_tokens")
         return self
+
+    @property
+    def world_size(self) -> int:
+        """Rank processes of one pipeline: ``pp_size x tp_size`` (global rank
+        ``pp_rank * tp_size + tp_rank``, docs/tp.md)."""
+        return self.scheduler.pp_size * self.tp_size
+
+    @property
+    def result_rank(self) -> int:
+        """The global rank whose StepResult the engine reads: TP rank 0 of the last stage."""
+        return (self.scheduler.pp_size - 1) * self.tp_size
 
     @property
     def validate_every(self) -> int:

@@ -216,7 +216,7 @@ async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.soc
                 await asyncio.sleep(0.05)
             if server.started:
                 say("ready", f"ready: {url_of(sock, args.host)}  (model '{engine.model_name}', "
-                    f"pp={config.scheduler.pp_size}, dp={config.dp_size}, up in "
+                    f"pp={config.scheduler.pp_size}, tp={config.tp_size}, dp={config.dp_size}, up in "
                     f"{time.perf_counter() - t0:.1f} s)")
             while not server.should_exit:
                 if not engine.is_alive and not getattr(engine, "restarting", False):

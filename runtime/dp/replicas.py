@@ -212,20 +212,21 @@ class ReplicatedEngine:
         and ``dp_size``.
 
         Totals: counts and seconds are summed; ``rank_busy_seconds[r]`` sums stage ``r`` of
-        every replica; ``bubble_fraction`` = 1 - sum(busy) / (pp_size * sum(active seconds));
+        every replica (rank ``r`` of ``pp x tp``); ``bubble_fraction`` = 1 - sum(busy) / (ranks *
+        sum(active seconds));
         ``prefix_cache_hit_rate`` = summed hits / summed queries.
         """
         per = [e.stats() for e in self.replicas]
-        pp = self.config.scheduler.pp_size
+        pp, n = self.config.scheduler.pp_size, self.config.world_size   # n: ranks (pp x tp)
         total: dict[str, Any] = {k: sum(s[k] for s in per) for k in _SUMMED if k in per[0]}
-        total["rank_busy_seconds"] = [sum(s["rank_busy_seconds"][r] for s in per) for r in range(pp)]
+        total["rank_busy_seconds"] = [sum(s["rank_busy_seconds"][r] for s in per) for r in range(n)]
         if "dropped_deferred_rows" in per[0]:
             total["dropped_deferred_rows"] = [sum(s["dropped_deferred_rows"][r] for s in per)
-                                              for r in range(pp)]
+                                              for r in range(n)]
         active = total.get("active_seconds", 0.0)
         busy = sum(total["rank_busy_seconds"])
-        total["bubble_fraction"] = max(0.0, 1.0 - busy / (pp * active)) if active > 0 else 0.0
-        total["pp_size"] = pp
+        total["bubble_fraction"] = max(0.0, 1.0 - busy / (n * active)) if active > 0 else 0.0
+        total["pp_size"], total["tp_size"] = pp, self.config.tp_size
         if "prefix_cache_query_tokens" in total:
             q = total["prefix_cache_query_tokens"]
             total["prefix_cache_hit_rate"] = total["prefix_cache_hit_tokens"] / q if q else 0.0

@@ -70,9 +70,9 @@ class AsyncEngine:
         self._rank_error: asyncio.Task | None = None   # _die_naming_dead after a rank's error
         self._closed = False
         self._tasks: list[asyncio.Task] = []
-        self.counters = EngineCounters(config.scheduler.pp_size)
+        self.counters = EngineCounters(config.world_size)   # per rank process (pp x tp)
         self._last_progress = time.monotonic()
-        self.stalls = StallDetector(config.scheduler.pp_size, config.stall_timeout_s)  # from heartbeats
+        self.stalls = StallDetector(config.world_size, config.stall_timeout_s)  # from heartbeats
 
     # ---- lifecycle ---------------------------------------------------------------------------
     @classmethod
@@ -173,7 +173,8 @@ class AsyncEngine:
         """Ask the last rank to load the grammar engine now (structured outputs, in the
         background); the server calls this when its first constrained request arrives."""
         if self.is_alive:
-            self.pool.send_control(self.config.scheduler.pp_size - 1, ControlMsg(kind="warm_grammar"))
+            for rank in range(self.config.result_rank, self.config.world_size):  # every TP rank
+                self.pool.send_control(rank, ControlMsg(kind="warm_grammar"))     # of the last stage
 
     async def abort(self, req_id: str) -> None:
         """Abort ``req_id`` (idempotent). Its stream ends with finish_reason ``abort`` and its slot
@@ -258,7 +259,7 @@ class AsyncEngine:
         elif kind == "result":
             self.counters.busy_s[msg.rank] += msg.busy_s
             self.counters.note_dropped(msg.rank, msg.dropped_rows)
-            if msg.rank == self.config.scheduler.pp_size - 1:
+            if msg.rank == self.config.result_rank:   # TP rank 0 of the last stage
                 self._on_result(self.pool.to_step_result(msg))
         elif kind == "heartbeat":
             self.stalls.observe(msg)
@@ -377,6 +378,9 @@ class AsyncEngine:
     # ---- stats -------------------------------------------------------------------------------
     def stats(self) -> dict:
         """Counters for /metrics: requests, steps, tokens, per-rank busy seconds, bubble fraction
-        (:class:`~runtime.engine.counters.EngineCounters`), KV cache and speculative decoding."""
+        (:class:`~runtime.engine.counters.EngineCounters`), KV cache and speculative decoding.
+        ``rank_busy_seconds`` has one entry per rank process (global rank ``pp_rank * tp +
+        tp_rank``) and the bubble fraction counts all of them; ``pp_size`` is the stages."""
         return {"num_running": self.sched.num_running, "num_waiting": self.sched.num_waiting,
-                **self.counters.snapshot(), **self.sched.kv_stats(), **self.sched.spec_stats()}
+                **self.counters.snapshot(), **self.sched.kv_stats(), **self.sched.spec_stats(),
+                "pp_size": self.config.scheduler.pp_size, "tp_size": self.config.tp_size}

@@ -1,4 +1,5 @@
-"""WorkerPool: the engine's side of the worker processes (one per PP rank), talked to over zmq.
+"""WorkerPool: the engine's side of the worker processes (one per rank: ``pp x tp`` of them, global
+rank ``pp_rank * tp + tp_rank``, docs/tp.md), talked to over zmq.
 
 Engine -> rank r: a PUSH socket per rank carrying step and control messages.
 Ranks -> engine: one PULL socket carrying ready, result and error messages.
@@ -52,24 +53,24 @@ class WorkerPool:
         self.ctx = zmq.asyncio.Context()   # the result PULL socket (awaited)
         self.sync_ctx = zmq.Context()      # step PUSH sockets (never block: no high-water mark)
         self.torchrun = config.launcher == "torchrun"
-        self.local_ranks = [0] if self.torchrun else list(range(config.scheduler.pp_size))
+        self.local_ranks = [0] if self.torchrun else list(range(config.world_size))
         self.procs: list[mp.Process] = []
         self._push: list[zmq.Socket] = []
         self._pull: zmq.asyncio.Socket | None = None
         self._heartbeat: asyncio.Task | None = None
         self._shutdown_task: asyncio.Task | None = None
         self.num_kv_blocks: int | None = None  # smallest KV block count the ranks reported
-        self.last_heard = [time.monotonic()] * config.scheduler.pp_size  # [pp_size] monotonic s, any message
+        self.last_heard = [time.monotonic()] * config.world_size  # [pp x tp] monotonic s, any message
 
     def _addresses(self) -> tuple[str, list[str], str]:
         """(result bind address, step bind address per rank, rendezvous URL)."""
         if self.torchrun:
             port = self.config.engine_port
-            return (f"tcp://*:{port}", [f"tcp://*:{port + 1 + r}" for r in range(self.config.scheduler.pp_size)],
+            return (f"tcp://*:{port}", [f"tcp://*:{port + 1 + r}" for r in range(self.config.world_size)],
                     "env://")
         tag = f"{time.time_ns()}"
         return (tp.ipc_address(f"res-{tag}"),
-                [tp.ipc_address(f"step{r}-{tag}") for r in range(self.config.scheduler.pp_size)],
+                [tp.ipc_address(f"step{r}-{tag}") for r in range(self.config.world_size)],
                 f"tcp://127.0.0.1:{free_port()}")
 
     async def start(self, ready_timeout_s: float = 600.0) -> None:
@@ -87,7 +88,7 @@ class WorkerPool:
             self._heartbeat = asyncio.ensure_future(self._ping_loop())
         spawn = mp.get_context("spawn")
         for rank in self.local_ranks:  # a local rank connects to a "*" bind via the loopback
-            args = WorkerArgs(rank, self.config.model_dump(), tuple(self.plan.layer_ranges[rank]),
+            args = WorkerArgs(rank, self.config.model_dump(), tuple(self.plan.layer_ranges[rank // self.config.tp_size]),
                               str(self.plan.model_path), init, step_addrs[rank].replace("*", "127.0.0.1"),
                               result_addr.replace("*", "127.0.0.1"))
             proc = spawn.Process(target=_worker_entry, args=(args,), name=f"ppstate-rank{rank}",
@@ -109,9 +110,9 @@ class WorkerPool:
     async def _wait_ready(self, timeout_s: float) -> None:
         ready: set[int] = set()
         deadline = time.monotonic() + timeout_s
-        while len(ready) < self.config.scheduler.pp_size:
+        while len(ready) < self.config.world_size:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"ranks {sorted(set(range(self.config.scheduler.pp_size)) - ready)} not "
+                raise RuntimeError(f"ranks {sorted(set(range(self.config.world_size)) - ready)} not "
                                    f"ready within {timeout_s:.0f} s")
             msg = await self.recv(timeout_s=1.0)
             if msg is None:
@@ -122,7 +123,7 @@ class WorkerPool:
                 raise RuntimeError(f"rank {msg.rank}: {msg.error_type}: {msg.message}")
             if msg.kind == "ready":
                 ready.add(msg.rank)
-                self.last_heard = [time.monotonic()] * self.config.scheduler.pp_size
+                self.last_heard = [time.monotonic()] * self.config.world_size
                 blocks = msg.info.get("num_kv_blocks")
                 if blocks is not None:
                     self.num_kv_blocks = min(self.num_kv_blocks or blocks, int(blocks))

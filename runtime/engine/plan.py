@@ -58,6 +58,9 @@ def plan_pipeline(config: EngineConfig) -> PipelinePlan:
     model_path = resolve_model_path(config.model)
     model_cfg = load_model_config(model_path)
     check_resources(config, model_cfg)
+    if config.tp_size > 1:
+        from runtime.model.tp.shard import check_tp
+        check_tp(model_cfg, config.tp_size)
     return PipelinePlan(model_path, model_cfg, plan_layers(config, model_cfg),
                         config.served_model_name or served_name(model_path))
 
@@ -98,8 +101,8 @@ def check_resources(config: EngineConfig, model_cfg: ModelConfig) -> None:
         if size is None:
             raise ValueError(f"--kv-cache-memory: a fraction ({config.kv_cache_memory}) needs a "
                              "CUDA device; give a size such as 24MB on the CPU")
-        if size * config.scheduler.pp_size > 0.8 * mem:
-            raise ValueError(f"--kv-cache-memory: {config.scheduler.pp_size} ranks x "
+        if size * config.world_size > 0.8 * mem:
+            raise ValueError(f"--kv-cache-memory: {config.world_size} ranks x "
                              f"{config.kv_cache_memory} is more than 80% of this machine's "
                              f"{mem / 2**30:.1f} GiB")
         return

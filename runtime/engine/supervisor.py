@@ -62,7 +62,7 @@ class EngineSupervisor:
         self.failures: list[str] = []           # every engine failure, in order
         self._closed = False
         self._base: dict[str, Any] = {k: 0 for k in CUMULATIVE}
-        self._base_busy = [0.0] * config.scheduler.pp_size  # [pp_size] busy seconds of earlier engines
+        self._base_busy = [0.0] * config.world_size  # [pp x tp] busy seconds of earlier engines
         self._watch = asyncio.get_running_loop().create_task(self._watch_loop())
 
     @classmethod

@@ -33,8 +33,8 @@ class TorchrunEnv:
     """The torchrun variables of this process.
 
     Attributes:
-        rank: global rank (= PP rank).
-        world_size: number of processes (= pipeline stages).
+        rank: global rank (``pp_rank * tp_size + tp_rank``; the PP rank without TP).
+        world_size: number of processes (pipeline stages x TP ranks).
         master_addr: host of rank 0 (the engine binds its sockets there).
         master_port: torch.distributed rendezvous port (TCP).
         local_rank: rank on this machine (picks the GPU).
@@ -71,15 +71,15 @@ def resolve_cli(values: dict, environ: Mapping[str, str] | None = None) -> dict:
     """Resolve the launcher-related engine flags before :class:`EngineConfig` is built.
 
     ``launcher="auto"`` becomes ``torchrun`` when the torchrun variables are present, else
-    ``spawn``; ``pp_size=None`` (``--pp`` not given) becomes ``WORLD_SIZE`` under torchrun, else
-    the EngineConfig default.
+    ``spawn``; ``pp_size=None`` (``--pp`` not given) becomes ``WORLD_SIZE / tp_size`` under
+    torchrun, else the EngineConfig default.
 
     Returns:
         a copy of ``values`` with ``launcher`` and ``pp_size`` filled in.
 
     Raises:
         ValueError: message starts with the offending flag: ``--launcher torchrun`` outside
-            torchrun, or ``--pp`` different from ``WORLD_SIZE`` under torchrun.
+            torchrun, or ``--pp`` x ``--tp`` different from ``WORLD_SIZE`` under torchrun.
     """
     out = dict(values)
     env = TorchrunEnv.from_environ(environ)
@@ -88,11 +88,17 @@ def resolve_cli(values: dict, environ: Mapping[str, str] | None = None) -> dict:
     if out["launcher"] == "torchrun" and env is None:
         raise ValueError(f"--launcher: torchrun needs the variables {', '.join(ENV_VARS)}; start "
                          "with 'torchrun ... -m runtime.serve' or use --launcher spawn")
+    tp_size = out.get("tp_size") or 1
     if out.get("pp_size") is None:
-        out["pp_size"] = env.world_size if out["launcher"] == "torchrun" else EngineConfig().scheduler.pp_size
-    if out["launcher"] == "torchrun" and out["pp_size"] != env.world_size:
+        out["pp_size"] = (env.world_size // tp_size if out["launcher"] == "torchrun"
+                          else EngineConfig().scheduler.pp_size)
+    if out["launcher"] == "torchrun" and out["pp_size"] * tp_size != env.world_size and tp_size == 1:
         raise ValueError(f"--pp: must equal torchrun's WORLD_SIZE={env.world_size} (one process per "
                          f"pipeline stage), got {out['pp_size']}; drop --pp to use WORLD_SIZE")
+    if out["launcher"] == "torchrun" and out["pp_size"] * tp_size != env.world_size:
+        raise ValueError(f"--pp: pp x tp must equal torchrun's WORLD_SIZE={env.world_size} (one "
+                         f"process per rank of each stage), got {out['pp_size']} x {tp_size}; "
+                         "drop --pp to use WORLD_SIZE / tp")
     return out
 
 
@@ -109,7 +115,7 @@ def remote_worker_args(config: EngineConfig, env: TorchrunEnv):
 
     plan = plan_pipeline(config)
     return WorkerArgs(rank=env.rank, config=config.model_dump(),
-                      layer_range=tuple(plan.layer_ranges[env.rank]),
+                      layer_range=tuple(plan.layer_ranges[env.rank // config.tp_size]),
                       model_path=str(plan.model_path), init_method="env://",
                       step_addr=env.engine_addr(config.engine_port + 1 + env.rank),
                       result_addr=env.engine_addr(config.engine_port),

@@ -75,8 +75,13 @@ class DecoderLayer(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         attn = attend(q, k, v.reshape(t, cfg.num_kv_heads, cfg.head_dim), meta, k_cache, v_cache,
                       invariant=rows > 0)
-        residual = linear(attn, self.o, rows, self.o_bias) + residual
-        return self.mlp(rms_norm(residual, self.ln2, cfg.rms_norm_eps)), residual
+        residual = self.reduce(linear(attn, self.o, rows, self.o_bias)) + residual
+        return self.reduce(self.mlp(rms_norm(residual, self.ln2, cfg.rms_norm_eps))), residual
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum the partial output ``x [T, H]`` of a row-parallel projection (O, down) over the
+        tensor-parallel group; the identity without TP (:mod:`runtime.model.tp.stage`)."""
+        return x
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         """The layer's MLP of normed ``x [T, H]`` -> ``[T, H]`` (dense SwiGLU or MoE)."""

@@ -64,14 +64,39 @@ class HFCheckpoint:
         Raises:
             ModelError: the tensor is in no safetensors file (names the tensor and the folder).
         """
+        disk = self._disk_name(name)
+        if disk is None:
+            return self._read_experts(*split_layer_name(name))
+        return self._read_disk(disk)
+
+    def read_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """``read(name)[..., start:stop, ...]`` (along ``dim``), reading only that slice from the
+        memory map (stacked experts: read whole, then narrowed). For tensor-parallel shards.
+
+        Raises:
+            ModelError: as :meth:`read`.
+        """
+        disk = self._disk_name(name)
+        if disk is None:
+            return self.read(name).narrow(dim, start, stop - start).contiguous()
+        f = self._where.get(disk)
+        if f is None:
+            raise ModelError(f"{self.path}: tensor {disk!r} is missing from the *.safetensors files")
+        with safe_open(str(f), framework="pt") as handle:
+            index = (slice(None),) * dim + (slice(start, stop),)
+            return handle.get_slice(disk)[index].to(torch.float32).contiguous()
+
+    def _disk_name(self, name: str) -> str | None:
+        """The on-disk name of canonical ``name`` (tied LM head -> embedding, family renames);
+        None for stacked experts (several tensors on disk)."""
         if name == LM_HEAD and name not in self._where and self.config.tie_word_embeddings:
             name = EMBED
         parts = split_layer_name(name)
         if parts is not None and parts[1] in EXPERT_SUFFIXES:
-            return self._read_experts(*parts)
+            return None
         if parts is not None and parts[1] in self._names:
-            name = layer_name(parts[0], self._names[parts[1]])
-        return self._read_disk(name)
+            return layer_name(parts[0], self._names[parts[1]])
+        return name
 
     def _read_experts(self, layer: int, suffix: str) -> torch.Tensor:
         """The experts of one projection stacked ``[E, out, in]`` (per-expert or fused on disk)."""

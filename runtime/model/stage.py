@@ -44,6 +44,8 @@ class StageModel(nn.Module):
             does not depend on the rest of the batch nor on prefill chunking.
     """
 
+    layer_cls = DecoderLayer   # a tensor-parallel stage builds its own (runtime/model/tp/stage.py)
+
     def __init__(self, cfg: ModelConfig, layer_range: tuple[int, int], weights: dict[str, torch.Tensor],
                  *, max_num_reqs: int, max_model_len: int, dtype: torch.dtype,
                  device: str | torch.device, freq_factors: torch.Tensor | None = None,
@@ -58,7 +60,7 @@ class StageModel(nn.Module):
         p = lambda t: nn.Parameter(t, requires_grad=False)  # noqa: E731
         self.embed = p(weights[EMBED]) if self.is_first else None
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, {s: weights[layer_name(i, s)] for s in layer_suffixes(cfg, i)},
+            self.layer_cls(cfg, {s: weights[layer_name(i, s)] for s in layer_suffixes(cfg, i)},
                          self.min_rows, i)
             for i in range(self.layer_start, self.layer_end))
         self.norm = p(weights[FINAL_NORM]) if self.is_last else None
@@ -108,7 +110,7 @@ class StageModel(nn.Module):
                                    self.kv_cache.device, self.default_block_table, self.block_size)
         self._check(meta, input_ids, hidden)
         if self.is_first:
-            hidden, residual = self.embed[input_ids], None
+            hidden, residual = self.embed_tokens(input_ids), None
         cos = self.rope_cos.index_select(0, meta.positions)
         sin = self.rope_sin.index_select(0, meta.positions)
         for i, layer in enumerate(self.layers):
@@ -119,8 +121,15 @@ class StageModel(nn.Module):
         last = hidden.index_select(0, meta.last_token)
         if residual is not None:
             last = last + residual.index_select(0, meta.last_token)
-        return linear(rms_norm(last, self.norm, self.cfg.rms_norm_eps), self.lm_head,
-                      self.min_rows).float()
+        return self.logits(rms_norm(last, self.norm, self.cfg.rms_norm_eps))
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[T]`` token ids -> ``[T, H]`` embeddings (vocab-parallel under TP)."""
+        return self.embed[input_ids]
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """``[R, H]`` normed last hidden states -> fp32 logits ``[R, V]`` (gathered under TP)."""
+        return linear(normed, self.lm_head, self.min_rows).float()
 
     def _check(self, meta: BatchMeta, input_ids: torch.Tensor | None, hidden: torch.Tensor | None) -> None:
         """Validate the inputs of :meth:`forward` (cheap: Python ints already in ``meta``)."""

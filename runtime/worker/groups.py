@@ -33,6 +33,10 @@ class PPGroups:
         device: where the stage computes.
         timeout: limit on every wait (collective, p2p receive).
         stage_on_host: copy tensors to host memory around gloo calls (CUDA + gloo).
+        chain: global ranks of this rank's pipeline, by PP rank (None: the PP ranks themselves);
+            with tensor parallelism the TP rank r of every stage (docs/tp.md).
+        tp_rank, tp_size, tp_group: this rank's place in its stage's TP group
+            (:mod:`runtime.worker.tp_groups`); size 1 and no group without TP.
     """
     rank: int
     pp_size: int
@@ -42,6 +46,10 @@ class PPGroups:
     stage_on_host: bool = False
     pp_group: object | None = None
     bcast_group: object | None = None
+    chain: tuple[int, ...] | None = None
+    tp_rank: int = 0
+    tp_size: int = 1
+    tp_group: object | None = None
     _pending_sends: list = field(default_factory=list)
     _side_stream: object | None = None
 
@@ -68,6 +76,10 @@ class PPGroups:
     def last_rank(self) -> int:
         return self.pp_size - 1
 
+    def peer(self, pp_rank: int) -> int:
+        """Global rank of PP rank ``pp_rank`` of this rank's pipeline (same TP rank)."""
+        return pp_rank if self.chain is None else self.chain[pp_rank]
+
     def comm_device(self) -> torch.device:
         """Device of the tensors handed to torch.distributed."""
         return torch.device("cpu") if self.stage_on_host else self.device
@@ -79,10 +91,10 @@ class PPGroups:
         """
         t = tensor.to("cpu") if self.stage_on_host else tensor.contiguous()
         if self.nccl:
-            op = dist.P2POp(dist.isend, t, self.rank + 1, group=self.pp_group)
+            op = dist.P2POp(dist.isend, t, self.peer(self.rank + 1), group=self.pp_group)
             work = dist.batch_isend_irecv([op])[0]
         else:
-            work = dist.isend(t, dst=self.rank + 1, group=self.pp_group)
+            work = dist.isend(t, dst=self.peer(self.rank + 1), group=self.pp_group)
         self._pending_sends.append((work, t))
         while len(self._pending_sends) > 4:
             self._wait(self._pending_sends.pop(0)[0])
@@ -91,10 +103,10 @@ class PPGroups:
         """Blocking receive of a ``shape`` tensor from rank - 1 (bounded by ``timeout``)."""
         buf = torch.empty(shape, dtype=dtype, device=self.comm_device())
         if self.nccl:  # stream-ordered: the compute stream waits, the host does not
-            op = dist.P2POp(dist.irecv, buf, self.rank - 1, group=self.pp_group)
+            op = dist.P2POp(dist.irecv, buf, self.peer(self.rank - 1), group=self.pp_group)
             dist.batch_isend_irecv([op])[0].wait()
             return buf
-        self._wait(dist.irecv(buf, src=self.rank - 1, group=self.pp_group))
+        self._wait(dist.irecv(buf, src=self.peer(self.rank - 1), group=self.pp_group))
         return buf.to(self.device) if self.stage_on_host else buf
 
     def post_broadcast(self, buf: torch.Tensor):
@@ -105,7 +117,8 @@ class PPGroups:
         """
         t = buf.to("cpu") if self.stage_on_host else buf
         if not self.nccl:
-            work = dist.broadcast(t, src=self.last_rank, group=self.bcast_group, async_op=True)
+            work = dist.broadcast(t, src=self.peer(self.last_rank), group=self.bcast_group,
+                                  async_op=True)
             return work, t
         ready = torch.cuda.Event()
         ready.record()                               # after whatever produced / will consume t
@@ -113,7 +126,8 @@ class PPGroups:
         with torch.cuda.stream(side):
             side.wait_event(ready)
             t.record_stream(side)
-            work = dist.broadcast(t, src=self.last_rank, group=self.bcast_group, async_op=True)
+            work = dist.broadcast(t, src=self.peer(self.last_rank), group=self.bcast_group,
+                                  async_op=True)
         return work, t
 
     def keep_pending(self, work, tensor: torch.Tensor) -> None:
@@ -138,7 +152,7 @@ class PPGroups:
 
 
 def init_groups(rank: int, pp_size: int, init_method: str, device: torch.device,
-                timeout_s: float) -> PPGroups:
+                timeout_s: float, tp_size: int = 1) -> PPGroups:
     """Initialise torch.distributed for one rank and create the PP and sibling groups.
 
     Args:
@@ -147,10 +161,15 @@ def init_groups(rank: int, pp_size: int, init_method: str, device: torch.device,
         init_method: rendezvous URL, e.g. ``tcp://127.0.0.1:29511`` or ``env://`` under torchrun.
         device: compute device of this rank.
         timeout_s: seconds before any collective / receive fails.
+        tp_size: TP ranks per stage: ``rank`` is then global (``pp_rank * tp_size + tp_rank``)
+            and the groups are made by :func:`runtime.worker.tp_groups.init_tp_groups`.
 
     Raises:
         RuntimeError: rendezvous failed or timed out.
     """
+    if tp_size > 1:
+        from runtime.worker.tp_groups import init_tp_groups
+        return init_tp_groups(rank, pp_size, tp_size, init_method, device, timeout_s)
     # NCCL needs one GPU per rank on each host: under torchrun the ranks of this host are
     # LOCAL_WORLD_SIZE, with the spawn launcher all pp_size ranks share this host.
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", pp_size))
@@ -172,7 +191,7 @@ def init_groups(rank: int, pp_size: int, init_method: str, device: torch.device,
 
 def destroy_groups(groups: PPGroups) -> None:
     """Drain pending sends and tear the process group down (best effort)."""
-    if groups.pp_size == 1 or not dist.is_initialized():
+    if (groups.pp_size == 1 and groups.tp_size == 1) or not dist.is_initialized():
         return
     try:
         groups.drain()

@@ -1,4 +1,4 @@
-"""Entry point of one worker process (one PP rank).
+"""Entry point of one worker process (one rank: a PP rank, or one TP rank of a stage, docs/tp.md).
 
 Loads only this rank's layers, sets up torch.distributed (PP group + sibling broadcast group),
 then serves step messages from the engine until told to stop, or until the engine is gone (the
@@ -70,7 +70,8 @@ class _Worker:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         self.groups = init_groups(self.rank, cfg.scheduler.pp_size, self.args.init_method, device,
-                                  cfg.step_timeout_s)
+                                  cfg.step_timeout_s, tp_size=cfg.tp_size)
+        self.tp_comm = tp_comm(self.groups)   # None without TP
         dtype = pick_dtype(cfg, device)
         stage = self._load_stage(cfg, device, dtype)
         start, end = self.args.layer_range
@@ -78,10 +79,10 @@ class _Worker:
         stage.allocate_kv_cache(self.num_kv_blocks)
         k = cfg.scheduler.num_spec_tokens
         state = DeviceState(cfg.scheduler.max_num_seqs, cfg.scheduler.max_model_len, 1 + k, device,
-                            self.rank, cfg.scheduler.block_size)
+                            self.groups.rank, cfg.scheduler.block_size)   # PP rank
         sink = NULL_SINK
-        if cfg.trace_dir:
-            sink = JsonlSink(rank_trace_path(cfg.trace_dir, self.rank),
+        if cfg.trace_dir and self.groups.tp_rank == 0:   # TP rank 0 traces for its stage
+            sink = JsonlSink(rank_trace_path(cfg.trace_dir, self.groups.rank),
                              trace_prompts=cfg.trace_prompts)
         # Hold a launched step's result while launching the next only where launching does not
         # block the host on a peer (PP=1, or NCCL's stream-ordered receives).
@@ -110,6 +111,10 @@ class _Worker:
         common = dict(max_num_reqs=cfg.scheduler.max_num_seqs, progress=(self.rank == 0),
                       max_model_len=cfg.scheduler.max_model_len,
                       block_size=cfg.scheduler.block_size, num_blocks=1)
+        if self.tp_comm is not None:   # tensor parallelism: this TP rank's slice (exact path)
+            from runtime.model.tp.stage import load_tp_stage
+            return load_tp_stage(self.args.model_path, self.args.layer_range, self.tp_comm,
+                                 dtype=dtype, device=device, batch_invariant=True, **common)
         if device.type == "cpu" and cfg.cpu_path == "fast" and cfg.scheduler.num_spec_tokens == 0 \
                 and self._fast_path_fits():
             from runtime.model.cpu.fast_stage import load_fast_stage
@@ -138,7 +143,7 @@ class _Worker:
         decode-only CUDA graphs captured now, with their time and memory printed (rank 0 shows
         a progress bar). CPU: (None, None), the exact reference path."""
         self.graph_report = None
-        if device.type != "cuda":
+        if device.type != "cuda" or self.tp_comm is not None:   # TP: the reference path (docs/tp.md)
             return None, None
         from runtime.model.paged_stage import PagedStage
         from runtime.worker.cuda_graphs import DecodeGraphs
@@ -210,6 +215,12 @@ class _Worker:
         self.progress.begin_step(out.step, decode_only=bool(
             out.num_rows and (out.num_scheduled_tokens == 1).all()))
         pending = self.runner.launch(out)
+        if self.tp_comm is not None and self.cfg.validate_every \
+                and out.step % self.cfg.validate_every == 0:   # TP ranks agree on token ids
+            from runtime.worker.tp_check import check_tp_agreement
+            st = self.runner.state
+            check_tp_agreement(self.tp_comm, st.all_token_ids, st.total_len, out.step,
+                               self.groups.rank)
         busy = self.runner.timing.busy_s
         self._flush()                   # the previous step's result: its kernels ran first
         if pending is not None:
@@ -232,7 +243,23 @@ class _Worker:
                                                      busy_s=busy)))
 
     def report(self, exc: BaseException) -> None:
-        self.push.send(tp.encode(tp.ErrorMsg.from_exception(self.rank, self.step, exc)))
+        msg = tp.ErrorMsg.from_exception(self.rank, self.step, exc)
+        g = getattr(self, "groups", None)
+        if g is not None and g.tp_size > 1:   # name the stage and the TP rank
+            msg.message = f"pp rank {g.rank}, tp rank {g.tp_rank}: {msg.message}"
+        self.push.send(tp.encode(msg))
+
+
+def tp_comm(groups):
+    """The :class:`~runtime.model.tp.comm.TPComm` of this rank's stage, its generators seeded
+    like TP rank 0's; None without tensor parallelism."""
+    if groups.tp_size == 1:
+        return None
+    from runtime.model.tp.comm import TPComm
+    comm = TPComm(groups.tp_group, groups.tp_size, groups.tp_rank, groups.stage_on_host,
+                  groups.comm_device())
+    comm.broadcast_seed()
+    return comm
 
 
 def grammar_state(model_path: str, vocab_size: int, max_num_reqs: int):
