@@ -7,9 +7,31 @@ that hides those tokens (docs/design.md §8).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """Memoize two pure functions of the ``gguf`` package while transformers imports a GGUF file.
+
+    transformers parses the file's metadata once per ``load_gguf_checkpoint`` call (config, weights,
+    tokenizer: three ``GGUFReader`` of the same path) and rebuilds gguf's tensor-name table for
+    every submodule of the model (~400 ``get_tensor_name_map`` calls for SmolLM2); both results
+    depend only on their arguments and are only read. Memoized, the reference loads in about half
+    the time (pure-Python parsing dominated it); the weights and their dequantization are
+    transformers' and gguf's own, unchanged.
+    """
+    import gguf
+    saved = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.cache(saved[0])
+    gguf.get_tensor_name_map = functools.cache(saved[1])
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = saved
 
 
 @functools.lru_cache(maxsize=1)
@@ -19,9 +41,10 @@ def hf_model():
 
     from runtime.model.registry import default_model_path
     path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                 torch_dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with _gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                     torch_dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return model.eval(), tok
 
 

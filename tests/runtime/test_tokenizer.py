@@ -44,8 +44,11 @@ def tok() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def ref():
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(GGUF_DIR), gguf_file=GGUF_NAME)
+    """transformers' tokenizer of the GGUF (``AutoTokenizer.from_pretrained(dir, gguf_file=...)``),
+    the one the session's reference model already loaded (tests/helpers/reference.py)."""
+    pytest.importorskip("transformers")
+    from reference import hf_model
+    return hf_model()[1]
 
 
 @pytest.mark.parametrize("text", TEXTS)
