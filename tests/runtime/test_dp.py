@@ -69,7 +69,8 @@ def test_low_concurrency_sequential_alternates_replicas(dp2, reference):
 
 def test_mid_concurrency_64_staggered_requests_exact(dp2, reference):
     rng = random.Random(64)
-    plan = [(i % len(PROMPTS), rng.randrange(16, LONGEST + 1), rng.uniform(0, 0.03)) for i in range(64)]
+    # 4-12 tokens each: still 64 requests overlapping on both replicas (CI time: decode steps)
+    plan = [(i % len(PROMPTS), rng.randrange(4, 13), rng.uniform(0, 0.03)) for i in range(64)]
     before = per_replica_tokens(dp2)
 
     async def go():

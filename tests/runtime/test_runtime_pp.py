@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import pytest
 
@@ -55,15 +56,37 @@ async def _run_seeded(eng: EngineThread) -> list[list[int]]:
     return [o["token_ids"] for o in outs]
 
 
+def _pp1_run(eng: EngineThread) -> dict[str, list[list[int]]]:
+    return {"greedy": [r["token_ids"] for r in eng.generate(MIXED, GREEDY)],
+            "seeded": eng.run(_run_seeded(eng))}
+
+
+def _sync_run(eng: EngineThread) -> dict[str, list[list[int]]]:
+    return {"greedy": [r["token_ids"] for r in eng.generate(MIXED, GREEDY, prefix="sync-")]}
+
+
 @pytest.fixture(scope="module")
-def pp1_runs() -> dict[str, list[list[int]]]:
+def one_core_runs() -> dict[str, dict[str, list[list[int]]]]:
+    """Tokens of a PP=1 engine (greedy MIXED and SEEDED) and of a PP=2 sync-mode engine (greedy
+    MIXED). Each keeps about one core busy (one rank, or one step in flight), so the two start and
+    run side by side, each on its own event loop and worker processes."""
+    with ThreadPoolExecutor(2) as pool:
+        starts = [pool.submit(_engine, pp_size=1), pool.submit(_engine, pp_size=2, mode="sync")]
+        wait(starts)
+        try:
+            pp1, sync = (f.result() for f in starts)     # a start failure raises here
+            runs = pool.submit(_pp1_run, pp1), pool.submit(_sync_run, sync)
+            return {"pp1": runs[0].result(), "sync": runs[1].result()}
+        finally:
+            for f in starts:
+                if f.exception() is None:
+                    f.result().close()
+
+
+@pytest.fixture(scope="module")
+def pp1_runs(one_core_runs) -> dict[str, list[list[int]]]:
     """Greedy MIXED and SEEDED tokens of one PP=1 engine."""
-    eng = _engine(pp_size=1)
-    try:
-        return {"greedy": [r["token_ids"] for r in eng.generate(MIXED, GREEDY)],
-                "seeded": eng.run(_run_seeded(eng))}
-    finally:
-        eng.close()
+    return one_core_runs["pp1"]
 
 
 @pytest.fixture(scope="module")
@@ -92,12 +115,8 @@ def test_concurrent_greedy_matches_pp1_and_transformers(pp_size, pp2, pp1_tokens
     assert [tuple(t) for t in got] == reference
 
 
-def test_sync_and_overlapped_modes_agree(pp2, pp1_tokens):
-    sync = _engine(pp_size=2, mode="sync")
-    try:
-        got = [r["token_ids"] for r in sync.generate(MIXED, GREEDY, prefix="sync-")]
-    finally:
-        sync.close()
+def test_sync_and_overlapped_modes_agree(pp2, one_core_runs, pp1_tokens):
+    got = one_core_runs["sync"]["greedy"]    # a PP=2 engine in sync mode (one step in flight)
     assert got == pp1_tokens
 
 
