@@ -65,20 +65,33 @@ def _sync_run(eng: EngineThread) -> dict[str, list[list[int]]]:
     return {"greedy": [r["token_ids"] for r in eng.generate(MIXED, GREEDY, prefix="sync-")]}
 
 
+def _lanes_run(eng: EngineThread) -> dict:
+    """Greedy MIXED tokens and the scheduler's trace events (a ListSink) of the run."""
+    sink = ListSink()
+    eng.engine.sched.sink = sink
+    return {"greedy": [r["token_ids"] for r in eng.generate(MIXED, GREEDY, prefix="lane-")],
+            "sink": sink}
+
+
+ONE_CORE = {"pp1": (dict(pp_size=1), _pp1_run), "sync": (dict(pp_size=2, mode="sync"), _sync_run),
+            "lanes": (dict(pp_size=2, adaptive_lanes=True), _lanes_run)}
+
+
 @pytest.fixture(scope="module")
-def one_core_runs() -> dict[str, dict[str, list[list[int]]]]:
-    """Tokens of a PP=1 engine (greedy MIXED and SEEDED) and of a PP=2 sync-mode engine (greedy
-    MIXED). Each keeps about one core busy (one rank, or one step in flight), so the two start and
-    run side by side, each on its own event loop and worker processes."""
-    with ThreadPoolExecutor(2) as pool:
-        starts = [pool.submit(_engine, pp_size=1), pool.submit(_engine, pp_size=2, mode="sync")]
-        wait(starts)
+def one_core_runs() -> dict[str, dict]:
+    """MIXED (and SEEDED) through three engines that each keep about one core busy: PP=1 (one
+    rank), PP=2 in sync mode (one step in flight) and PP=2 with adaptive lanes (MIXED fits one
+    lane: one step in flight). They start and run side by side, each on its own event loop and
+    worker processes, results keyed by ``ONE_CORE``'s names."""
+    with ThreadPoolExecutor(len(ONE_CORE)) as pool:
+        starts = {k: pool.submit(_engine, **kw) for k, (kw, _) in ONE_CORE.items()}
+        wait(starts.values())
         try:
-            pp1, sync = (f.result() for f in starts)     # a start failure raises here
-            runs = pool.submit(_pp1_run, pp1), pool.submit(_sync_run, sync)
-            return {"pp1": runs[0].result(), "sync": runs[1].result()}
+            engines = {k: f.result() for k, f in starts.items()}   # a start failure raises here
+            runs = {k: pool.submit(ONE_CORE[k][1], eng) for k, eng in engines.items()}
+            return {k: f.result() for k, f in runs.items()}
         finally:
-            for f in starts:
+            for f in starts.values():
                 if f.exception() is None:
                     f.result().close()
 
@@ -120,18 +133,12 @@ def test_sync_and_overlapped_modes_agree(pp2, one_core_runs, pp1_tokens):
     assert got == pp1_tokens
 
 
-def test_one_lane_skips_the_closed_lanes_numbers_and_keeps_the_tokens(pp1_tokens):
+def test_one_lane_skips_the_closed_lanes_numbers_and_keeps_the_tokens(one_core_runs, pp1_tokens):
     """Adaptive lanes with the default CPU step costs put the 16 MIXED requests in one lane:
     every row (decode, prefill chunk, admission) runs at an even step number, the odd numbers
     carry nothing and are not issued (the ranks turn their PPHandlers over them), and the tokens
     stay the reference's."""
-    eng = _engine(pp_size=2, adaptive_lanes=True)
-    sink = ListSink()
-    try:
-        eng.engine.sched.sink = sink
-        got = [r["token_ids"] for r in eng.generate(MIXED, GREEDY, prefix="lane-")]
-    finally:
-        eng.close()
+    got, sink = one_core_runs["lanes"]["greedy"], one_core_runs["lanes"]["sink"]
     assert got == pp1_tokens
     outs = [e.data["output"] for e in sink.of_kind("schedule")]
     steps = [e.step for e in sink.of_kind("schedule")]
