@@ -152,8 +152,9 @@ class PPGroups:
 
 
 def init_groups(rank: int, pp_size: int, init_method: str, device: torch.device,
-                timeout_s: float, tp_size: int = 1) -> PPGroups:
-    """Initialise torch.distributed for one rank and create the PP and sibling groups.
+                timeout_s: float) -> PPGroups:
+    """Initialise torch.distributed for one rank and create the PP and sibling groups (without TP;
+    with TP the worker calls :func:`runtime.worker.tp_groups.init_tp_groups`).
 
     Args:
         rank: this process's rank.
@@ -161,15 +162,10 @@ def init_groups(rank: int, pp_size: int, init_method: str, device: torch.device,
         init_method: rendezvous URL, e.g. ``tcp://127.0.0.1:29511`` or ``env://`` under torchrun.
         device: compute device of this rank.
         timeout_s: seconds before any collective / receive fails.
-        tp_size: TP ranks per stage: ``rank`` is then global (``pp_rank * tp_size + tp_rank``)
-            and the groups are made by :func:`runtime.worker.tp_groups.init_tp_groups`.
 
     Raises:
         RuntimeError: rendezvous failed or timed out.
     """
-    if tp_size > 1:
-        from runtime.worker.tp_groups import init_tp_groups
-        return init_tp_groups(rank, pp_size, tp_size, init_method, device, timeout_s)
     # NCCL needs one GPU per rank on each host: under torchrun the ranks of this host are
     # LOCAL_WORLD_SIZE, with the spawn launcher all pp_size ranks share this host.
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", pp_size))

@@ -69,8 +69,13 @@ class _Worker:
         device = pick_device(cfg, self.rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        self.groups = init_groups(self.rank, cfg.scheduler.pp_size, self.args.init_method, device,
-                                  cfg.step_timeout_s, tp_size=cfg.tp_size)
+        if cfg.tp_size > 1:   # global rank pp_rank * tp + tp_rank (docs/tp.md)
+            from runtime.worker.tp_groups import init_tp_groups
+            self.groups = init_tp_groups(self.rank, cfg.scheduler.pp_size, cfg.tp_size,
+                                         self.args.init_method, device, cfg.step_timeout_s)
+        else:
+            self.groups = init_groups(self.rank, cfg.scheduler.pp_size, self.args.init_method,
+                                      device, cfg.step_timeout_s)
         self.tp_comm = tp_comm(self.groups)   # None without TP
         dtype = pick_dtype(cfg, device)
         stage = self._load_stage(cfg, device, dtype)

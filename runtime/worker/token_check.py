@@ -76,7 +76,8 @@ class TokenMirror:
         new = np.asarray(ids, dtype=np.int64)
         m = new.size
         old = self.ids_np[slot, :m]
-        self.digest_np[slot] += ((new - old).view(np.uint64) * self._w[:m]).sum(dtype=np.uint64)
+        with np.errstate(over="ignore"):   # the digest wraps mod 2**64 on purpose
+            self.digest_np[slot] += ((new - old).view(np.uint64) * self._w[:m]).sum(dtype=np.uint64)
         self.ids_np[slot, :m] = new
 
     def record(self, sampled: torch.Tensor, slots: np.ndarray, start: np.ndarray,
