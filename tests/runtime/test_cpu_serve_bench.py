@@ -44,13 +44,13 @@ def test_rounds_merge_to_medians_and_pp2_over_pp1_by_round():
     assert merged["rounds"] == [[10.0, 60.0], [30.0, 80.0], [20.0, 70.0]]
     pp2 = cpu_serve.merge_rounds([_run(9.0, 66.0), _run(9.0, 72.0), _run(9.0, 84.0)], 8)
     out = cpu_serve.round_ratios({"fast-pp1": merged, "fast-pp2": pp2,
-                                  "fast-pp2-adaptive": pp2, "exact-pp2": pp2}, 8)
-    assert out == {"fast-pp2": [1.1, 0.9, 1.2], "fast-pp2-adaptive": [1.1, 0.9, 1.2]}
+                                  "fast-pp2-lanes": pp2, "exact-pp2": pp2}, 8)
+    assert out == {"fast-pp2": [1.1, 0.9, 1.2], "fast-pp2-lanes": [1.1, 0.9, 1.2]}
 
 
-def test_adaptive_variant_runs_only_when_named():
+def test_all_lanes_variant_runs_only_when_named():
     cmds = cpu_serve.commands(cpu_serve.build_parser().parse_args([]))
-    assert "fast-pp2-adaptive" not in cmds
+    assert "fast-pp2-lanes" not in cmds
     only = cpu_serve.commands(cpu_serve.build_parser().parse_args(
-        ["--only", "fast-pp1,fast-pp2-adaptive", "--rounds", "3"]))
-    assert "--adaptive-lanes" in only["fast-pp2-adaptive"]
+        ["--only", "fast-pp1,fast-pp2-lanes", "--rounds", "3"]))
+    assert "--no-adaptive-lanes" in only["fast-pp2-lanes"]
