@@ -86,6 +86,11 @@ class AsyncMirrorCheck:
         self.tok_np = self.tok_host.numpy()
         self._nct = MIRROR_FIELDS.index("num_computed_tokens")
         self._nb = MIRROR_FIELDS.index("num_blocks")
+        self.live_host = torch.zeros(2, n, dtype=torch.bool, pin_memory=self._pin)   # [2, n]
+        self.live_np = self.live_host.numpy()       # the live mask of each buffer's snapshot
+        self.live_dev = torch.zeros(2, n, dtype=torch.bool, device=state.device)
+        self._events = [torch.cuda.Event(), torch.cuda.Event()] if self._pin else None
+        self._views: dict[tuple[int, int], tuple] = {}   # (buffer, size) -> unpack views, graph
         self.pending: list[_Pending] = []
         self._error: MirrorDivergence | None = None   # found while recording, raised next
         self.checked_steps = 0
@@ -97,9 +102,13 @@ class AsyncMirrorCheck:
         comparison reduced to one flag, the flag out."""
         exp_d, snap = self.exp_dev[k, :size], self.snap_dev[k, :size]
         exp_d.copy_(self.exp_host[k, :size], non_blocking=True)
+        self.live_dev[k].copy_(self.live_host[k], non_blocking=True)
         st = self.state
         state_check.device_flat(st, cols, to_device(bl, st.device) if bl.size else None, out=snap)
-        self.flag_host[k:k + 1].copy_(torch.ne(snap, exp_d).any().view(1), non_blocking=True)
+        bad = blocks_short_or_over(st.fields[self._nb], st.fields[self._nct], st.block_size,
+                                   2 * (st.width - 1), self.live_dev[k])
+        flag = torch.logical_or(torch.ne(snap, exp_d).any(), bad)
+        self.flag_host[k:k + 1].copy_(flag.view(1), non_blocking=True)
         if st.tokens is not None:   # compared on the host when the sampled ids have landed too
             st.tokens.device_digest(st.all_token_ids, self.tok_dev[k])
             self.tok_host[k].copy_(self.tok_dev[k], non_blocking=True)
@@ -140,6 +149,7 @@ class AsyncMirrorCheck:
             return
         dev = self.state.device
         self.capacity, self._graphs = size, None   # the graphs read the old buffers: recapture
+        self._views = {}
         self.exp_host = torch.empty(2, size, dtype=torch.int32, pin_memory=self._pin)
         self.exp_np = self.exp_host.numpy()
         self.exp_dev = torch.empty(2, size, dtype=torch.int32, device=dev)
@@ -168,14 +178,20 @@ class AsyncMirrorCheck:
         cols = st.block_table_np.shape[1] if graph is not None else state_check.used_cols(st, live)
         size = state_check.flat_size(m_slots(st), cols, bl.size, state_check.bias_width(st))
         self._grow(size)
-        state_check.host_flat(st, cols, self.exp_np[k, :size], bl)
-        if graph is not None:
+        np.copyto(self.live_np[k], st.live_np)
+        if graph is not None:   # the graph's layout: the views of its buffer, made once
+            views = self._views.get((k, size))
+            if views is None:
+                views = self._views[(k, size)] = state_check.unpack(
+                    self.exp_np[k, :size], m_slots(st), cols)
+            state_check.fill_host(st, cols, views)
             graph.replay()
         else:
+            state_check.host_flat(st, cols, self.exp_np[k, :size], bl)
             self._enqueue(k, size, cols, bl)
         event = None
-        if self._pin:
-            event = torch.cuda.Event()
+        if self._pin:   # buffer k's previous snapshot was compared (poll above): its event too
+            event = self._events[k]
             event.record()
         p = _Pending(step, k, live, list(st.owner), event, cols, bl, size)
         if st.tokens is not None:
@@ -225,20 +241,12 @@ class AsyncMirrorCheck:
                 return
 
     def _compare(self, p: _Pending) -> None:
+        """The verdict of ``p``: its flag (fields and block counts, compared on the device) and
+        its token digests. Only a set flag unpacks the layout and looks field by field."""
         self.checked_steps += 1
-        n = m_slots(self.state)
-        exp_flat = self.exp_np[p.buf, :p.size]
-        exp = state_check.unpack(exp_flat, n, p.cols)[0]                  # [F, max_num_reqs]
-        bs, slack = self.state.block_size, 2 * (self.state.width - 1)  # spec drafts' blocks
-        held, computed = exp[self._nb, p.live], exp[self._nct, p.live]   # [num_live] each
         try:
             if self.flag_np[p.buf]:   # the device saw a difference: name the first (field, slot)
-                state_check.compare(self.snap_dev[p.buf, :p.size].cpu().numpy(), exp_flat, n,
-                                    p.cols, p.live, p.step, self.state.mirror.rank, p.owners,
-                                    p.biased, state_check.bias_width(self.state))
-            if not ((held >= -(-computed // bs)).all()
-                    and (held <= -(-(computed + slack) // bs)).all()):
-                self._raise_blocks(p, exp)
+                self._name(p)
             tokens = self.state.tokens
             if tokens is not None and p.tag >= 0:
                 tokens.drain(p.tag)
@@ -249,6 +257,22 @@ class AsyncMirrorCheck:
             raise
         p.verdict = (True, None)
 
+    def _name(self, p: _Pending) -> None:
+        """Slow path of a set flag: the first divergent (field, live slot) of ``p``'s snapshot,
+        else the first live slot whose block count breaks invariant 9 (a set flag with neither
+        came from a slot that is not live: nothing to report)."""
+        n = m_slots(self.state)
+        exp_flat = self.exp_np[p.buf, :p.size]
+        state_check.compare(self.snap_dev[p.buf, :p.size].cpu().numpy(), exp_flat, n, p.cols,
+                            p.live, p.step, self.state.mirror.rank, p.owners, p.biased,
+                            state_check.bias_width(self.state))
+        exp = state_check.unpack(exp_flat, n, p.cols)[0]                  # [F, max_num_reqs]
+        bs, slack = self.state.block_size, 2 * (self.state.width - 1)  # spec drafts' blocks
+        held, computed = exp[self._nb, p.live], exp[self._nct, p.live]   # [num_live] each
+        if not ((held >= -(-computed // bs)).all()
+                and (held <= -(-(computed + slack) // bs)).all()):
+            self._raise_blocks(p, exp)
+
     def _raise_blocks(self, p: _Pending, exp: np.ndarray) -> None:
         """The first slot of ``p`` whose block count breaks invariant 9, as
         ``CpuMirror.validate_blocks`` names it (``exp``: the counters ``[F, max_num_reqs]``)."""
@@ -257,3 +281,13 @@ class AsyncMirrorCheck:
             np.copyto(expected.array(f), exp[i])
         expected.validate_blocks(self.state.block_size, p.live, p.step, owners=p.owners,
                                  spec_slack=2 * (self.state.width - 1))
+
+
+def blocks_short_or_over(held: torch.Tensor, computed: torch.Tensor, block_size: int, slack: int,
+                         live: torch.Tensor) -> torch.Tensor:
+    """Invariant 9 on the device: whether a ``live`` slot holds fewer blocks than its computed
+    tokens need, or more than they need with ``slack`` draft tokens (``held``, ``computed``,
+    ``live``: ``[max_num_reqs]``; ``ceil(c / bs) <= h <= ceil((c + slack) / bs)`` is ``0 <= h * bs
+    - c < bs + slack``). Returns a 0-d bool tensor (enqueued, no host wait)."""
+    room = held * block_size - computed                                   # [max_num_reqs]
+    return torch.logical_and(live, (room < 0) | (room >= block_size + slack)).any()
