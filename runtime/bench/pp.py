@@ -16,7 +16,9 @@ min, max over the rounds):
   overlapped with adaptive lanes; the ratio to sync at each point. The engines' order rotates
   from round to round (round i starts with the i-th), so none always follows another.
 * ``--overheads``: tracing (``--trace-dir``) and mirror validation (``every`` vs ``off``) as
-  throughput ratios on the decode workload (``trace_overhead`` = 1 - on / off).
+  throughput and worker-CPU-per-step ratios on the decode workload, at each concurrency of
+  ``--overheads-concurrency``, on / off alternating (:mod:`runtime.bench.pp_overheads`;
+  ``trace_overhead`` = 1 - on / off).
 * ``--calibrate``: fit the step-cost model (:mod:`ppstate.step_cost`) to the ranks' busy seconds
   per step of the sweep and prefill runs; written under ``step_cost`` (load with
   ``--step-cost FILE``).
@@ -202,27 +204,9 @@ def sweep(base: EngineConfig, args, points: list[int]) -> dict:
 
 
 def overheads(base: EngineConfig, args) -> dict:
-    """Tracing and mirror validation on / off, decode workload, overlapped mode."""
-    import tempfile
-
-    def prompts(i: int) -> list[list[int]]:
-        return _prompts(args.num_requests, args.prompt_len, args.seed + 1000 * i)
-    out = {}
-    with tempfile.TemporaryDirectory(prefix="bench-trace-") as tmp:
-        pairs = {"trace": ({"trace_dir": None}, {"trace_dir": tmp}),
-                 "mirror_validation": ({"validate_mirrors": "off"}, {"validate_mirrors": "every"})}
-        wanted = [w.strip() for w in args.overheads_of.split(",")]
-        for what, (off, on) in ((w, pairs[w]) for w in wanted):
-            runs = asyncio.run(interleaved(
-                _variants(base, off=off, on=on), [(what, ["off", "on"], prompts, args.max_tokens,
-                                                   "output_tokens_per_s")], args.repeats))[what]
-            r = ratio_summary([x["output_tokens_per_s"] for x in runs["on"]],
-                              [x["output_tokens_per_s"] for x in runs["off"]])
-            out[what] = {"on_over_off": r, "runs": runs}
-            out[f"{what}_overhead"] = 1.0 - r["median"]
-            print(f"{what}: on/off throughput {r['median']:.3f} (min {r['min']:.3f}, "
-                  f"max {r['max']:.3f})", flush=True)
-    return out
+    """Tracing and mirror validation on / off, decode workload (:mod:`runtime.bench.pp_overheads`)."""
+    from runtime.bench.pp_overheads import overheads as measure
+    return measure(base, args, lambda n, i: _prompts(n, args.prompt_len, args.seed + n + 1000 * i))
 
 
 def calibrate(sweep_res: dict | None, prefill_res: dict | None, pp_size: int,
@@ -267,6 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overheads", action="store_true", help="tracing / mirror validation cost")
     p.add_argument("--overheads-of", default="trace,mirror_validation",
                    help="comma list of what --overheads measures: trace, mirror_validation")
+    p.add_argument("--overheads-concurrency", default=None,
+                   help="comma list of concurrencies for --overheads (default: --num-requests)")
+    p.add_argument("--overheads-warmup", type=int, default=1,
+                   help="unrecorded rounds per engine and concurrency before --overheads' rounds")
     p.add_argument("--calibrate", action="store_true",
                    help="fit the step-cost model to the sweep and prefill runs")
     p.add_argument("--seed", type=int, default=0)
@@ -287,6 +275,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--sweep must be a comma list of integers, got {args.sweep!r}")
     if set(args.overheads_of.split(",")) - {"trace", "mirror_validation"}:
         p.error("--overheads-of takes a comma list of trace, mirror_validation")
+    try:
+        if args.overheads_concurrency and min(
+                int(x) for x in args.overheads_concurrency.split(",")) < 1:
+            raise ValueError
+    except ValueError:
+        p.error("--overheads-concurrency must be a comma list of integers >= 1")
     if args.calibrate and (not points or args.workload not in ("prefill", "both")):
         p.error("--calibrate needs --sweep (decode rows) and --workload prefill or both")
     base = engine_config(p, args)
