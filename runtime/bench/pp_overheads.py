@@ -13,7 +13,7 @@ step (user + system of every rank process, from ``/proc`` through psutil: everyt
 does, the validation included).
 
 Reported per point and feature: the on / off ratio of each of the three, round by round (median,
-min, max, all: :func:`runtime.bench.pp.ratio_summary`), and their medians per engine.
+min, max, all: :func:`runtime.bench.engine_runs.ratio_summary`), and their medians per engine.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from contextlib import AsyncExitStack
 
 import psutil
 
+from runtime.bench.engine_runs import ratio_summary, run_workload
 from runtime.config import EngineConfig
 from runtime.engine import AsyncEngine
 
@@ -41,9 +42,8 @@ def worker_cpu_s(engine: AsyncEngine) -> float:
 
 
 async def _round(engine: AsyncEngine, prompts: list[list[int]], max_tokens: int, tag: str) -> dict:
-    """One workload on ``engine`` (:func:`runtime.bench.pp.run_workload`) plus its workers' CPU
+    """One workload on ``engine`` (:func:`runtime.bench.engine_runs.run_workload`) plus its workers' CPU
     seconds per step (``worker_cpu_s_per_step``)."""
-    from runtime.bench.pp import run_workload
     c0 = worker_cpu_s(engine)
     run = await run_workload(engine, prompts, max_tokens, tag)
     run["worker_cpu_s"] = worker_cpu_s(engine) - c0
@@ -53,7 +53,6 @@ async def _round(engine: AsyncEngine, prompts: list[list[int]], max_tokens: int,
 
 def summarize(n: int, runs: dict[str, list[dict]]) -> dict:
     """On / off ratios of one point's rounds: throughput, busy and worker CPU seconds per step."""
-    from runtime.bench.pp import ratio_summary
 
     def col(name: str, key: str) -> list[float]:
         return [sum(r[key]) if isinstance(r[key], list) else r[key] for r in runs[name]]

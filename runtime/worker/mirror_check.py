@@ -6,21 +6,28 @@ After a step, :meth:`AsyncMirrorCheck.snapshot` writes the host copies of everyt
 use, the sampling tables, the biased live slots' logit-bias rows), as they are at that moment,
 flat into pinned host memory, and enqueues on the device, in stream order after the step:
 
-1. one non-blocking copy of those expected values to a device buffer;
+1. one non-blocking copy of those expected values, and of the live-slot mask, to the device;
 2. one concatenation of the device tensors into a second device buffer (the step's snapshot);
-3. one element-wise comparison of the two, reduced to one flag;
-4. one non-blocking copy of that flag (one byte) to pinned host memory, and a CUDA event.
+3. one element-wise comparison of the two, and the block counts' test on the live slots
+   (:func:`blocks_short_or_over`: ``held`` vs ``ceil(num_computed_tokens / block_size)``),
+   reduced to one flag;
+4. one non-blocking copy of that flag (one byte) to pinned host memory, and a CUDA event (one
+   per buffer, reused).
 
 The comparison of the common path is therefore one byte read when the event has completed
 (:meth:`poll` checks it opportunistically; the next :meth:`snapshot` forces it), so a divergence
-is still reported at the latest while the next step finishes ("within one step"). The block
-counts' test (``held`` vs ``ceil(num_computed_tokens / block_size)``) reads host values only and
-runs on the host at the same time. Only when the flag is set does the check copy the step's
-snapshot (which stays on the device, double-buffered, until then) and its expected values back
-and look field by field over the live slots (``state_check.compare``) to raise
+is still reported at the latest while the next step finishes ("within one step"). Without
+logit-bias rows steps 1-4 (and the token rows' digests, :mod:`runtime.worker.token_check`) are one
+CUDA graph per buffer, and the host writes the expected values through views of its buffer made
+once: per step the host does five array copies, one graph launch, one event record and, for the
+previous step, one byte read and one comparison of the token digests. Only when the flag is set
+does the check copy the step's snapshot (which stays on the device, double-buffered, until then)
+and its expected values back and look field by field over the live slots
+(``state_check.compare``), then at the block counts, to raise
 :class:`~ppstate.errors.MirrorDivergence` naming rank, step, slot, request, field and both values,
-exactly as the synchronous check does. The previous version compared on the host after copying
-the whole snapshot (``runtime/bench/mirror_before.py`` keeps it for the benchmark).
+exactly as the synchronous check does. ``runtime/bench/mirror_before.py`` keeps the version before
+the per-step host cost was cut (block counts tested on the host, new views and events each step)
+for the benchmark.
 
 On the CPU (no events) every operation runs at once and the comparison is immediate.
 

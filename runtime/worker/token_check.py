@@ -7,8 +7,9 @@ read it too. It is written at admission (the replicated prompt ids) and by the s
 post-update (the ids of the deferred broadcast, or the last rank's own sample), and with
 speculative decoding by the drafts rank 0 and the last rank write ahead (:meth:`write`). The host never
 needed those ids on a non-last rank, so :class:`TokenMirror` keeps them by one non-blocking copy
-of each applied ``[num_rows, width]`` sampled block to pinned memory (:meth:`record`), applied to
-the host copy once it has landed (:meth:`drain`).
+of each applied ``[num_rows, width]`` sampled block to pinned memory (:meth:`record`; a few
+buffers, reused once their ids are applied: no allocation per step), applied to the host copy
+once it has landed (:meth:`drain`).
 
 The check compares, for every live slot, the digest of the whole row ``sum_p ids[s, p] * V_p mod
 2**64`` (``V_p``: odd 64-bit constants, :func:`position_weights`): on the device one multiply and
@@ -17,7 +18,9 @@ one row sum, travelling with the after-step check's flag; on the host kept incre
 wrong slot, and any later change of a row, changes that row's digest (one id changed by ``d``
 changes it by ``d * V_p != 0``). The comparison of step ``t`` runs when its flag has landed, after
 the ids sampled up to step ``t`` have been applied to the host copy, so it is exact for the state
-at the end of step ``t``: the same "within one step" as the other fields.
+at the end of step ``t``: the same "within one step" as the other fields. A healthy step compares
+the digests of every slot with one ``memcmp`` (the host copy follows every device write, live
+slot or not); only a difference looks at the live slots.
 """
 
 from __future__ import annotations
