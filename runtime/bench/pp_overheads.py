@@ -9,8 +9,8 @@ unrecorded rounds of each point (CUDA graphs and allocator pools of every batch 
 ``--repeats`` rounds, the order alternating ``off on`` / ``on off`` so neither always runs first
 after the other's burst. Each round records, per engine: output tokens/s, the ranks' busy seconds
 per step (the engine's counter: the forward's host time) and the worker processes' CPU seconds per
-step (user + system of every rank process, from ``/proc`` through psutil: everything a worker
-does, the validation included).
+step (user + system of every rank process, from ``/proc``: everything a worker does, the
+validation included).
 
 Reported per point and feature: the on / off ratio of each of the three, round by round (median,
 min, max, all: :func:`runtime.bench.engine_runs.ratio_summary`), and their medians per engine.
@@ -22,23 +22,27 @@ import asyncio
 import statistics
 from contextlib import AsyncExitStack
 
-import psutil
+import os
 
 from runtime.bench.engine_runs import ratio_summary, run_workload
 from runtime.config import EngineConfig
 from runtime.engine import AsyncEngine
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (Linux ``/proc/PID/stat``, fields 14 and 15
+    in clock ticks); 0 when it is gone or there is no ``/proc``."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()   # after the command name
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def worker_cpu_s(engine: AsyncEngine) -> float:
-    """User + system CPU seconds of ``engine``'s worker processes so far (0 for one gone)."""
-    total = 0.0
-    for proc in engine.pool.procs:
-        try:
-            t = psutil.Process(proc.pid).cpu_times()
-        except (psutil.Error, ValueError):
-            continue
-        total += t.user + t.system
-    return total
+    """User + system CPU seconds of ``engine``'s worker processes so far."""
+    return sum(process_cpu_s(proc.pid) for proc in engine.pool.procs)
 
 
 async def _round(engine: AsyncEngine, prompts: list[list[int]], max_tokens: int, tag: str) -> dict:
