@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #27 (mirror validation: its cost) on one H200, about 5 minutes (timeouts sum to 300 s;
+# Issue #27 (mirror validation: its cost) on one H200, about 5 minutes (timeouts sum to 330 s;
 # the most important parts first):
 # 1. a rank's validation per step at 128 and 256 decode rows, off / on / before (the check as of
 #    9fb95f0, runtime/bench/mirror_before.py) alternated in one run (python -m runtime.bench mirror);
@@ -36,10 +36,10 @@ tail -4 "$out/mirror-tests.log"
 folder=/tmp/smollm2-random
 [ -d $folder ] || timeout 30 python3 -m runtime.bench.model_folder --shape smollm2-135m \
   --out $folder >> "$log" 2>&1
-timeout 140 python3 -m runtime.bench pp --pp 1 --workload none --overheads \
-  --overheads-of mirror_validation --overheads-concurrency 128,256 --repeats 6 \
-  --overheads-warmup 1 --num-requests 128 --max-num-seqs 256 --max-tokens 192 \
-  --max-model-len 320 --max-num-batched-tokens 8192 --max-prefill-chunk 4096 \
+timeout 170 python3 -m runtime.bench pp --pp 1 --workload none --overheads \
+  --overheads-of mirror_validation --overheads-concurrency 128,256 --repeats 10 \
+  --overheads-warmup 1 --num-requests 128 --max-num-seqs 256 --max-tokens 256 \
+  --max-model-len 384 --max-num-batched-tokens 8192 --max-prefill-chunk 4096 \
   --model $folder --device cuda --dtype bfloat16 --json-out "$out/pp-mirror.json" \
   2>&1 | grep -v -i -E "warn|loading" >> "$log"
 timeout 20 python3 -m runtime.bench mirror --rows 128,256 --device cpu --steps 30 --rounds 4 \
