@@ -10,15 +10,17 @@ the after-step check (on CUDA :class:`~runtime.worker.mirror_check.AsyncMirrorCh
 values copied to the device, compared there with the device tables, one flag copied back; on the
 CPU ``DeviceState.validate``).
 
-Off, on and the check as it was before the comparison moved onto the device
-(:mod:`runtime.bench.mirror_before`: the whole snapshot copied to the host and compared there,
-same coverage; on the CPU the same in-place check; reported as ``before_*``) alternate in one run (``--rounds`` triples of ``--steps`` steps; CUDA: wall time,
-synchronised at the end of each block; CPU: process CPU time, one torch thread); reported per N: microseconds per step off and on (median over rounds),
-the validation's share ``on / off - 1`` and its microseconds per step (``on - off``, and the time
-spent inside the check calls themselves, ``check_us_per_step``: less exposed to the load of a
-shared machine; on CUDA it includes the wait for the previous step's copy), and each check
-timed alone on the final state, now and before (``pieces_us``, :func:`pieces`); on the CPU also the
-microseconds of the check as it was before issue #27 (the mirror counters only), in the same run. The share of a whole
+Off, on and the check as it was before its per-step host cost was cut (main at 9fb95f0, frozen in
+:mod:`runtime.bench.mirror_before`: same coverage; on the CPU the token ids compared up to the
+longest live ``total_len``; reported as ``before_*``) alternate in one run (``--rounds`` triples of
+``--steps`` steps; CUDA: wall time, synchronised at the end of each block; CPU: process CPU time,
+one torch thread); reported per N: microseconds per step off and on (median over rounds), the
+validation's share ``on / off - 1`` and its microseconds per step (``on - off``, and the time spent
+inside the check calls themselves, ``check_us_per_step``: less exposed to the load of a shared
+machine; on CUDA it includes the wait for the previous step's copy), and each check timed alone on
+the final state (``pieces_us``, :func:`pieces`: the digest, the after-step check now and before);
+on the CPU also the microseconds of the check as it was before issue #27 (the mirror counters
+only), in the same run. The share of a whole
 engine step is smaller by the model's time (the engine on / off ratio: ``runtime.bench pp
 --overheads``). ``--json-out F`` writes the results (kind ``mirror-validation``).
 """
@@ -267,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                   if "counters_only_us_per_step" in r else "")
         print(f"rows {n:4d} on {args.device}: off {r['us_per_step_off']:.1f} us/step, on "
               f"{r['us_per_step_on']:.1f} us/step (validation {r['validation_us_per_step']:.1f} "
-              f"us{before}, on/off {r['on_over_off']:.3f}; before (host compare): validation "
+              f"us{before}, on/off {r['on_over_off']:.3f}; before (9fb95f0): validation "
               f"{r['before_validation_us_per_step']:.1f} us, on/off {r['before_over_off']:.3f}); "
               f"inside the check calls: {r['check_us_per_step']:.1f} us now, "
               f"{r['before_check_us_per_step']:.1f} us before", flush=True)
