@@ -92,6 +92,18 @@ def test_best_of_returns_the_highest_cumulative_logprob(client):
         c = complete(client, prompt, seed=3 + j, temperature=1.0, max_tokens=5).choices[0]
         totals.append((sum(c.logprobs.token_logprobs), ids_of(c)))
     assert len(best.choices) == 1 and ids_of(best.choices[0]) == max(totals)[1]
+    # usage counts every generated sample (3 x 5 tokens), not only the returned one
+    assert (best.usage.prompt_tokens, best.usage.completion_tokens) == (3, 15)
+
+
+def test_best_of_usage_counts_every_sample_of_every_prompt(client):
+    """Two prompts (3 and 2 tokens), best_of 3, n 2, 4 tokens each (ignore_eos): 4 choices
+    returned, 2 x 3 x 4 = 24 completion tokens generated and counted."""
+    r = complete(client, [prompt_of(60, 61, 62), prompt_of(70, 71)], n=2, best_of=3, seed=5,
+                 temperature=1.0, max_tokens=4)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert all(len(ids_of(c)) == 4 for c in r.choices)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (5, 24, 29)
 
 
 def test_a_batch_of_prompts_equals_single_requests(client):
