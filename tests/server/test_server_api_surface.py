@@ -11,6 +11,8 @@ prompt logprobs (fp32 log-softmax at each position).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import openai
 import pytest
@@ -35,19 +37,24 @@ def folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(folder):
+def served(folder):
     proc = ServerProcess("--model", folder, "--pp", "2", "--cpu-path", "exact",
                          "--max-model-len", str(MAX_MODEL_LEN),
                          "--max-num-seqs", "8", "--max-prefill-chunk", "16",
                          "--reasoning-parser", "deepseek_r1")
     try:
         load_reference(folder)   # transformers loads while the server starts
-        url = proc.wait_ready(180)
+        proc.url = proc.wait_ready(180)
     except BaseException:
         proc.stop()
         raise
-    yield url
+    yield proc
     assert proc.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def server(served) -> str:
+    return served.url
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +74,12 @@ def complete(client, prompt, **kw):
 
 def hits(url: str) -> float:
     return metric_samples(url)[("ppstate_prefix_cache_hits_total", ())]
+
+
+def test_startup_names_the_exact_cpu_path_and_its_reason(served):
+    log = Path(served.log.name).read_text()   # not through the shared handle: its offset is the server's
+    lines = [x for x in log.splitlines() if x.startswith("CPU path: ")]
+    assert lines == ["CPU path: exact (fp32 torch reference; reason: --cpu-path exact)"]
 
 
 def test_n_with_seed_equals_separate_seeded_requests_and_shares_the_prefill(server, client):

@@ -149,6 +149,13 @@ def test_health_is_503_loading_before_the_model_is_up(served):
     assert status == 503 and body["status"] == "loading"
 
 
+def test_startup_names_the_cpu_path_once(served):
+    """``runtime.serve`` defaults to the CPU fast path; rank 0 (of 2) says so on stderr, once."""
+    log = Path(served.log.name).read_text()   # not through the shared handle: its offset is the server's
+    lines = [x for x in log.splitlines() if x.startswith("CPU path: ")]
+    assert lines == ["CPU path: fast (ONNX Runtime MatMulNBits: 8-bit weight blocks, int8 activations)"]
+
+
 def test_models(client):
     models = client.models.list().data
     assert len(models) == 1 and models[0].max_model_len == MAX_MODEL_LEN
