@@ -6,6 +6,11 @@ hit blocks), preemption by recompute (vLLM V1's policy: the youngest running req
 the head of the waiting queue, its received tokens kept) and the finishing of a request. The row
 builder (:class:`~ppstate.scheduler_rows.RowBuilder`) and the result handler
 (:class:`~ppstate.scheduler_results.StepResults`) receive this object as a field.
+
+The effects of the lifecycle's edges (``specs/request.yaml``: ``free_blocks``, ``free_slot``) are
+methods of this class, bound when it is built (a name without a method is a
+:class:`~ppstate.errors.TableError` then) and run by :meth:`RequestQueues.edge` right after the
+edge fires: the table, not a hand-written copy of it, says which edges free what.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from ppstate.lifecycle import Lifecycle
 from ppstate.request import Request
 from ppstate.slot_views import SlotViews
 from ppstate.slots import SlotTable
+from ppstate.table_binding import bind_effects
 
 FINISHED_HISTORY = 1024
 
@@ -32,7 +38,8 @@ class RequestQueues:
         slots: the slot table.
         kv: the KV-cache manager (blocks taken on admission, freed on preempt / finish).
         views: the slot-indexed views (occupied on admission, vacated on preempt / finish).
-        lifecycle: the request lifecycle (a finished request leaves it).
+        lifecycle: the request lifecycle (a finished request leaves it; its table's effects are
+            bound to methods of this class).
         fire: the scheduler's ``fire``: a lifecycle edge, recorded in its event sink.
 
     Attributes:
@@ -57,6 +64,28 @@ class RequestQueues:
         self.freed: list[FreedSlot] = []
         self.admissions = 0
         self.num_preemptions = 0
+        self.effects = bind_effects(lifecycle.table, RequestQueues)   # trigger -> method names
+
+    def edge(self, req: Request, trigger: str) -> None:
+        """Fire ``trigger`` on ``req`` and run the table's effects of that edge."""
+        self.fire(req, trigger)
+        for name in self.effects.get(trigger, ()):
+            getattr(self, name)(req)
+
+    def free_blocks(self, req: Request) -> None:
+        """Effect: ``req``'s KV blocks go back to the pool (nothing when it holds no slot)."""
+        if req.slot >= 0:
+            self.kv.free(req)
+
+    def free_slot(self, req: Request) -> None:
+        """Effect: ``req``'s slot is released (its generation bumped) and reported in the next
+        output as a FreedSlot (reason ``preempted``, or the final state); ``req`` leaves the
+        running requests. Nothing when it holds no slot."""
+        if req.slot >= 0:
+            slot = self.slots.free(req.req_id)
+            reason = "preempted" if req.state == "waiting" else req.state
+            self.freed.append(FreedSlot(req.req_id, slot, reason))
+            del self.running[req.req_id]
 
     def running_requests(self) -> list[Request]:
         """Live requests holding a slot, in admission order."""
@@ -93,12 +122,8 @@ class RequestQueues:
         """Preempt ``req`` (recompute): blocks and slot freed (FreedSlot in this step's output,
         so workers bump the slot generation and drop its deferred rows), back to the head of
         the waiting queue with its received tokens kept."""
-        self.fire(req, "preempt")
         self.views.vacate(req.slot, self.arrays)
-        self.kv.free(req)
-        slot = self.slots.free(req.req_id)
-        self.freed.append(FreedSlot(req.req_id, slot, "preempted"))
-        del self.running[req.req_id]
+        self.edge(req, "preempt")   # effects: free_blocks, free_slot
         req.slot = -1
         req.prefill_tokens = req.spec.prompt_token_ids + tuple(req.output_token_ids)
         self.waiting.appendleft(req)
@@ -120,15 +145,11 @@ class RequestQueues:
                           req.prompt_len + req.max_tokens, dict(req.spec.sampling), cached, n_out)
 
     def finish(self, req: Request, trigger: str) -> None:
-        """Fire ``trigger`` (a finishing edge) on ``req``; free its slot and blocks when it holds
-        one (FreedSlot in the next output); remember its final state."""
-        self.fire(req, trigger)
+        """Fire ``trigger`` (a finishing edge) on ``req``; its effects free its slot and blocks
+        when it holds one (FreedSlot in the next output); remember its final state."""
         if req.slot >= 0:
             self.views.vacate(req.slot, self.arrays)
-            self.kv.free(req)
-            self.slots.free(req.req_id)
-            self.freed.append(FreedSlot(req.req_id, req.slot, req.state))
-            del self.running[req.req_id]
+        self.edge(req, trigger)   # effects: free_blocks, free_slot
         self.finished[req.req_id] = req.state
         self.finished.move_to_end(req.req_id)
         while len(self.finished) > FINISHED_HISTORY:
