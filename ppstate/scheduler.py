@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ppstate.blocks import block_hashes
 from ppstate.batch import SchedulerOutput, StepResult
 from ppstate.budget import RequestArrays, SchedulerConfig, StepBudget
 from ppstate.errors import SchedulerError
@@ -38,7 +37,7 @@ from ppstate.slot_views import SlotViews
 from ppstate.slots import SlotTable
 from ppstate.speculative_probe import NgramProbe
 from ppstate.step_updates import StepUpdates
-from ppstate.codec import encode_output
+from ppstate.codec import arrival_fields, encode_output
 
 __all__ = ["Scheduler", "SchedulerConfig", "RequestSpec", "TokenUpdate", "FINISHED_HISTORY"]
 
@@ -311,19 +310,16 @@ class Scheduler:
     def on_step_result(self, result: StepResult) -> Sequence[TokenUpdate]:
         """Apply the last rank's output of the oldest in-flight step.
 
-        Rows of requests no longer live (finished at an earlier step, aborted), rows scheduled
-        before a preemption of their request, and rows that are non-final prefill chunks are
-        ignored. A request stops at the first EOS (unless ignore_eos)
-        or stop token id, or when it has max_tokens tokens; its slot is freed then.
+        Rows of requests no longer live, rows scheduled before a preemption of their request,
+        and non-final prefill chunks are ignored. A request stops at the first EOS (unless
+        ignore_eos) or stop token id, or at max_tokens; its slot is freed then.
 
         Returns:
-            One TokenUpdate per live sampling row with ``num_sampled > 0``, in row order: a
-            :class:`~ppstate.step_updates.StepUpdates` (one token per row, made on reading) or,
-            with speculative drafts in the step, a list.
+            One TokenUpdate per live sampling row with ``num_sampled > 0``, in row order (a
+            :class:`~ppstate.step_updates.StepUpdates`, or a list with speculative drafts).
 
         Raises:
-            SchedulerError: ``result.step`` is not the oldest in-flight step, or its row count
-                differs from that step's.
+            SchedulerError: not the oldest in-flight step, or a row count that differs.
         """
         if self.sink.enabled:
             self.sink.emit("result", step=self._next_step, of_step=result.step,
@@ -349,17 +345,3 @@ class Scheduler:
             self.sink.emit("lifecycle", step=self._next_step, req_id=req.req_id,
                            trigger=trigger, state=state)
 
-
-def arrival_fields(spec: RequestSpec, sink: EventSink, config: SchedulerConfig) -> dict:
-    """Fields of the ``arrival`` event of ``spec``: lengths and sampling parameters; prompt
-    token ids only when ``sink.trace_prompts``. Without them, and with prefix caching on, the
-    chained hashes of the prompt's full blocks (``prefix_hashes``) are recorded instead: they decide
-    prefix-cache hits, so replay needs them, and they do not reveal the prompt."""
-    ids = list(spec.prompt_token_ids) if sink.trace_prompts else None
-    hashes = (block_hashes(spec.prompt_token_ids, config.block_size)
-              if ids is None and config.enable_prefix_caching else None)
-    return {"req_id": spec.req_id, "prompt_len": spec.prompt_len, "max_tokens": spec.max_tokens,
-            "eos_token_ids": sorted(spec.eos_token_ids),
-            "stop_token_ids": sorted(spec.stop_token_ids), "ignore_eos": spec.ignore_eos,
-            "sampling": dict(spec.sampling), "prompt_token_ids": ids, "prefix_hashes": hashes,
-            "fork_of": spec.fork_of, "prefix_cache": spec.prefix_cache}
