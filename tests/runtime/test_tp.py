@@ -216,8 +216,12 @@ def test_shards_of_every_tensor_reassemble_the_checkpoint(kv1):
 def test_tp_refuses_a_degree_the_heads_cannot_split(kv1):
     from runtime.model.hf_loader import HFCheckpoint
     from runtime.model.tp.shard import check_tp
-    with pytest.raises(ValueError, match="--tp: 3 does not divide .*num_heads=4"):
-        check_tp(HFCheckpoint(kv1[0]).config, 3)
+    cfg = HFCheckpoint(kv1[0]).config        # 4 heads, 1 KV head, intermediate 96, experts' 32
+    with pytest.raises(ValueError) as exc:
+        check_tp(cfg, 3)
+    assert str(exc.value) == ("--tp 3: the model has 4 attention heads and 1 KV heads; --tp must "
+                              "divide the 4 attention heads and divide the expert intermediate "
+                              "size 32 (valid: 1, 2, 4)")
 
 
 def test_torchrun_world_is_pp_times_tp():
