@@ -159,7 +159,9 @@ class _Worker:
                               cfg.scheduler.max_model_len)
         rep = graphs.capture(progress=(self.rank == 0))
         self.graph_report = {"buckets": len(rep.buckets), "seconds": round(rep.seconds, 2),
-                             "bytes": rep.bytes}
+                             "bytes": rep.bytes,
+                             "graphs_per_step": getattr(graphs, "num_segments", {}).get(
+                                 rep.buckets[-1], 1)}   # > 1: piecewise (TP over gloo)
         print(f"rank {self.rank}: captured {len(rep.buckets)} CUDA graphs (decode batches "
               f"{rep.buckets[0]}..{rep.buckets[-1]}) in {rep.seconds:.1f} s, "
               f"{rep.bytes / 2**20:.0f} MiB", file=sys.stderr, flush=True)
