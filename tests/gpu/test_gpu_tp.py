@@ -9,7 +9,8 @@ path (``cuda_path="reference"``) for comparison.
   0 captured the expected number of graphs per decode step (2 per layer, +1 embedding on the first
   stage, +1 LM head on the last);
 * the SmolLM2-135M shape (9 heads, 3 KV heads, tied embeddings; random bf16 weights) at TP=3:
-  the same check, 62 graphs per step (30 layers).
+  the same check, 62 graphs per step (30 layers);
+* speculative decoding (K = 2) at TP=2 x PP=1 on the fast path: the same ids, no verify graphs.
 """
 
 from __future__ import annotations
@@ -80,3 +81,17 @@ def test_tp3_smollm2_shape_bf16(tmp_path):
     got, _ = asyncio.run(run_layout(base, 3, 1, PROMPTS, NEW, info))
     _check(hf, got, min_fraction=0.5)
     assert info[0]["cuda_graphs"]["graphs_per_step"] == 62
+
+
+def test_tp2_fast_path_with_speculation_equals_transformers(qwen2):
+    """``--spec-tokens 2`` at TP=2 x PP=1 on the fast path: decode steps replay the piecewise
+    graphs, verify steps (rows of 1 + K tokens) run eagerly; greedy ids stay transformers'."""
+    from runtime.bench.tp import run_layout
+    path_, hf = qwen2
+    base = dict(model=str(path_), device="cuda", dtype="float32", max_num_seqs=8,
+                max_model_len=64, mode="overlapped", num_spec_tokens=2, spec_ngram=2)
+    info: dict = {}
+    got, _ = asyncio.run(run_layout(base, 2, 1, PROMPTS, NEW, info))
+    _check(hf, got, min_fraction=0.9)
+    assert info[0]["cuda_graphs"]["graphs_per_step"] == 6
+    assert "verify_buckets" not in info[0]["cuda_graphs"]
