@@ -97,7 +97,7 @@ class _Worker:
         if k > 0:  # speculative decoding (#14; on the CUDA fast path #33)
             from runtime.sampling.speculative_verify import SpecDecoder
             spec = SpecDecoder(k, cfg.spec_ngram, self.groups.is_first, self.groups.is_last)
-            if graphs is not None:
+            if graphs is not None and not getattr(graphs, "piecewise", False):
                 verify_graphs = self._verify_graphs(fast, cfg, k)
         grammar = None
         if self.groups.is_last:   # structured outputs: built on the first constrained request
@@ -154,18 +154,20 @@ class _Worker:
         decode-only CUDA graphs captured now, with their time and memory printed (rank 0 shows
         a progress bar). CPU: (None, None), the exact reference path."""
         self.graph_report = None
-        if device.type != "cuda" or self.tp_comm is not None:   # TP: the reference path (docs/tp.md)
+        if device.type != "cuda" or cfg.cuda_path == "reference":
             return None, None
-        from runtime.model.paged_stage import PagedStage
-        from runtime.worker.cuda_graphs import DecodeGraphs
-        fast = PagedStage(stage)
+        from runtime.worker.tp_graphs import fast_path_classes   # TP: docs/tp.md
+        stage_cls, graphs_cls = fast_path_classes(self.tp_comm, self.groups.nccl)
+        fast = stage_cls(stage)
         if cfg.enforce_eager:
             return fast, None
-        graphs = DecodeGraphs(fast, cfg.scheduler.max_num_seqs, -(-cfg.scheduler.max_model_len // cfg.scheduler.block_size),
+        graphs = graphs_cls(fast, cfg.scheduler.max_num_seqs, -(-cfg.scheduler.max_model_len // cfg.scheduler.block_size),
                               cfg.scheduler.max_model_len)
         rep = graphs.capture(progress=(self.rank == 0))
         self.graph_report = {"buckets": len(rep.buckets), "seconds": round(rep.seconds, 2),
-                             "bytes": rep.bytes}
+                             "bytes": rep.bytes,
+                             "graphs_per_step": getattr(graphs, "num_segments", {}).get(
+                                 rep.buckets[-1], 1)}   # > 1: piecewise (TP over gloo)
         print(f"rank {self.rank}: captured {len(rep.buckets)} CUDA graphs (decode batches "
               f"{rep.buckets[0]}..{rep.buckets[-1]}) in {rep.seconds:.1f} s, "
               f"{rep.bytes / 2**20:.0f} MiB", file=sys.stderr, flush=True)
