@@ -14,6 +14,7 @@ import json
 import sys
 from dataclasses import asdict
 
+from ppstate import mutants
 from ppstate.errors import PPStateError
 from ppstate.sim.simulator import run_sim
 from ppstate.sim.trace import DEFAULT_SIM_TRACE_DIR, record_sim
@@ -80,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="speculative decoding: up to K drafts per decode row (default 0: off)")
     p.add_argument("--spec-acceptance", type=float, default=0.7,
                    help="probability that a draft is the model's token (with --spec-tokens)")
+    p.add_argument("--mutant", choices=sorted(mutants.MUTANTS), default=None, metavar="NAME",
+                   help="switch one known-bad variant on (python -m ppstate.check "
+                        "--list-mutants), e.g. keep_rejected_draft with --spec-tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -108,6 +112,11 @@ def config_from_args(ns: argparse.Namespace) -> SimConfig:
 def run_cli(argv: list[str] | None = None) -> int:
     """Parse ``argv``, run, print; returns 0 clean, 1 on violations, 2 on bad arguments."""
     ns = build_parser().parse_args(argv)
+    with mutants.enabled(*([ns.mutant] if ns.mutant else [])):
+        return _run(ns)
+
+
+def _run(ns: argparse.Namespace) -> int:
     trace = None
     try:
         cfg = config_from_args(ns)
@@ -136,7 +145,8 @@ def run_cli(argv: list[str] | None = None) -> int:
               f"bubble={result.bubble_fraction:.3f} preemptions={result.preemptions} "
               f"prefix_hit_tokens={result.prefix_hit_tokens} violations={result.num_violations}")
     if result.num_violations:
-        print(f"invariant violations with seed {result.seed}; reproduce with:\n  {result.repro}",
+        repro = result.repro + (f" --mutant {ns.mutant}" if ns.mutant else "")
+        print(f"invariant violations with seed {result.seed}; reproduce with:\n  {repro}",
               file=sys.stderr)
         return 1
     return 0
