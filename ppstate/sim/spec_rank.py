@@ -28,7 +28,7 @@ token is ever emitted: the client check compares every received token with the m
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
@@ -36,20 +36,18 @@ from ppstate.batch import SchedulerOutput
 from ppstate.payload import SampledPayload
 from ppstate.sim.spec import propose, verify
 
-if TYPE_CHECKING:
-    from ppstate.sim.rank import SimRank
-
 
 class SimSpec:
     """Speculative state of one rank.
 
     Args:
-        rank: the rank (its slot tokens, counters, mirror, KV and checker are used).
+        rank: the :class:`~ppstate.sim.rank.SimRank` (its slot tokens, counters, mirror, KV and
+            checker are used; not imported here: the rank imports this module).
         k: ``K`` (>= 1), drafts per decode row at most.
         acceptance: the proposer's per-draft acceptance probability.
     """
 
-    def __init__(self, rank: "SimRank", k: int, acceptance: float) -> None:
+    def __init__(self, rank: Any, k: int, acceptance: float) -> None:
         self.r, self.k, self.acceptance = rank, k, acceptance
         n = rank.num_computed.size
         self.base_len = np.zeros(n, dtype=np.int64)  # [max_num_reqs] prompt without kept outputs
