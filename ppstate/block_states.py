@@ -4,29 +4,21 @@ A ``transitions.Machine`` is built from the table (as :mod:`ppstate.lifecycle` d
 from its events we derive, per trigger, a boolean "allowed source" vector and a destination vector
 indexed by state code. :meth:`BlockStates.fire` then moves a whole numpy array of block ids along
 one edge with two vectorised lookups, raising :class:`~ppstate.errors.BlockError` if any block is
-in a state that has no such edge. Guards (``is_hashed``) are checked by the caller
-(:class:`ppstate.blocks.BlockPool`), which owns the hashes.
+in a state that has no such edge. The guard (``is_hashed``) is a method of the caller,
+:class:`ppstate.blocks.BlockPool`, which owns the hashes (checked when a pool is built); the
+effects (reference counts, free list, LRU, hash) are applied by the pool on arrays of blocks.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from transitions import Machine
 
 from ppstate.errors import BlockError
 from ppstate.state_tables import MachineTable, load_table
+from ppstate.table_binding import to_machine
 
 FREE, ALLOCATED, CACHED = 0, 1, 2
 STATE_NAMES = ("free", "allocated", "cached")
-
-
-def _machine(table: MachineTable) -> Machine:
-    """The transitions machine of the table (``model=None``: used as a validated edge table)."""
-    return Machine(model=None, states=table.state_names, initial=table.initial,
-                   transitions=[{"trigger": t.trigger, "source": list(t.source),
-                                 "dest": None if t.dest == "=" else t.dest}
-                                for t in table.transitions],
-                   auto_transitions=False, ignore_invalid_triggers=False)
 
 
 class BlockStates:
@@ -44,7 +36,7 @@ class BlockStates:
         if tuple(self.table.state_names) != STATE_NAMES:
             raise BlockError(f"specs/block.yaml must have states {STATE_NAMES}, "
                              f"got {self.table.state_names}")
-        self.machine = _machine(self.table)
+        self.machine = to_machine(self.table)   # model=None: a validated edge table
         self.code = np.full(num_blocks, FREE, dtype=np.int8)  # [num_blocks]
         self._allowed: dict[str, np.ndarray] = {}
         self._dest: dict[str, np.ndarray] = {}

@@ -22,6 +22,7 @@ import numpy as np
 
 from ppstate.block_states import ALLOCATED, CACHED, FREE, BlockStates
 from ppstate.errors import BlockError
+from ppstate.table_binding import check_guards
 
 #: Parent hash of a request's first block.
 ROOT_HASH = -1
@@ -58,6 +59,7 @@ class BlockPool:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.states = BlockStates(num_blocks)
+        check_guards(self.states.table, BlockPool)   # specs/block.yaml's is_hashed
         self.ref_count = np.zeros(num_blocks, dtype=np.int32)   # [num_blocks]
         self.block_hash: dict[int, int] = {}                    # block id -> hash (full blocks)
         self.block_tokens: dict[int, tuple[int, ...]] = {}      # block id -> its token ids
@@ -173,9 +175,9 @@ class BlockPool:
         """
         if self.table(req_id):
             raise BlockError(f"request {req_id!r} already holds blocks; prefix hits come first")
-        if any(b not in self.block_hash for b in blocks):
-            raise BlockError(f"request {req_id!r}: only hashed blocks can be shared")
         ids = np.asarray(blocks, dtype=np.int64)
+        if not self.is_hashed(ids).all():   # the guard of share / reuse
+            raise BlockError(f"request {req_id!r}: only hashed blocks can be shared")
         cached = ids[self.states.code[ids] == CACHED]
         self.states.fire(ids[self.states.code[ids] == ALLOCATED], "share")
         self.states.fire(cached, "reuse")
@@ -195,6 +197,12 @@ class BlockPool:
             return
         self.block_hash[b], self.block_tokens[b], self._by_hash[h] = h, tuple(tokens), b
 
+    def is_hashed(self, ids: np.ndarray) -> np.ndarray:
+        """Guard of ``share`` / ``reuse`` / ``release_cached`` (specs/block.yaml): ``[n]`` bool,
+        each block of ``ids`` (``[n]`` int64) holds a registered full-block hash."""
+        return np.fromiter((b in self.block_hash for b in ids.tolist()), dtype=bool,
+                           count=ids.size)
+
     def free(self, req_id: str) -> list[int]:
         """Drop ``req_id``'s table (tail first): each block loses one reference; a block left with
         none becomes cached (hashed) or free. Returns the table. Unknown id: returns []."""
@@ -204,8 +212,7 @@ class BlockPool:
         ids = np.asarray(table[::-1], dtype=np.int64)
         self.ref_count[ids] -= 1
         last = self.ref_count[ids] == 0
-        hashed = np.fromiter((b in self.block_hash for b in ids.tolist()), dtype=bool,
-                             count=ids.size)
+        hashed = self.is_hashed(ids)   # the guard of release_cached
         self.states.fire(ids[~last], "unref")
         to_cache, to_free = ids[last & hashed], ids[last & ~hashed]
         self.states.fire(to_cache, "release_cached")

@@ -17,6 +17,10 @@ from typing import Any
 import numpy as np
 
 from ppstate.batch import SchedulerOutput
+from ppstate.blocks import block_hashes
+from ppstate.budget import SchedulerConfig
+from ppstate.events import EventSink
+from ppstate.request import RequestSpec
 
 PROMPT_FIELD = "prompt_token_ids"
 
@@ -111,3 +115,18 @@ def decode_output(data: dict) -> SchedulerOutput:
     digests = None if out.block_digests is None else np.asarray(out.block_digests, dtype=np.int64)
     return dataclasses.replace(out, is_final_chunk=np.asarray(out.is_final_chunk, dtype=bool),
                                block_digests=digests, **i32)
+
+
+def arrival_fields(spec: RequestSpec, sink: EventSink, config: SchedulerConfig) -> dict:
+    """Fields of the ``arrival`` event of ``spec``: lengths and sampling parameters; prompt
+    token ids only when ``sink.trace_prompts``. Without them, and with prefix caching on, the
+    chained hashes of the prompt's full blocks (``prefix_hashes``) are recorded instead: they decide
+    prefix-cache hits, so replay needs them, and they do not reveal the prompt."""
+    ids = list(spec.prompt_token_ids) if sink.trace_prompts else None
+    hashes = (block_hashes(spec.prompt_token_ids, config.block_size)
+              if ids is None and config.enable_prefix_caching else None)
+    return {"req_id": spec.req_id, "prompt_len": spec.prompt_len, "max_tokens": spec.max_tokens,
+            "eos_token_ids": sorted(spec.eos_token_ids),
+            "stop_token_ids": sorted(spec.stop_token_ids), "ignore_eos": spec.ignore_eos,
+            "sampling": dict(spec.sampling), "prompt_token_ids": ids, "prefix_hashes": hashes,
+            "fork_of": spec.fork_of, "prefix_cache": spec.prefix_cache}

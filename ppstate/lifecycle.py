@@ -1,18 +1,23 @@
 """Request lifecycle machine built from ``specs/request.yaml``.
 
-One shared ``transitions.Machine(model=None, auto_transitions=False)`` per :class:`Lifecycle`;
-each live request is added as a model and removed when it reaches a final state. The machine is
-the only writer of ``model.state``. Triggers fire on lifecycle edges only, never per token.
+One shared ``transitions.Machine(model=None, auto_transitions=False)`` per :class:`Lifecycle`
+(built by :func:`ppstate.table_binding.to_machine`); each live request is added as a model and
+removed when it reaches a final state. The machine is the only writer of ``model.state``.
+Triggers fire on lifecycle edges only, never per token. The table's guards are methods of the
+request model, checked when the lifecycle is built; its effects are methods of the request
+queues (:class:`~ppstate.scheduler_queues.RequestQueues`), which bind and run them.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-from transitions import Machine, MachineError
+from transitions import MachineError
 
 from ppstate.errors import IllegalTransition
-from ppstate.state_tables import SAME, MachineTable, load_table
+from ppstate.request import Request
+from ppstate.state_tables import MachineTable, load_table
+from ppstate.table_binding import check_guards, to_machine
 
 
 class LifecycleModel(Protocol):
@@ -26,21 +31,18 @@ class Lifecycle:
 
     Args:
         table: the machine table; defaults to ``specs/request.yaml``.
+        model_type: the class of the models, whose methods the table's guards name.
+
+    Raises:
+        TableError: a guard of the table is not a method of ``model_type``.
     """
 
-    def __init__(self, table: MachineTable | None = None) -> None:
+    def __init__(self, table: MachineTable | None = None, model_type: type = Request) -> None:
         self.table = table or load_table("request")
         self.final_states = frozenset(self.table.final_states)
         self._triggers = {t.trigger for t in self.table.transitions}
-        self.machine = Machine(
-            model=None, states=self.table.state_names, initial=self.table.initial,
-            transitions=[self._as_transition(t) for t in self.table.transitions],
-            auto_transitions=False, send_event=False, ignore_invalid_triggers=False)
-
-    @staticmethod
-    def _as_transition(t) -> dict:
-        return {"trigger": t.trigger, "source": list(t.source),
-                "dest": None if t.dest == SAME else t.dest, "conditions": list(t.guards)}
+        check_guards(self.table, model_type)
+        self.machine = to_machine(self.table)
 
     def add(self, request: LifecycleModel) -> None:
         """Attach ``request`` to the machine in the initial state (``waiting``)."""

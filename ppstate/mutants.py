@@ -5,7 +5,8 @@ decision point it breaks, in the code that runs. All are off unless a caller swi
 :func:`enabled` (a context manager; the checker's ``--mutant NAME``). Off, a hook costs one set
 lookup on an empty set.
 
-The seven, each a bug another engine shipped or nearly shipped (docs/design.md §9):
+The first seven, each a bug another engine shipped or nearly shipped (docs/design.md §9), and
+``keep_rejected_draft``, the simulator's (docs/spec_decode.md):
 
 ==============================  =================================================================
 ``rank_local_skip``             the last rank decides the broadcast skip from its own state (it
@@ -25,6 +26,10 @@ The seven, each a bug another engine shipped or nearly shipped (docs/design.md �
 ``grammar_on_rejected``         a structured-output request's grammar matcher advances on every
                                 verified position, rejected drafts included (its grammar
                                 position runs ahead of the accepted output; vLLM #45014's class)
+``keep_rejected_draft``         rank 0 applies a consumed payload without its rejections: device
+                                counters and mirror both keep rejected drafts' positions (they
+                                agree, so only the simulator's KV model sees it; the checker
+                                does not model KV contents)
 ==============================  =================================================================
 """
 
@@ -48,6 +53,8 @@ MUTANTS: dict[str, str] = {
     "rank_local_block_shift": "rank 1 applies one slot's block-table deltas with every id + 1 "
                               "(ppstate.block_digest.rank_deltas)",
     "grammar_on_rejected": "the grammar matcher advances on rejected speculative tokens too",
+    "keep_rejected_draft": "rank 0 applies consumed payloads without their rejections (device "
+                           "and mirror keep rejected drafts' positions; caught by ppstate.sim)",
 }
 
 _active: set[str] = set()

@@ -3,7 +3,9 @@
 The last rank samples each step's tokens and broadcasts them on a side group; earlier ranks post
 the receive but apply it only ``depth`` steps later (``depth = pp_size`` in overlapped mode, 1 in
 sync mode), just before the requests of that step can be scheduled again. The queue entry machine
-is ``specs/pp_handler.yaml`` (empty -> pending -> consumed; free bumps a generation).
+is ``specs/pp_handler.yaml`` (empty -> pending -> consumed; free bumps a generation); its guard
+(``mask_nonempty``) and effect (``bump_generation``) are methods of :class:`PPHandler`, bound
+when the first handler is built (:mod:`ppstate.table_binding`).
 
 Invariant 1 (collective matching): :func:`need_sampled_mask` and :func:`should_broadcast` are pure
 functions of the replicated :class:`~ppstate.batch.SchedulerOutput`, so every rank takes the same
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -27,6 +30,8 @@ from ppstate import mutants
 from ppstate.batch import SchedulerOutput
 from ppstate.errors import PPStateError, SlotError
 from ppstate.events import NULL_SINK, EventSink
+from ppstate.state_tables import load_table
+from ppstate.table_binding import bind_effects, check_guards, to_machine
 
 
 def need_sampled_mask(out: SchedulerOutput) -> np.ndarray | None:
@@ -113,6 +118,7 @@ class PPHandler:
         if depth < 1 or max_num_reqs < 1:
             raise SlotError(f"PPHandler needs depth >= 1 and max_num_reqs >= 1, got {depth}, "
                             f"{max_num_reqs}")
+        _effects()   # the table is bound to this class (TableError at the first handler otherwise)
         self.depth, self.max_num_reqs, self.sink, self.rank = depth, max_num_reqs, sink, rank
         self.generation = np.zeros(max_num_reqs, dtype=np.int64)  # [max_num_reqs]
         self._fifo: deque[_Pending | None] = deque([None] * depth)
@@ -129,10 +135,21 @@ class PPHandler:
     def on_slot_freed(self, idx: int, step: int = -1) -> None:
         """Slot ``idx`` was freed (at ``step``, named in the event): bump its generation so
         queued rows for it go stale."""
-        self.generation[idx] += 1
+        for name in _effects()["free"]:   # specs/pp_handler.yaml: bump_generation
+            getattr(self, name)(idx)
         if self.sink.enabled:
             self.sink.emit("pp.free", step=step, rank=self.rank, slot=int(idx),
                            generation=int(self.generation[idx]))
+
+    def bump_generation(self, idx: int) -> None:
+        """Effect of ``free``: slot ``idx``'s generation += 1."""
+        self.generation[idx] += 1
+
+    @staticmethod
+    def mask_nonempty(mask: np.ndarray | None) -> bool:
+        """Guard of ``enqueue``: some row of the step needs its sample (:func:`need_sampled_mask`
+        returns None otherwise)."""
+        return mask is not None
 
     def enqueue(self, step: int, out: SchedulerOutput, mask: np.ndarray | None,
                 handle: Any = None) -> None:
@@ -150,7 +167,7 @@ class PPHandler:
         if not self._expect_enqueue:
             raise PPStateError(f"rank {self.rank} step {step}: enqueue without consume first")
         self._expect_enqueue = False
-        if mask is None:
+        if not self.mask_nonempty(mask):   # the table's guard of ``enqueue``
             self._fifo.append(None)
         else:
             idx = np.array(out.slots, dtype=np.int64)   # a copy; the generations' gather too
@@ -205,3 +222,13 @@ class PPHandler:
     def _stale_rows(self, entry: _Pending) -> np.ndarray:
         """``[num_rows]`` bool: rows whose slot was freed since enqueue (invariant 2)."""
         return self.generation[entry.idx_mapping] != entry.generations
+
+
+@lru_cache(maxsize=None)
+def _effects() -> dict[str, tuple[str, ...]]:
+    """trigger -> effect methods of :class:`PPHandler`, from ``specs/pp_handler.yaml`` (guards
+    and effects checked once per process; its machine is built too, validating the edges)."""
+    table = load_table("pp_handler")
+    to_machine(table)
+    check_guards(table, PPHandler)
+    return {"free": (), **bind_effects(table, PPHandler)}

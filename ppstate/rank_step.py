@@ -270,7 +270,8 @@ class RankStep:
             return
         entry = self.handler.consume()      # waits on the posted receive, if any
         if entry is not None:
-            self.backend.apply_sampled(entry.step, entry.idx_mapping, self.backend.received(entry))
+            payload = step_hooks.current().consumed(self.rank, self.backend.received(entry))
+            self.backend.apply_sampled(entry.step, entry.idx_mapping, payload)
 
     def _forward(self, out: SchedulerOutput) -> Any:
         b, phases = self.backend, self.phases

@@ -7,8 +7,10 @@ requests into free slots, all within ``max_num_batched_tokens``, ``max_prefill_c
 balanced-admission row cap. Its only output is a :class:`~ppstate.batch.SchedulerOutput`.
 Results come back in step order through :meth:`Scheduler.on_step_result`.
 
-Files: this one (state, client side, :meth:`Scheduler.schedule`), ``scheduler_rows`` (the rows
-of one step), ``scheduler_queues`` (admission, preemption) and ``scheduler_results`` (results).
+Files: this one (the client side, :meth:`Scheduler.schedule`), and the objects it owns and
+hands to each other as fields: ``slot_views`` (slot-indexed views of the running requests),
+``scheduler_queues`` (the request queues: admission, preemption, finishing), ``scheduler_rows``
+(the row builder of one step) and ``scheduler_results`` (the steps in flight and their results).
 Lifecycle edges go through :class:`~ppstate.lifecycle.Lifecycle`; per-token counters live in
 :class:`~ppstate.budget.RequestArrays`; KV blocks in :class:`~ppstate.kv_manager.KVManager` (taken
 when a row is scheduled; when a running request cannot get one, the youngest running request is
@@ -18,12 +20,9 @@ preempted and later recomputed). Sources: vLLM V1 ``core/sched/scheduler.py`` +
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections.abc import Sequence
 
-import numpy as np
-
-from ppstate.blocks import block_hashes
-from ppstate.batch import FreedSlot, SchedulerOutput
+from ppstate.batch import SchedulerOutput, StepResult
 from ppstate.budget import RequestArrays, SchedulerConfig, StepBudget
 from ppstate.errors import SchedulerError
 from ppstate.events import NULL_SINK, EventSink
@@ -31,22 +30,26 @@ from ppstate.kv_manager import KVManager
 from ppstate.lanes import choose_lanes, lane_open, lane_token_budget
 from ppstate.lifecycle import Lifecycle
 from ppstate.request import Request, RequestSpec, TokenUpdate
-from ppstate.scheduler_queues import QueueOps
-from ppstate.scheduler_results import FINISHED_HISTORY, StepResults
+from ppstate.scheduler_queues import FINISHED_HISTORY, RequestQueues
+from ppstate.scheduler_results import StepResults
 from ppstate.scheduler_rows import RowBuilder
+from ppstate.slot_views import SlotViews
 from ppstate.slots import SlotTable
 from ppstate.speculative_probe import NgramProbe
-from ppstate.codec import encode_output
+from ppstate.step_updates import StepUpdates
+from ppstate.codec import arrival_fields, encode_output
 
 __all__ = ["Scheduler", "SchedulerConfig", "RequestSpec", "TokenUpdate", "FINISHED_HISTORY"]
 
 
-class Scheduler(QueueOps, StepResults):
+class Scheduler:
     """Continuous batching over ``config.max_num_seqs`` slots.
 
-    The queue operations the row builder calls (admission, preemption) are in
-    :class:`~ppstate.scheduler_queues.QueueOps`, the result side (:meth:`on_step_result`, finishing
-    a request) in :class:`~ppstate.scheduler_results.StepResults`; this class holds the state.
+    Owns, and passes to each other as fields: the slot views (:attr:`views`,
+    :class:`~ppstate.slot_views.SlotViews`), the request queues (:attr:`queues`,
+    :class:`~ppstate.scheduler_queues.RequestQueues`: admission, preemption, finishing), the
+    result handler (:attr:`results`, :class:`~ppstate.scheduler_results.StepResults`: the steps
+    in flight); each step's rows come from a :class:`~ppstate.scheduler_rows.RowBuilder`.
 
     Args:
         config: budgets, pp_size and mode.
@@ -63,55 +66,38 @@ class Scheduler(QueueOps, StepResults):
                            if config.num_spec_tokens and config.spec_probe_ngram else None)
         self.lifecycle = Lifecycle()
         self.kv = KVManager(config)
-        self.num_preemptions = 0
-        self.num_discarded_rows = 0   # sampled rows whose request had left the slot (dropped)
         self.num_prefill_tokens = 0   # prefill tokens scheduled (computed), prefix hits excluded
-        self.num_spec_rejected = 0    # speculative drafts rejected so far (tokens)
-        self.num_spec_proposed = 0    # speculative drafts in rows whose result arrived (tokens)
-        self.num_spec_rows = 0        # decode rows with drafts whose result arrived
-        self._waiting: deque[Request] = deque()
-        self._running: dict[str, Request] = {}          # admission order
-        self._live: dict[str, Request] = {}             # waiting + running, by id
-        # req_id -> final state of the FINISHED_HISTORY most recent finished requests (for
-        # state_of only; a long-running server must not keep every id it ever served)
-        self._finished: OrderedDict[str, str] = OrderedDict()
-        self._freed: list[FreedSlot] = []               # delivered with the next output
-        self._in_flight: deque[SchedulerOutput] = deque()
-        self._in_flight_epochs: deque[np.ndarray] = deque()  # [num_rows] the request's epoch
-        self._in_flight_drafts: deque[np.ndarray] = deque()  # [num_rows] speculative drafts
+        self.views = SlotViews(config.max_num_seqs, config.max_model_len)
+        self.queues = RequestQueues(self.arrays, self.slots, self.kv, self.views, self.lifecycle,
+                                    self.fire)
+        self.results = StepResults(config, self.arrays, self.views, self.queues)
         self._next_step = 0
         self._arrivals = 0   # requests added so far: the next one's Request.order
-        self._admissions = 0   # admissions so far (all requests): each admission's unique epoch
         self.lanes = config.pp_size  # lanes filled with decode rows this step (ppstate.lanes)
-        # slot-indexed views of the running requests, written only on lifecycle events (admit,
-        # complete_prefill, preempt, finish), so that a step's decode rows and results are
-        # handled with array operations (vLLM v1 worker/gpu style), not per request
-        n = config.max_num_seqs
-        self.slot_epoch = np.zeros(n, dtype=np.int64)   # [max_num_reqs] epoch of the occupant, 0 = free
-        self.decoding = np.zeros(n, dtype=bool)         # [max_num_reqs] occupant is decoding
-        self.slot_req: list[Request | None] = [None] * n  # [max_num_reqs] occupant
-        # [max_num_reqs, max_model_len] the occupant's output token ids (its first
-        # num_output_tokens; zeros elsewhere and in free rows): one indexed write per step
-        # instead of a list append per row; Request.output_token_ids gets them on vacate.
-        # int32 as vLLM's token_ids_cpu (4 * max_num_seqs * max_model_len bytes, e.g. 8 MiB
-        # at 256 x 8,192; np.zeros maps untouched pages lazily)
-        self.out_tokens = np.zeros((n, config.max_model_len), dtype=np.int32)
-        self._stop_ids: set[int] = set()   # every EOS / stop token id of any request added
-        self.stop_ids_np = np.zeros(0, dtype=np.int64)  # [num_stop_ids] sorted _stop_ids
 
     # ---------------------------------------------------------------- queries
     @property
     def in_flight(self) -> int:
         """Steps issued whose StepResult has not arrived."""
-        return len(self._in_flight)
+        return len(self.results.in_flight)
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self.queues.waiting)
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self.queues.running)
+
+    @property
+    def num_preemptions(self) -> int:
+        """Preemptions so far."""
+        return self.queues.num_preemptions
+
+    @property
+    def num_discarded_rows(self) -> int:
+        """Sampled rows whose request had left the slot (dropped), so far."""
+        return self.results.num_discarded_rows
 
     @property
     def next_step(self) -> int:
@@ -120,11 +106,24 @@ class Scheduler(QueueOps, StepResults):
 
     def has_unfinished(self) -> bool:
         """True while some request is waiting or holds a slot."""
-        return bool(self._waiting or self._running)
+        return bool(self.queues.waiting or self.queues.running)
 
     def is_live(self, req_id: str) -> bool:
         """True while ``req_id`` is waiting or holds a slot (its id cannot be added again)."""
-        return req_id in self._live
+        return req_id in self.queues.live
+
+    def running_requests(self) -> list[Request]:
+        """Live requests holding a slot, in admission order."""
+        return self.queues.running_requests()
+
+    def peek_waiting(self) -> Request | None:
+        """Oldest waiting request (FCFS), or None."""
+        return self.queues.peek_waiting()
+
+    def preempt(self, req: Request) -> None:
+        """Preempt running ``req`` (:meth:`RequestQueues.preempt
+        <ppstate.scheduler_queues.RequestQueues.preempt>`)."""
+        self.queues.preempt(req)
 
     def state_of(self, req_id: str) -> str:
         """Lifecycle state of ``req_id``: a live request's, or the final state of one of the
@@ -133,11 +132,11 @@ class Scheduler(QueueOps, StepResults):
         Raises:
             SchedulerError: unknown id (never seen, or finished longer ago than that).
         """
-        req = self._live.get(req_id)
+        req = self.queues.live.get(req_id)
         if req is not None:
             return req.state
-        if req_id in self._finished:
-            return self._finished[req_id]
+        if req_id in self.queues.finished:
+            return self.queues.finished[req_id]
         raise SchedulerError(f"unknown request {req_id!r}")
 
     # ---------------------------------------------------------------- client side
@@ -151,7 +150,7 @@ class Scheduler(QueueOps, StepResults):
                 or prompt + max_tokens needing more KV blocks than the cache has (names both).
         """
         rid, plen = spec.req_id, spec.prompt_len
-        if rid in self._live:
+        if rid in self.queues.live:
             raise SchedulerError(f"duplicate request id {rid!r}: a request with this id is live")
         if plen == 0:
             raise SchedulerError(f"request {rid!r}: empty prompt")
@@ -168,14 +167,12 @@ class Scheduler(QueueOps, StepResults):
             raise SchedulerError(f"request {rid!r}: prompt of {plen} tokens + max_tokens "
                                  f"{max_tokens} needs KV cache for {plen + max_tokens - 1} tokens; "
                                  f"the cache holds {cap}")
-        if not self._stop_ids.issuperset(spec.eos_token_ids | spec.stop_token_ids):
-            self._stop_ids |= spec.eos_token_ids | spec.stop_token_ids
-            self.stop_ids_np = np.array(sorted(self._stop_ids), dtype=np.int64)
+        self.results.add_stop_ids(spec)
         req = Request(spec, max_tokens, self.arrays, self._arrivals)
         self._arrivals += 1
         self.lifecycle.add(req)
-        self._waiting.append(req)
-        self._live[rid] = req
+        self.queues.waiting.append(req)
+        self.queues.live[rid] = req
 
     def abort(self, req_id: str) -> bool:
         """Abort ``req_id`` now; its slot is freed (FreedSlot in the next output).
@@ -185,12 +182,12 @@ class Scheduler(QueueOps, StepResults):
         """
         if self.sink.enabled:
             self.sink.emit("abort", step=self._next_step, req_id=req_id)
-        req = self._live.get(req_id)
+        req = self.queues.live.get(req_id)
         if req is None:
             return False
         if req.slot < 0:
-            self._waiting.remove(req)
-        self._finish(req, "abort")
+            self.queues.waiting.remove(req)
+        self.queues.finish(req, "abort")
         return True
 
     def stop(self, req_id: str) -> bool:
@@ -201,10 +198,10 @@ class Scheduler(QueueOps, StepResults):
         """
         if self.sink.enabled:
             self.sink.emit("stop", step=self._next_step, req_id=req_id)
-        req = self._running.get(req_id)
+        req = self.queues.running.get(req_id)
         if req is None or req.state != "decoding":
             return False
-        self._finish(req, "stop")
+        self.queues.finish(req, "stop")
         return True
 
     # ---------------------------------------------------------------- scheduling
@@ -229,11 +226,12 @@ class Scheduler(QueueOps, StepResults):
             anything (then no number is used up). Otherwise the step's output: rows, or only
             ``freed`` (and block-table deltas) to deliver.
         """
-        if not (self._waiting or self._freed) and self._all_awaiting_results():
+        if not (self.queues.waiting or self.queues.freed) and self._all_awaiting_results():
             return None
         first, limit = self._next_step, self.config.in_flight_limit
+        in_flight = self.results.in_flight
         for step in range(first, first + 2 * self.config.pp_size - 1):
-            if self._in_flight and step - self._in_flight[0].step >= limit:
+            if in_flight and step - in_flight[0].step >= limit:
                 break
             self._next_step = step   # lifecycle events of this step are stamped with it
             if (out := self._build(step)) is not None:
@@ -250,21 +248,21 @@ class Scheduler(QueueOps, StepResults):
         self.lanes = choose_lanes(cfg, self._live_share())  # issue 11: adaptive lanes
         if not lane_open(step, self.lanes, cfg.pp_size):
             return None
-        rows = RowBuilder(self, step, StepBudget(lane_token_budget(cfg, self.lanes),
-                                                 self.row_cap()))
+        rows = RowBuilder(cfg, self.arrays, self.kv, self.views, self.queues, self.fire,
+                          self.speculative_probe, step,
+                          StepBudget(lane_token_budget(cfg, self.lanes), self.row_cap()))
         rows.add_decodes()
         rows.add_continuing_prefills()
         rows.admit_waiting()
+        self.num_prefill_tokens += rows.num_prefill_tokens
         deltas = self.kv.take_deltas()
         self.kv.digests.apply([n.slot for n in rows.new], *deltas)   # nothing when it carries nothing
-        out = rows.build(tuple(self._freed), deltas, self.kv.digests)
+        out = rows.build(tuple(self.queues.freed), deltas, self.kv.digests)
         if out.carries_nothing:
             return None
-        self._freed = []
+        self.queues.freed = []
         self._next_step = step + 1
-        self._in_flight.append(out)
-        self._in_flight_epochs.append(rows.row_epochs)
-        self._in_flight_drafts.append(rows.row_drafts)
+        self.results.issue(out, rows.row_epochs, rows.row_drafts)
         if self.sink.enabled:
             self.sink.emit("schedule", step=step,
                            output=encode_output(out, self.sink.trace_prompts))
@@ -274,7 +272,7 @@ class Scheduler(QueueOps, StepResults):
         """True when no live request can get a row before more results arrive (or none is live):
         every one has all its max_tokens sampling rows in flight."""
         rows, most = self.arrays.num_sampling_rows, self.arrays.max_tokens
-        for r in self._running.values():  # the oldest one usually answers
+        for r in self.queues.running.values():  # the oldest one usually answers
             if r.state != "decoding" or rows.item(r.slot) < most.item(r.slot):
                 return False
         return True
@@ -307,7 +305,38 @@ class Scheduler(QueueOps, StepResults):
 
     def _live_share(self) -> int:
         """Live requests (running + waiting), at most max_num_seqs."""
-        return min(self.config.max_num_seqs, len(self._running) + len(self._waiting))
+        return min(self.config.max_num_seqs, len(self.queues.running) + len(self.queues.waiting))
+
+    def on_step_result(self, result: StepResult) -> Sequence[TokenUpdate]:
+        """Apply the last rank's output of the oldest in-flight step.
+
+        Rows of requests no longer live, rows scheduled before a preemption of their request,
+        and non-final prefill chunks are ignored. A request stops at the first EOS (unless
+        ignore_eos) or stop token id, or at max_tokens; its slot is freed then.
+
+        Returns:
+            One TokenUpdate per live sampling row with ``num_sampled > 0``, in row order (a
+            :class:`~ppstate.step_updates.StepUpdates`, or a list with speculative drafts).
+
+        Raises:
+            SchedulerError: not the oldest in-flight step, or a row count that differs.
+        """
+        if self.sink.enabled:
+            self.sink.emit("result", step=self._next_step, of_step=result.step,
+                           token_ids=result.sampled_token_ids.tolist(),
+                           num_sampled=result.num_sampled.tolist(),
+                           num_rejected=result.num_rejected.tolist())
+        updates, discarded = self.results.apply(result)
+        if self.sink.enabled:
+            self.sink.emit("tokens", step=self._next_step, of_step=result.step, discarded=discarded,
+                           updates=updates.as_dicts() if isinstance(updates, StepUpdates)
+                           else [vars(u) for u in updates])
+        return updates
+
+    def spec_stats(self) -> dict[str, int]:
+        """Speculative decoding counters (:meth:`StepResults.spec_stats
+        <ppstate.scheduler_results.StepResults.spec_stats>`)."""
+        return self.results.spec_stats()
 
     def fire(self, req: Request, trigger: str) -> None:
         """Fire a lifecycle edge on ``req`` and record it in the event sink."""
@@ -316,17 +345,3 @@ class Scheduler(QueueOps, StepResults):
             self.sink.emit("lifecycle", step=self._next_step, req_id=req.req_id,
                            trigger=trigger, state=state)
 
-
-def arrival_fields(spec: RequestSpec, sink: EventSink, config: SchedulerConfig) -> dict:
-    """Fields of the ``arrival`` event of ``spec``: lengths and sampling parameters; prompt
-    token ids only when ``sink.trace_prompts``. Without them, and with prefix caching on, the
-    chained hashes of the prompt's full blocks (``prefix_hashes``) are recorded instead: they decide
-    prefix-cache hits, so replay needs them, and they do not reveal the prompt."""
-    ids = list(spec.prompt_token_ids) if sink.trace_prompts else None
-    hashes = (block_hashes(spec.prompt_token_ids, config.block_size)
-              if ids is None and config.enable_prefix_caching else None)
-    return {"req_id": spec.req_id, "prompt_len": spec.prompt_len, "max_tokens": spec.max_tokens,
-            "eos_token_ids": sorted(spec.eos_token_ids),
-            "stop_token_ids": sorted(spec.stop_token_ids), "ignore_eos": spec.ignore_eos,
-            "sampling": dict(spec.sampling), "prompt_token_ids": ids, "prefix_hashes": hashes,
-            "fork_of": spec.fork_of, "prefix_cache": spec.prefix_cache}

@@ -1,57 +1,103 @@
-"""The request queues as the row builder sees them: :class:`QueueOps`, a part of
-:class:`ppstate.scheduler.Scheduler` (a mixin; it holds no state of its own).
+"""The request queues of the scheduler: :class:`RequestQueues`, an object the scheduler owns.
 
-FCFS waiting queue, running requests in admission order, admission into a slot (with the
-prefix-cache hit blocks) and preemption by recompute (vLLM V1's policy: the youngest running
-request goes back to the head of the waiting queue, its received tokens kept).
+FCFS waiting queue, running requests in admission order, the live requests by id, the recently
+finished ones, the slots freed since the last step; admission into a slot (with the prefix-cache
+hit blocks), preemption by recompute (vLLM V1's policy: the youngest running request goes back to
+the head of the waiting queue, its received tokens kept) and the finishing of a request. The row
+builder (:class:`~ppstate.scheduler_rows.RowBuilder`) and the result handler
+(:class:`~ppstate.scheduler_results.StepResults`) receive this object as a field.
+
+The effects of the lifecycle's edges (``specs/request.yaml``: ``free_blocks``, ``free_slot``) are
+methods of this class, bound when it is built (a name without a method is a
+:class:`~ppstate.errors.TableError` then) and run by :meth:`RequestQueues.edge` right after the
+edge fires: the table, not a hand-written copy of it, says which edges free what.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict, deque
 from collections.abc import Callable
-from collections import deque
-
-import numpy as np
 
 from ppstate.batch import FreedSlot, NewRequest
 from ppstate.budget import RequestArrays
 from ppstate.kv_manager import KVManager
+from ppstate.lifecycle import Lifecycle
 from ppstate.request import Request
+from ppstate.slot_views import SlotViews
 from ppstate.slots import SlotTable
+from ppstate.table_binding import bind_effects
+
+FINISHED_HISTORY = 1024
 
 
-class QueueOps:
-    """Queue and slot operations the :class:`~ppstate.scheduler_rows.RowBuilder` calls (its
-    :class:`~ppstate.scheduler_rows.RowSource` protocol).
+class RequestQueues:
+    """Waiting, running, live and finished requests, and the slot operations on them.
 
-    Uses the scheduler's state (annotated below; set by ``Scheduler.__init__``) and its
-    :meth:`fire`.
+    Args:
+        arrays: per-slot progress (``[max_num_seqs]`` each), reset on admission.
+        slots: the slot table.
+        kv: the KV-cache manager (blocks taken on admission, freed on preempt / finish).
+        views: the slot-indexed views (occupied on admission, vacated on preempt / finish).
+        lifecycle: the request lifecycle (a finished request leaves it; its table's effects are
+            bound to methods of this class).
+        fire: the scheduler's ``fire``: a lifecycle edge, recorded in its event sink.
+
+    Attributes:
+        waiting: FCFS queue of requests without a slot.
+        running: requests holding a slot, in admission order, by id.
+        live: waiting + running, by id.
+        finished: id -> final state of the ``FINISHED_HISTORY`` most recent finished requests
+            (for ``Scheduler.state_of`` only; a long-running server must not keep every id).
+        freed: slots freed since the last issued step (delivered with the next output).
+        admissions: admissions so far (all requests): each admission's unique epoch.
+        num_preemptions: preemptions so far.
     """
-    arrays: RequestArrays                        # per-slot progress, [max_num_seqs] each
-    slots: SlotTable
-    kv: KVManager
-    num_preemptions: int
-    _waiting: deque[Request]
-    _running: dict[str, Request]
-    _freed: list[FreedSlot]
-    _admissions: int
-    slot_epoch: np.ndarray                       # [max_num_reqs] occupant's epoch, 0 = free
-    decoding: np.ndarray                         # [max_num_reqs] bool, occupant is decoding
-    slot_req: list[Request | None]               # [max_num_reqs] occupant
-    out_tokens: np.ndarray                       # [max_num_reqs, max_model_len] occupant's outputs
-    fire: Callable[[Request, str], None]         # Scheduler.fire: a lifecycle edge, recorded
+
+    def __init__(self, arrays: RequestArrays, slots: SlotTable, kv: KVManager, views: SlotViews,
+                 lifecycle: Lifecycle, fire: Callable[[Request, str], None]) -> None:
+        self.arrays, self.slots, self.kv, self.views = arrays, slots, kv, views
+        self.lifecycle, self.fire = lifecycle, fire
+        self.waiting: deque[Request] = deque()
+        self.running: dict[str, Request] = {}
+        self.live: dict[str, Request] = {}
+        self.finished: OrderedDict[str, str] = OrderedDict()
+        self.freed: list[FreedSlot] = []
+        self.admissions = 0
+        self.num_preemptions = 0
+        self.effects = bind_effects(lifecycle.table, RequestQueues)   # trigger -> method names
+
+    def edge(self, req: Request, trigger: str) -> None:
+        """Fire ``trigger`` on ``req`` and run the table's effects of that edge."""
+        self.fire(req, trigger)
+        for name in self.effects.get(trigger, ()):
+            getattr(self, name)(req)
+
+    def free_blocks(self, req: Request) -> None:
+        """Effect: ``req``'s KV blocks go back to the pool (nothing when it holds no slot)."""
+        if req.slot >= 0:
+            self.kv.free(req)
+
+    def free_slot(self, req: Request) -> None:
+        """Effect: ``req``'s slot is released (its generation bumped) and reported in the next
+        output as a FreedSlot (reason ``preempted``, or the final state); ``req`` leaves the
+        running requests. Nothing when it holds no slot."""
+        if req.slot >= 0:
+            slot = self.slots.free(req.req_id)
+            reason = "preempted" if req.state == "waiting" else req.state
+            self.freed.append(FreedSlot(req.req_id, slot, reason))
+            del self.running[req.req_id]
 
     def running_requests(self) -> list[Request]:
         """Live requests holding a slot, in admission order."""
-        return list(self._running.values())
+        return list(self.running.values())
 
     def pop_waiting(self) -> Request | None:
         """Oldest waiting request (FCFS), or None."""
-        return self._waiting.popleft() if self._waiting else None
+        return self.waiting.popleft() if self.waiting else None
 
     def peek_waiting(self) -> Request | None:
         """Oldest waiting request without removing it."""
-        return self._waiting[0] if self._waiting else None
+        return self.waiting[0] if self.waiting else None
 
     def fork_waits(self, req: Request) -> bool:
         """Whether ``req`` (a fork, ``spec.fork_of`` set) must wait before its first admission:
@@ -62,12 +108,12 @@ class QueueOps:
         parent_id = req.spec.fork_of
         if parent_id is None or req.epoch:
             return False
-        parent = self._running.get(parent_id)
+        parent = self.running.get(parent_id)
         return parent is not None and not parent.prefill_fully_scheduled()
 
     def youngest_running(self, exclude: set[str]) -> Request | None:
         """The most recently admitted running request not in ``exclude`` (preemption victim)."""
-        for req in reversed(self._running.values()):
+        for req in reversed(self.running.values()):
             if req.req_id not in exclude:
                 return req
         return None
@@ -76,39 +122,37 @@ class QueueOps:
         """Preempt ``req`` (recompute): blocks and slot freed (FreedSlot in this step's output,
         so workers bump the slot generation and drop its deferred rows), back to the head of
         the waiting queue with its received tokens kept."""
-        self.fire(req, "preempt")
-        self.vacate(req.slot)
-        self.kv.free(req)
-        slot = self.slots.free(req.req_id)
-        self._freed.append(FreedSlot(req.req_id, slot, "preempted"))
-        del self._running[req.req_id]
+        self.views.vacate(req.slot, self.arrays)
+        self.edge(req, "preempt")   # effects: free_blocks, free_slot
         req.slot = -1
         req.prefill_tokens = req.spec.prompt_token_ids + tuple(req.output_token_ids)
-        self._waiting.appendleft(req)
+        self.waiting.appendleft(req)
         self.num_preemptions += 1
-
-    def vacate(self, slot: int) -> None:
-        """Clear the slot-indexed views of ``slot`` (its request finished or was preempted);
-        its request's ``output_token_ids`` get the tokens of its ``out_tokens`` row."""
-        req, n = self.slot_req[slot], int(self.arrays.num_output_tokens[slot])
-        if req is not None and n:
-            req.output_token_ids[:] = self.out_tokens[slot, :n].tolist()
-            self.out_tokens[slot, :n] = 0
-        self.slot_epoch[slot], self.decoding[slot], self.slot_req[slot] = 0, False, None
 
     def place(self, req: Request, step: int, hit: list[int]) -> NewRequest:
         """Allocate a slot for ``req``, fire ``admit``, give it its prefix-hit blocks ``hit`` and
         initialise its progress arrays (re-admission: prompt + received tokens are prefilled)."""
         req.slot = self.slots.allocate(req.req_id)
-        self._admissions += 1
-        req.epoch = self._admissions  # unique: stale rows of an earlier request with this id never match
+        self.admissions += 1
+        req.epoch = self.admissions  # unique: stale rows of an earlier request with this id never match
         self.fire(req, "admit")
         cached = self.kv.start(req, hit)
         n_out = len(req.output_token_ids)
         self.arrays.reset(req.slot, len(req.prefill_tokens), req.max_tokens, step, cached, n_out)
-        self._running[req.req_id] = req
-        self.slot_epoch[req.slot], self.slot_req[req.slot] = req.epoch, req
-        if n_out:
-            self.out_tokens[req.slot, :n_out] = req.output_token_ids
+        self.running[req.req_id] = req
+        self.views.occupy(req, n_out)
         return NewRequest(req.req_id, req.slot, req.prefill_tokens,
                           req.prompt_len + req.max_tokens, dict(req.spec.sampling), cached, n_out)
+
+    def finish(self, req: Request, trigger: str) -> None:
+        """Fire ``trigger`` (a finishing edge) on ``req``; its effects free its slot and blocks
+        when it holds one (FreedSlot in the next output); remember its final state."""
+        if req.slot >= 0:
+            self.views.vacate(req.slot, self.arrays)
+        self.edge(req, trigger)   # effects: free_blocks, free_slot
+        self.finished[req.req_id] = req.state
+        self.finished.move_to_end(req.req_id)
+        while len(self.finished) > FINISHED_HISTORY:
+            self.finished.popitem(last=False)
+        del self.live[req.req_id]
+        self.lifecycle.remove(req)

@@ -1,32 +1,28 @@
-"""How a step's result reaches the requests: :class:`StepResults`, a part of
-:class:`ppstate.scheduler.Scheduler` (a mixin; it holds no state of its own).
+"""How a step's result reaches the requests: :class:`StepResults`, an object the scheduler owns.
 
 Results arrive in step order. Each live sampling row's tokens are appended to its request, which
 stops at the first EOS (unless ignore_eos) or stop token id, or at ``max_tokens``; a finished
-request frees its slot and KV blocks and is remembered (final state only) among the
-``FINISHED_HISTORY`` most recent ones.
+request frees its slot and KV blocks (:meth:`RequestQueues.finish
+<ppstate.scheduler_queues.RequestQueues.finish>`). The handler also keeps the steps in flight
+(each row's admission epoch and drafts) and the speculative-decoding counters.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from collections import OrderedDict, deque
+from collections.abc import Sequence
+from collections import deque
 from operator import itemgetter
 
 import numpy as np
 
-from ppstate.batch import FreedSlot, SchedulerOutput, StepResult
+from ppstate.batch import SchedulerOutput, StepResult
 from ppstate.budget import RequestArrays, SchedulerConfig
 from ppstate.errors import SchedulerError
-from ppstate.events import EventSink
-from ppstate.kv_manager import KVManager
-from ppstate.lifecycle import Lifecycle
-from ppstate.request import Request, TokenUpdate
+from ppstate.request import Request, RequestSpec, TokenUpdate
 from ppstate.scalars import ONE_I32, ONE_I64, ZERO_I32
-from ppstate.slots import SlotTable
+from ppstate.scheduler_queues import RequestQueues
+from ppstate.slot_views import SlotViews
 from ppstate.step_updates import StepUpdates
-
-FINISHED_HISTORY = 1024
 
 
 def gather(seq: Sequence, idx: list[int]) -> Sequence:
@@ -46,89 +42,89 @@ def may_stop(tokens: np.ndarray, stop_ids: np.ndarray) -> np.ndarray:
 
 
 class StepResults:
-    """The result side of the scheduler: :meth:`on_step_result` and the finishing of a request.
+    """The result side of the scheduler: the steps in flight and :meth:`apply`.
 
-    Uses the scheduler's state (annotated below; set by ``Scheduler.__init__``) and its
-    :meth:`fire`.
+    Args:
+        config: budgets (``num_spec_tokens``).
+        arrays: per-slot progress (``[max_num_seqs]`` each), updated per token.
+        views: the slot-indexed views (epochs decide which rows are live; ``out_tokens`` gets
+            the tokens).
+        queues: the request queues (a request that stops is finished there).
+
+    Attributes:
+        in_flight: issued steps whose result has not arrived, oldest first.
+        in_flight_epochs: per in-flight step, ``[num_rows]`` int64 admission epoch of each row.
+        in_flight_drafts: per in-flight step, ``[num_rows]`` int64 drafts of each row.
+        stop_ids_np: ``[num_stop_ids]`` int64, sorted: every EOS / stop id of any request added.
+        num_discarded_rows: results of rows whose request had left the slot (dropped).
+        num_spec_rows, num_spec_proposed, num_spec_rejected: decode rows that carried drafts,
+            drafts proposed and drafts rejected (tokens), cumulative.
     """
-    config: SchedulerConfig
-    sink: EventSink
-    arrays: RequestArrays                        # per-slot progress, [max_num_seqs] each
-    slots: SlotTable
-    lifecycle: Lifecycle
-    kv: KVManager
-    _next_step: int
-    _running: dict[str, Request]
-    _live: dict[str, Request]
-    _finished: OrderedDict[str, str]
-    _freed: list[FreedSlot]
-    _in_flight: deque[SchedulerOutput]
-    _in_flight_epochs: deque[np.ndarray]         # per in-flight step: [num_rows] epoch of each row
-    _in_flight_drafts: deque[np.ndarray]         # per in-flight step: [num_rows] drafts of each row
-    slot_epoch: np.ndarray                       # [max_num_reqs] occupant's epoch, 0 = free
-    num_discarded_rows: int                      # results of rows whose request left the slot
-    slot_req: list[Request | None]               # [max_num_reqs] occupant
-    out_tokens: np.ndarray                       # [max_num_reqs, max_model_len] occupant's outputs
-    stop_ids_np: np.ndarray                      # [num_stop_ids] every EOS / stop id seen
-    vacate: Callable[[int], None]                # QueueOps.vacate: clear a slot's views
-    num_spec_rows: int                           # decode rows that carried drafts (cumulative)
-    num_spec_proposed: int                       # drafts proposed (tokens, cumulative)
-    num_spec_rejected: int                       # drafts rejected (tokens, cumulative)
-    fire: Callable[[Request, str], None]         # Scheduler.fire: a lifecycle edge, recorded
 
-    def on_step_result(self, result: StepResult) -> Sequence[TokenUpdate]:
-        """Apply the last rank's output of the oldest in-flight step.
+    def __init__(self, config: SchedulerConfig, arrays: RequestArrays, views: SlotViews,
+                 queues: RequestQueues) -> None:
+        self.config, self.arrays, self.views, self.queues = config, arrays, views, queues
+        self.in_flight: deque[SchedulerOutput] = deque()
+        self.in_flight_epochs: deque[np.ndarray] = deque()
+        self.in_flight_drafts: deque[np.ndarray] = deque()
+        self._stop_ids: set[int] = set()
+        self.stop_ids_np = np.zeros(0, dtype=np.int64)
+        self.num_discarded_rows = 0
+        self.num_spec_rejected = 0
+        self.num_spec_proposed = 0
+        self.num_spec_rows = 0
 
-        Rows of requests no longer live (finished at an earlier step, aborted), rows scheduled
-        before a preemption of their request, and rows that are non-final prefill chunks are
-        ignored. A request stops at the first EOS (unless ignore_eos)
-        or stop token id, or when it has max_tokens tokens; its slot is freed then.
+    def add_stop_ids(self, spec: RequestSpec) -> None:
+        """Include the EOS and stop token ids of ``spec`` in :attr:`stop_ids_np`."""
+        if not self._stop_ids.issuperset(spec.eos_token_ids | spec.stop_token_ids):
+            self._stop_ids |= spec.eos_token_ids | spec.stop_token_ids
+            self.stop_ids_np = np.array(sorted(self._stop_ids), dtype=np.int64)
+
+    def issue(self, out: SchedulerOutput, epochs: np.ndarray, drafts: np.ndarray) -> None:
+        """Step ``out`` was issued: its rows' epochs and drafts (``[num_rows]`` int64 each)."""
+        self.in_flight.append(out)
+        self.in_flight_epochs.append(epochs)
+        self.in_flight_drafts.append(drafts)
+
+    def apply(self, result: StepResult) -> tuple[Sequence[TokenUpdate], int]:
+        """Apply the last rank's output of the oldest in-flight step
+        (:meth:`Scheduler.on_step_result <ppstate.scheduler.Scheduler.on_step_result>`).
 
         Returns:
-            One TokenUpdate per live sampling row with ``num_sampled > 0``, in row order: a
-            :class:`~ppstate.step_updates.StepUpdates` (one token per row, made on reading) or,
-            with speculative drafts in the step, a list.
+            The token updates and the number of discarded rows (rows the last rank sampled into
+            a slot whose request left it since).
 
         Raises:
             SchedulerError: ``result.step`` is not the oldest in-flight step, or its row count
                 differs from that step's.
         """
-        if self.sink.enabled:
-            self.sink.emit("result", step=self._next_step, of_step=result.step,
-                           token_ids=result.sampled_token_ids.tolist(),
-                           num_sampled=result.num_sampled.tolist(),
-                           num_rejected=result.num_rejected.tolist())
-        if not self._in_flight or self._in_flight[0].step != result.step:
-            expected = self._in_flight[0].step if self._in_flight else None
+        if not self.in_flight or self.in_flight[0].step != result.step:
+            expected = self.in_flight[0].step if self.in_flight else None
             raise SchedulerError(f"step result {result.step} out of order (expected {expected})")
-        out = self._in_flight[0]
+        out = self.in_flight[0]
         if len(result.num_sampled) != out.num_rows:
             raise SchedulerError(f"step {result.step}: result has {len(result.num_sampled)} rows, "
                                  f"the step had {out.num_rows}")
-        self._in_flight.popleft()
-        epochs = self._in_flight_epochs.popleft()     # [num_rows]
-        drafts = self._in_flight_drafts.popleft()     # [num_rows]
+        self.in_flight.popleft()
+        epochs = self.in_flight_epochs.popleft()     # [num_rows]
+        drafts = self.in_flight_drafts.popleft()     # [num_rows]
         # rows the last rank sampled into a slot whose request left it since (finished,
         # aborted, preempted): applied to the old slot there, dropped here
         discarded = int(np.count_nonzero(out.is_final_chunk &
-                                         (self.slot_epoch[out.slots] != np.asarray(epochs))))
+                                         (self.views.slot_epoch[out.slots] != np.asarray(epochs))))
         self.num_discarded_rows += discarded
         one_token = not self.config.num_spec_tokens or not np.count_nonzero(drafts)  # no drafts
         updates = self._apply_one_token_rows(out, result, epochs) if one_token else None
         if updates is None:
             updates = self._apply_rows(out, result, epochs, drafts)
-        if self.sink.enabled:
-            self.sink.emit("tokens", step=self._next_step, of_step=result.step, discarded=discarded,
-                           updates=updates.as_dicts() if isinstance(updates, StepUpdates)
-                           else [vars(u) for u in updates])
-        return updates
+        return updates, discarded
 
     def _live_rows(self, out: SchedulerOutput, result: StepResult,
                    epochs: np.ndarray) -> np.ndarray:
         """``[num_live]`` indices of the rows whose request is still running in the admission
         that scheduled them (slot epoch unchanged), that are final and sampled something."""
         return ((result.num_sampled > 0) & out.is_final_chunk &
-                (self.slot_epoch[out.slots] == np.asarray(epochs))).nonzero()[0]
+                (self.views.slot_epoch[out.slots] == np.asarray(epochs))).nonzero()[0]
 
     def _apply_one_token_rows(self, out: SchedulerOutput, result: StepResult,
                               epochs: np.ndarray) -> StepUpdates | None:
@@ -137,7 +133,7 @@ class StepResults:
         for rows whose token may end the request (a known EOS / stop id, or max_tokens)."""
         slots = out.slots.astype(np.int64)     # [num_rows] (int64 indexes faster than int32)
         ns = result.num_sampled                                         # [num_rows]
-        live = self.slot_epoch[slots] == np.asarray(epochs)             # [num_rows]
+        live = self.views.slot_epoch[slots] == np.asarray(epochs)             # [num_rows]
         live &= out.is_final_chunk
         not_one = ns != ONE_I32                                         # [num_rows]
         if np.count_nonzero(not_one):  # rows that sampled nothing or several tokens
@@ -151,7 +147,7 @@ class StepResults:
             slots, toks = slots[rows], result.sampled_token_ids[rows, 0]
         a = self.arrays
         received = a.num_output_tokens[slots]                          # [n]
-        self.out_tokens[slots, received] = toks
+        self.views.out_tokens[slots, received] = toks
         count = received + ONE_I64
         a.num_output_tokens[slots] = count
         end = count >= a.max_tokens[slots]                             # [n]
@@ -161,13 +157,13 @@ class StepResults:
         tok_list = toks.tolist()
         reasons: dict[int, str] = {}
         for i in ends.tolist():
-            req, tok = self.slot_req[int(slots[i])], tok_list[i]
+            req, tok = self.views.slot_req[int(slots[i])], tok_list[i]
             reason = req.spec.stop_reason(tok)
             if reason is None and count[i] >= req.max_tokens:
                 reason = "length"
             if reason is not None:
                 reasons[i] = reason
-                self._finish(req, "stop" if reason == "stop" else "hit_length")
+                self.queues.finish(req, "stop" if reason == "stop" else "hit_length")
         ids = out.req_ids if rows is None else gather(out.req_ids, rows.tolist())
         return StepUpdates(ids, tok_list, reasons)
 
@@ -178,7 +174,7 @@ class StepResults:
         num_sampled, drafts = result.num_sampled.tolist(), np.asarray(drafts).tolist()
         sampled = result.sampled_token_ids.tolist()     # [num_rows][width] python ints
         for i in self._live_rows(out, result, epochs).tolist():
-            req = self.slot_req[int(out.slots[i])]
+            req = self.views.slot_req[int(out.slots[i])]
             if drafts[i] > 0:  # speculative decoding (#14)
                 self._spec_row(req, drafts[i], int(result.num_rejected[i]))
             updates.append(self._append_tokens(req, sampled[i][:num_sampled[i]]))
@@ -213,7 +209,7 @@ class StepResults:
     def _append_tokens(self, req: Request, tokens: list[int]) -> TokenUpdate:
         slot, taken, reason = req.slot, [], None
         count = int(self.arrays.num_output_tokens[slot])
-        row = self.out_tokens[slot]                       # [max_model_len]
+        row = self.views.out_tokens[slot]                       # [max_model_len]
         for tok in tokens:
             tok = int(tok)
             taken.append(tok)
@@ -226,20 +222,5 @@ class StepResults:
                 break
         self.arrays.num_output_tokens[slot] = count
         if reason is not None:
-            self._finish(req, "stop" if reason == "stop" else "hit_length")
+            self.queues.finish(req, "stop" if reason == "stop" else "hit_length")
         return TokenUpdate(req.req_id, taken, reason)
-
-    def _finish(self, req: Request, trigger: str) -> None:
-        self.fire(req, trigger)
-        if req.slot >= 0:
-            self.vacate(req.slot)
-            self.kv.free(req)
-            self.slots.free(req.req_id)
-            self._freed.append(FreedSlot(req.req_id, req.slot, req.state))
-            del self._running[req.req_id]
-        self._finished[req.req_id] = req.state
-        self._finished.move_to_end(req.req_id)
-        while len(self._finished) > FINISHED_HISTORY:
-            self._finished.popitem(last=False)
-        del self._live[req.req_id]
-        self.lifecycle.remove(req)

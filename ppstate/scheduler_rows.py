@@ -1,5 +1,6 @@
-"""Builds the rows of one step for :class:`ppstate.scheduler.Scheduler` (through the narrow
-:class:`RowSource` protocol, so this module does not import the scheduler).
+"""Builds the rows of one step for :class:`ppstate.scheduler.Scheduler`, from the objects the
+scheduler owns (its queues, slot views, progress arrays, KV manager), given as fields: this module
+does not import the scheduler.
 
 Order of priority inside a step: eligible decode rows (oldest eligibility first), then continuing
 prefill chunks, then FCFS admission of waiting requests while slots, tokens and the row cap allow.
@@ -12,7 +13,7 @@ admitted in the same step. Admission keeps ``watermark_blocks`` free.
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
 
 import numpy as np
 
@@ -23,48 +24,15 @@ from ppstate.chunk_sizing import chunk_limit
 from ppstate.kv_manager import KVManager
 from ppstate.request import Request
 from ppstate.scalars import ONE_I64
+from ppstate.scheduler_queues import RequestQueues
 from ppstate.scheduler_results import gather
+from ppstate.slot_views import SlotViews
 from ppstate.speculative import drafts_for_row
-from ppstate.slots import SlotTable
+from ppstate.speculative_probe import NgramProbe
 
 
 _ONES = np.ones(4096, dtype=np.int64)   # tokens / final columns of decode rows (never written)
 _ONES.flags.writeable = False
-
-
-class RowSource(Protocol):
-    """What :class:`RowBuilder` needs of the scheduler (:class:`ppstate.scheduler.Scheduler` is
-    one; the queue operations are :class:`ppstate.scheduler_queues.QueueOps`).
-
-    Attributes:
-        config: budgets, pp_size, mode.
-        arrays: per-slot progress (``[max_num_seqs]`` int64 each), updated in place per row.
-        kv: the KV-cache manager (blocks taken per row).
-        slots: the slot table (free slots bound admission).
-        num_prefill_tokens: prefill tokens scheduled so far (the builder adds to it).
-        slot_epoch: ``[max_num_reqs]`` int64 admission epoch of each slot's request (0: free).
-        decoding: ``[max_num_reqs]`` bool, the slot's request is decoding (the builder sets it
-            when it fires ``complete_prefill``).
-        slot_req: ``[max_num_reqs]`` the request in each slot (None: free).
-        num_running: requests holding a slot (prefilling or decoding).
-    """
-    config: SchedulerConfig
-    arrays: RequestArrays
-    kv: KVManager
-    slots: SlotTable
-    num_prefill_tokens: int
-    slot_epoch: np.ndarray
-    decoding: np.ndarray
-    slot_req: list[Request | None]
-    num_running: int
-
-    def pop_waiting(self) -> Request | None: ...
-    def peek_waiting(self) -> Request | None: ...
-    def fork_waits(self, req: Request) -> bool: ...
-    def youngest_running(self, exclude: set[str]) -> Request | None: ...
-    def preempt(self, req: Request) -> None: ...
-    def place(self, req: Request, step: int, hit: list[int]) -> NewRequest: ...
-    def fire(self, req: Request, trigger: str) -> None: ...
 
 
 class RowBuilder:
@@ -75,22 +43,33 @@ class RowBuilder:
     one (:meth:`_row`); :meth:`build` concatenates the parts in row order.
 
     Args:
-        sched: the scheduler, as a :class:`RowSource` (its arrays, slots and lifecycle are updated
-            in place).
+        config: budgets, pp_size, mode, speculative tokens.
+        arrays: per-slot progress (``[max_num_seqs]`` int64 each), updated in place per row.
+        kv: the KV-cache manager (blocks taken per row).
+        views: the slot-indexed views (``decoding`` is set here when ``complete_prefill`` fires).
+        queues: the request queues (admission, preemption; their slot table bounds admission).
+        fire: the scheduler's ``fire`` (a lifecycle edge, recorded).
+        probe: the speculative n-gram probe (#33), or None.
         step: the step being built.
         budget: tokens and rows left in this step.
+
+    Afterwards ``num_prefill_tokens`` holds the prefill tokens its rows schedule.
     """
 
-    def __init__(self, sched: RowSource, step: int, budget: StepBudget) -> None:
-        self.sched, self.step, self.budget = sched, step, budget
-        self.arrays = sched.arrays
-        self.cadence = sched.config.cadence
+    def __init__(self, config: SchedulerConfig, arrays: RequestArrays, kv: KVManager,
+                 views: SlotViews, queues: RequestQueues, fire: Callable[[Request, str], None],
+                 probe: NgramProbe | None, step: int, budget: StepBudget) -> None:
+        self.config, self.views, self.queues, self.fire = config, views, queues, fire
+        self.probe, self.step, self.budget = probe, step, budget
+        self.arrays = arrays
+        self.cadence = config.cadence
+        self.num_prefill_tokens = 0
         self.req_ids: list[str] = []         # [num_rows] (all rows so far)
         self._rows: list[tuple[int, ...]] = []   # rows added one by one since the last part:
         # (slot, tokens, start, final, epoch, drafts) each
         self._parts: list[tuple[np.ndarray, ...]] = []   # 6 columns, [n] int64 each
         self.new: list[NewRequest] = []
-        self.kv = sched.kv
+        self.kv = kv
         self.preempted = False
 
     def _row(self, req: Request, num_scheduled_tokens: int, final: bool, counts_row: bool = True,
@@ -100,7 +79,7 @@ class RowBuilder:
         self._rows.append((slot, num_scheduled_tokens, int(a.num_computed_tokens[slot]), final,
                            req.epoch, outputs - 1 if req.state == "decoding" else 0))
         if req.state == "prefilling":
-            self.sched.num_prefill_tokens += num_scheduled_tokens
+            self.num_prefill_tokens += num_scheduled_tokens
         a.num_computed_tokens[slot] += num_scheduled_tokens
         self.kv.grow(req, int(a.num_computed_tokens[slot]))
         self.kv.register_full(req, int(a.num_computed_tokens[slot]))
@@ -121,7 +100,7 @@ class RowBuilder:
         """``[num_eligible]`` slots of decoding requests that may get a decode row now (eligible
         and below max_tokens, optimistic outputs), oldest eligibility first, then admission
         order (= epoch order, the order of the running requests)."""
-        a, s = self.arrays, self.sched
+        a, s = self.arrays, self.views
         ok = a.next_eligible_step <= np.array(self.step, dtype=np.int64)  # [max_num_reqs]
         ok &= s.decoding
         ok &= a.num_sampling_rows < a.max_tokens
@@ -139,8 +118,7 @@ class RowBuilder:
         runs of rows whose token fits a block the request holds are added in bulk, and each row
         that needs a block goes through :meth:`_room` (which may preempt) and :meth:`_row` in
         its place in the order, exactly as a row-by-row loop would."""
-        s = self.sched
-        cfg = s.config
+        cfg = self.config
         order = self._decode_candidates()                                  # [num_eligible]
         if not order.size:
             return
@@ -166,7 +144,7 @@ class RowBuilder:
                 self._bulk_run(order[pos:j])
             if j == order.size or not budget.can_add():
                 return
-            req = s.slot_req[int(order[j])]
+            req = self.views.slot_req[int(order[j])]
             if req is not None and self._room(req, 1) == 1:  # None: preempted in this loop
                 self._row(req, 1, True)
             pos = j + 1
@@ -175,7 +153,7 @@ class RowBuilder:
         """One-token decode rows for ``slots`` (``[n]``, in order) whose tokens lie in blocks
         their requests hold: those still running (not preempted in this step), as many as the
         budget allows."""
-        slots = slots[self.sched.slot_epoch[slots] != 0]
+        slots = slots[self.views.slot_epoch[slots] != 0]
         n = min(slots.size, self.budget.tokens, self.budget.rows)
         if n > 0:
             slots = slots[:n]
@@ -187,13 +165,13 @@ class RowBuilder:
         with the arrays updated at once. ``starts``: ``[n]`` their ``num_computed_tokens``;
         ``new_rows``: ``[k]`` indices of the rows whose token needs a new KV block (the free
         blocks suffice, :meth:`KVManager.grow_by_one_block`), None when none does."""
-        a, s = self.arrays, self.sched
+        a = self.arrays
         n = slots.size
         self._flush()
         ones = _ONES[:n] if n <= _ONES.size else np.ones(n, dtype=np.int64)  # read-only
-        self._parts.append((slots, ones, starts, ones, s.slot_epoch[slots],
+        self._parts.append((slots, ones, starts, ones, self.views.slot_epoch[slots],
                             np.zeros(n, dtype=np.int64)))
-        ids = gather(s.slots.owner, slots.tolist())            # [n] request ids
+        ids = gather(self.queues.slots.owner, slots.tolist())  # [n] request ids
         self.req_ids += ids
         a.num_computed_tokens[slots] = starts + ONE_I64
         if new_rows is not None:
@@ -208,7 +186,7 @@ class RowBuilder:
         for slot in order.tolist():
             if not self.budget.can_add():
                 break
-            req = self.sched.slot_req[slot]
+            req = self.views.slot_req[slot]
             if req is None:  # preempted earlier in this loop
                 continue
             if (got := self._room(req, self._decode_tokens(req))) >= 1:
@@ -219,14 +197,14 @@ class RowBuilder:
         ``num_spec_tokens`` > 0. ``k`` is capped by the outputs the request may still produce
         (optimistic count, so an accepted run never passes max_tokens / max_seq_len: no early
         finish, no position past the slot's KV) and by the step's token budget."""
-        k_max = self.sched.config.num_spec_tokens
+        k_max = self.config.num_spec_tokens
         if k_max == 0:
             return 1
         a = self.arrays
-        probe = self.sched.speculative_probe   # issue #33: no drafts where the proposer finds none
+        probe = self.probe   # issue #33: no drafts where the proposer finds none
         if probe is not None and not probe.has_proposal(
                 req, req.spec.prompt_token_ids,
-                self.sched.out_tokens[req.slot, :a.num_output_tokens[req.slot]]):
+                self.views.out_tokens[req.slot, :a.num_output_tokens[req.slot]]):
             return 1
         room = int(a.max_tokens[req.slot] - a.num_sampling_rows[req.slot]) - 1
         return 1 + drafts_for_row(room, k_max, self.budget.tokens)
@@ -237,10 +215,10 @@ class RowBuilder:
         itself was preempted or no victim is left)."""
         computed = int(self.arrays.num_computed_tokens[req.slot])
         while (fit := self.kv.tokens_fit(req, computed, want)) < 1:
-            victim = self.sched.youngest_running(set(self.req_ids))
+            victim = self.queues.youngest_running(set(self.req_ids))
             if victim is None:
                 return 0
-            self.sched.preempt(victim)
+            self.queues.preempt(victim)
             self.preempted = True
             if victim is req:
                 return 0
@@ -249,7 +227,7 @@ class RowBuilder:
     def _add_chunk(self, req: Request, counts_row: bool, fit: int | None = None) -> None:
         a, slot = self.arrays, req.slot
         remaining = int(a.prefill_len[slot] - a.num_computed_tokens[slot])
-        limit = chunk_limit(self.sched.config, int(a.num_computed_tokens[slot]))  # issue 11
+        limit = chunk_limit(self.config, int(a.num_computed_tokens[slot]))  # issue 11
         chunk = min(remaining, limit, self.budget.tokens)
         chunk = self._room(req, chunk) if fit is None else min(chunk, fit)
         if chunk < 1:
@@ -257,8 +235,8 @@ class RowBuilder:
         final = chunk == remaining
         self._row(req, chunk, final, counts_row)
         if final:
-            self.sched.fire(req, "complete_prefill")
-            self.sched.decoding[slot] = True
+            self.fire(req, "complete_prefill")
+            self.views.decoding[slot] = True
 
     def add_continuing_prefills(self) -> None:
         """Next chunk of every admitted request still prefilling (consecutive steps).
@@ -267,8 +245,8 @@ class RowBuilder:
         steps for a while and must not block admissions (its lane is only chosen by its final
         chunk).
         """
-        s = self.sched
-        if np.count_nonzero(s.decoding) == s.num_running:
+        s = self.views
+        if np.count_nonzero(s.decoding) == len(self.queues.running):
             return  # every running request is decoding
         cand = ((s.slot_epoch != 0) & ~s.decoding &
                 (self.arrays.next_eligible_step <= self.step)).nonzero()[0]  # [num_prefilling]
@@ -286,19 +264,20 @@ class RowBuilder:
         """FCFS admission into free slots while the first chunk fits the free KV blocks (minus the
         watermark); a prefix-cache hit starts the chunk at the first uncached token. Nothing is
         admitted in a step that preempted."""
-        while not self.preempted and self.budget.can_add() and self.sched.slots.num_free > 0:
-            req = self.sched.peek_waiting()
-            if req is None or self.sched.fork_waits(req):
+        q = self.queues
+        while not self.preempted and self.budget.can_add() and q.slots.num_free > 0:
+            req = q.peek_waiting()
+            if req is None or q.fork_waits(req):
                 return  # FCFS: a fork waits at the head until its parent's prefill is scheduled
             hit = self.kv.prefix_hit(req)
             remaining = len(req.prefill_tokens) - len(hit) * self.kv.block_size
-            limit = chunk_limit(self.sched.config, len(hit) * self.kv.block_size)  # issue 11
+            limit = chunk_limit(self.config, len(hit) * self.kv.block_size)  # issue 11
             chunk = min(remaining, limit, self.budget.tokens)
             fit = self.kv.admissible_tokens(hit, chunk)
             if fit < 1:
                 return  # FCFS: the head waits for blocks
-            self.sched.pop_waiting()
-            self.new.append(self.sched.place(req, self.step, hit))
+            q.pop_waiting()
+            self.new.append(q.place(req, self.step, hit))
             self._add_chunk(req, counts_row=True, fit=fit)
 
     def build(self, freed: tuple[FreedSlot, ...],

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from ppstate.errors import TableError
 
@@ -71,6 +71,12 @@ class MachineTable(BaseModel):
     initial: str
     states: list[StateRow] = Field(min_length=1)
     transitions: list[TransitionRow]
+    _file: str = PrivateAttr(default="<string>")
+
+    @property
+    def file(self) -> str:
+        """The file the table was read from (``<string>`` for a parsed text)."""
+        return self._file
 
     @property
     def state_names(self) -> list[str]:
@@ -253,6 +259,7 @@ def parse_table(text: str, file: str = "<string>") -> MachineTable:
         err = exc.errors()[0]
         raise _fail(file, raw, tuple(err["loc"]), _pydantic_message(err)) from None
     _check_semantics(file, raw, spec)
+    spec._file = file
     return spec
 
 

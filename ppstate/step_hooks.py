@@ -1,10 +1,11 @@
 """The one seam through which a known-bad variant (:mod:`ppstate.mutants`) changes the rank step
 order of :class:`~ppstate.rank_step.RankStep`.
 
-The step order asks :func:`current` for its hooks once per step and calls them at three decision
+The step order asks :func:`current` for its hooks once per step and calls them at four decision
 points; the correct order's hooks (:data:`CORRECT`) change nothing, so no mutant appears as a
 branch of the order itself. :class:`MutantHooks` holds the variants of the model checker's
-``rank_local_skip`` and ``blocking_all_chunk_broadcast`` (docs/checker.md).
+``rank_local_skip`` and ``blocking_all_chunk_broadcast`` (docs/checker.md) and the simulator's
+``keep_rejected_draft`` (docs/spec_decode.md).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 
 from ppstate import mutants
 from ppstate.batch import SchedulerOutput
+from ppstate.payload import SampledPayload
 from ppstate.pp_handler import PPHandler
 
 
@@ -48,6 +50,10 @@ class StepHooks:
         receive (the deferred path is then not taken)."""
         return False
 
+    def consumed(self, rank: int, payload: SampledPayload) -> SampledPayload:
+        """Non-last rank ``rank``: the consumed payload it applies (deferred consume)."""
+        return payload
+
 
 class MutantHooks(StepHooks):
     """The hooks while a mutant is switched on (:func:`ppstate.mutants.enabled`)."""
@@ -74,6 +80,16 @@ class MutantHooks(StepHooks):
             handle.wait()
         order.apply_received(out, mask, handle)
         return True
+
+    def consumed(self, rank: int, payload: SampledPayload) -> SampledPayload:
+        """``keep_rejected_draft``: rank 0 applies the payload without its rejections (a numpy
+        copy with ``num_rejected = 0``): it keeps the positions of rejected drafts as computed,
+        on its device counters and its mirror alike."""
+        if rank != 0 or not mutants.active("keep_rejected_draft"):
+            return payload
+        kept = SampledPayload(np.array(payload.buf, copy=True))
+        kept.num_rejected[:] = 0
+        return kept
 
     @staticmethod
     def _blocking(out: SchedulerOutput) -> bool:

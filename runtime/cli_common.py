@@ -106,6 +106,7 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--device", "device"),
     Flag("--dtype", "dtype"),
     Flag("--torch-threads", "torch_threads"),
+    Flag("--cuda-path", "cuda_path"),
     Flag("--cpu-path", "cpu_path", "CPU ranks: exact = fp32 reference (equal to transformers); "
          "fast = quantized weights, ONNX Runtime int8 GEMMs (runtime.serve defaults to fast)"),
     Flag("--cpu-threads", "cpu_threads"),

@@ -68,6 +68,10 @@ class EngineConfig(BaseModel):
         default="exact", description="CPU ranks: exact = the fp32, batch-invariant reference "
         "(token-for-token equal to transformers; tests); fast = weights kept quantized, ONNX "
         "Runtime int8 GEMMs (docs/cpu_fast_path.md; runtime.serve's default)")
+    cuda_path: Literal["fast", "reference"] = Field(
+        default="fast", description="CUDA ranks: fast = paged Triton kernels and decode CUDA "
+        "graphs (docs/gpu.md; piecewise graphs under TP over gloo, docs/tp.md); reference = the "
+        "exact StageModel path (comparisons)")
     cpu_threads: int | None = Field(default=None, ge=1, description="fast CPU path: threads the "
                                     "ranks of the pipeline share, split evenly between stages "
                                     "(default: every rank may use every core; its threads sleep "

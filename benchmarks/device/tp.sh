@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue #35 (tensor parallelism inside pipeline stages) on one CUDA device: the TP ranks share the
-# GPU (gloo with host staging for the TP and PP groups; TP stages on the reference path).
+# GPU (gloo with host staging for the TP and PP groups). Since 2026-12-03 the TP stages run the fast
+# path with piecewise CUDA graphs (its measurement against the reference path: tp_fast.sh).
 #  1. GPU tests (tests/gpu/test_gpu_tp.py: TP=2xPP=1, TP=2xPP=2 fp32 vs transformers; SmolLM2 shape
 #     TP=3 bf16) and the CPU TP tests (tests/runtime/test_tp.py);
 #  2. `python -m runtime.serve --tp 2 --pp 2 --device cuda` on a tiny Qwen2: /v1/completions greedy

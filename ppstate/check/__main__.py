@@ -109,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     if ns.mutant == "no_rejected_correction" and ns.spec_tokens == 0:
         p.error("--mutant no_rejected_correction needs --spec-tokens K >= 1 (a rejection to "
                 "correct)")
+    if ns.mutant == "keep_rejected_draft":   # device and mirror agree: only KV contents show it
+        p.error("--mutant keep_rejected_draft is the simulator's (the checker does not model KV "
+                "contents): python -m ppstate.sim --spec-tokens 2 --mutant keep_rejected_draft")
     if ns.mutant == "grammar_on_rejected" and not (ns.grammar and ns.spec_tokens):
         p.error("--mutant grammar_on_rejected needs --grammar and --spec-tokens K >= 1")
     runs, violations, counterexample = [], [], None

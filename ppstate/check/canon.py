@@ -60,14 +60,14 @@ from ppstate.mirror import MIRROR_FIELDS
 
 def _named(w) -> set[str]:
     """Request ids some part of the system can still act on or deliver."""
-    names = set(w.sched._live)
+    names = set(w.sched.queues.live)
     for out in w.outputs.values():
         names.update(out.req_ids)
-    for out in w.sched._in_flight:
+    for out in w.sched.results.in_flight:
         names.update(out.req_ids)
     for rk in w.ranks:
         names.update(o for o in rk.slot_tokens.owner if o is not None)
-    names.update(f.req_id for f in w.sched._freed)
+    names.update(f.req_id for f in w.sched.queues.freed)
     return names
 
 
@@ -79,7 +79,7 @@ def _dead(w) -> set[str]:
 
 def _forget_requests(w, dead: set[str]) -> None:
     sched, mon, inner = w.sched, w.monitor, w.monitor.inner
-    sched._finished.clear()     # read only by Scheduler.state_of, which no checker path calls
+    sched.queues.finished.clear()     # read only by Scheduler.state_of, which no checker path calls
     for rid in dead:
         for d in (mon.delivered, mon.max_tokens, mon.ignore_eos, inner.prompt_len,
                   inner.admission, inner.sampling_steps, inner.sampled_by_last, inner.received,
@@ -90,7 +90,7 @@ def _forget_requests(w, dead: set[str]) -> None:
 
 
 def _forget_freed_reasons(w) -> None:
-    outs = list(w.outputs.values()) + list(w.sched._in_flight)
+    outs = list(w.outputs.values()) + list(w.sched.results.in_flight)
     for f in {id(f): f for out in outs for f in out.freed}.values():
         if f.reason != "preempted":
             object.__setattr__(f, "reason", "finished")
@@ -115,8 +115,9 @@ def _forget_old_steps(w) -> None:
 
 def _forget_stats(w) -> None:
     s = w.sched
-    s.num_preemptions = s.num_prefill_tokens = s.num_discarded_rows = 0
-    s.num_spec_rejected = s.num_spec_proposed = s.num_spec_rows = 0
+    s.queues.num_preemptions = s.num_prefill_tokens = s.results.num_discarded_rows = 0
+    r = s.results
+    r.num_spec_rejected = r.num_spec_proposed = r.num_spec_rows = 0
     pool = s.kv.pool
     pool.query_tokens = pool.hit_tokens = 0
     w.monitor.inner.post_log.clear()   # the simulator's write-only log of broadcast decisions
@@ -138,7 +139,7 @@ def _forget_free_slots(w) -> None:
         for f in sched.arrays.FIELDS:
             getattr(sched.arrays, f)[free] = 0
     sched._arrivals = 0
-    for r in sched._live.values():
+    for r in sched.queues.live.values():
         r.order = 0
     _sort_free_list(w)
 
@@ -147,7 +148,7 @@ def _sort_free_list(w) -> None:
     """No slot can be allocated again once every request arrived and none is live (only a live
     waiting request is admitted): the free list's order, which decides which slot the next
     admission gets, is read by nothing."""
-    if not w.sched._live and w.arrived == w.cfg.num_requests:
+    if not w.sched.queues.live and w.arrived == w.cfg.num_requests:
         w.sched.slots._free.sort(reverse=True)
 
 
@@ -157,17 +158,17 @@ def _renumber_epochs(w) -> None:
     fresh, larger epoch): -1, which no slot has; a waiting request's (preempted) is rewritten on
     admission: 0."""
     s = w.sched
-    old = s.slot_epoch.copy()                                    # [max_num_reqs]
+    old = s.views.slot_epoch.copy()                                    # [max_num_reqs]
     values = sorted(set(old.tolist()) - {0})
     rank = {v: i + 1 for i, v in enumerate(values)}
-    for r in s._live.values():
+    for r in s.queues.live.values():
         r.epoch = rank[r.epoch] if r.slot >= 0 else 0
-    s.slot_epoch[:] = [rank.get(e, 0) for e in old.tolist()]
-    for i, (out, rows) in enumerate(zip(s._in_flight, s._in_flight_epochs)):
+    s.views.slot_epoch[:] = [rank.get(e, 0) for e in old.tolist()]
+    for i, (out, rows) in enumerate(zip(s.results.in_flight, s.results.in_flight_epochs)):
         slots = out.slots.astype(np.int64)
         fresh = (np.asarray(rows, dtype=np.int64) == old[slots]) & (old[slots] != 0)
-        s._in_flight_epochs[i] = np.where(fresh, s.slot_epoch[slots], -1).astype(np.int64)
-    s._admissions = len(values)
+        s.results.in_flight_epochs[i] = np.where(fresh, s.views.slot_epoch[slots], -1).astype(np.int64)
+    s.queues.admissions = len(values)
 
 
 def scrub(w) -> None:

@@ -68,7 +68,7 @@ def empty_run_steps(w) -> None:
 
 def _first_seen(w, outs: list) -> list[str]:
     """Every request id the world names but the scheduler does not hold, in canonical order."""
-    live, seen = w.sched._live, {}
+    live, seen = w.sched.queues.live, {}
     for out in outs:
         for rid in list(out.req_ids) + [f.req_id for f in out.freed] + \
                 [n.req_id for n in out.new_requests]:
@@ -77,7 +77,7 @@ def _first_seen(w, outs: list) -> list[str]:
         for rid in rk.slot_tokens.owner:
             if rid is not None:
                 seen.setdefault(rid, None)
-    for f in w.sched._freed:
+    for f in w.sched.queues.freed:
         seen.setdefault(f.req_id, None)
     return [rid for rid in seen if rid not in live]
 
@@ -138,7 +138,7 @@ def _rename(w, outs: list, names: dict[str, str]) -> None:
         for f in out.freed:
             if f.req_id in names:
                 object.__setattr__(f, "req_id", names[f.req_id])
-    for f in w.sched._freed:
+    for f in w.sched.queues.freed:
         if f.req_id in names:
             object.__setattr__(f, "req_id", names[f.req_id])
     for rk in w.ranks:

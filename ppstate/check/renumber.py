@@ -41,7 +41,7 @@ from ppstate.block_states import CACHED, FREE
 # ------------------------------------------------------------------------------ steps
 def _outputs(w) -> list:
     seen = {id(o): o for o in w.outputs.values()}
-    seen.update({id(o): o for o in w.sched._in_flight})
+    seen.update({id(o): o for o in w.sched.results.in_flight})
     return list(seen.values())
 
 
@@ -94,14 +94,14 @@ def shift_steps(w, ops: list) -> None:
     posts = inner._posts
     for s in sorted(posts):
         posts[s - base] = posts.pop(s)
-    live = [r.slot for r in w.sched._running.values()]
+    live = [r.slot for r in w.sched.queues.running.values()]
     w.sched.arrays.next_eligible_step[live] -= base
     _compress_eligible(w)
 
 
 def _compress_eligible(w) -> None:
     a = w.sched.arrays
-    live = np.array(sorted(r.slot for r in w.sched._running.values()), dtype=np.int64)
+    live = np.array(sorted(r.slot for r in w.sched.queues.running.values()), dtype=np.int64)
     vals = a.next_eligible_step[live]
     old = sorted({int(v) for v in vals if v < 0}, reverse=True)
     rank = {v: -(i + 1) for i, v in enumerate(old)}
@@ -209,7 +209,7 @@ def renumber_generations(w) -> None:
 # ------------------------------------------------------------------------------ blocks
 def _hittable(w, pool) -> set[int]:
     hashes = set()
-    for req in w.sched._live.values():
+    for req in w.sched.queues.live.values():
         hashes.update(req.block_hashes)
     return {b for b in pool._lru if pool.block_hash[b] in hashes}
 

@@ -26,10 +26,10 @@ def canonical_orders(w) -> list[list[int]]:
     """Candidate labelings, each ``[new slot] -> old slot``."""
     s = w.sched
     n = len(s.slots.owner)
-    occupied = sorted((int(s.slot_epoch[j]), j) for j in range(n) if s.slots.owner[j] is not None)
+    occupied = sorted((int(s.views.slot_epoch[j]), j) for j in range(n) if s.slots.owner[j] is not None)
     free = list(reversed(s.slots._free))           # the next one handed out first
     head = [j for _, j in occupied]
-    if s._live or w.arrived < w.cfg.num_requests or len(free) < 2:
+    if s.queues.live or w.arrived < w.cfg.num_requests or len(free) < 2:
         return [head + free]
     return [head + list(p) for p in permutations(sorted(free))]
 
@@ -57,10 +57,10 @@ def _relabel_scheduler(w, order: list[int], inv: np.ndarray, pi: np.ndarray) -> 
     t._slot_of = {r: int(pi[x]) for r, x in t._slot_of.items()}
     for f in s.arrays.FIELDS:
         setattr(s.arrays, f, getattr(s.arrays, f)[inv])
-    s.slot_epoch, s.decoding = s.slot_epoch[inv], s.decoding[inv]
-    s.slot_req = [s.slot_req[o] for o in order]
-    s.out_tokens = s.out_tokens[inv]
-    for r in s._live.values():
+    s.views.slot_epoch, s.views.decoding = s.views.slot_epoch[inv], s.views.decoding[inv]
+    s.views.slot_req = [s.views.slot_req[o] for o in order]
+    s.views.out_tokens = s.views.out_tokens[inv]
+    for r in s.queues.live.values():
         if r.slot >= 0:
             r.slot = int(pi[r.slot])
     s.kv.held = s.kv.held[inv]
@@ -70,7 +70,7 @@ def _relabel_scheduler(w, order: list[int], inv: np.ndarray, pi: np.ndarray) -> 
 
 
 def _relabel_steps(w, pi: np.ndarray) -> None:
-    freed = {id(f): f for f in w.sched._freed}
+    freed = {id(f): f for f in w.sched.queues.freed}
     for out in _outputs(w):
         freed.update((id(f), f) for f in out.freed)
         for nr in out.new_requests:

@@ -166,7 +166,7 @@ class World:
             elif kind == "abort":
                 # the request's own id object, not the action's equal copy: pickles memoize by
                 # identity, so one state must not pickle two ways (canonical keys)
-                req = self.sched._live.get(action[1])
+                req = self.sched.queues.live.get(action[1])
                 rid = req.req_id if req is not None else action[1]
                 if self.sched.abort(rid):
                     self.monitor.on_abort(rid)

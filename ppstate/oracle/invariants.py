@@ -58,6 +58,9 @@ class InvariantOracle:
         self.num_violations = 0
         self.sampling_steps: dict[str, list[int]] = defaultdict(list)
         self.sampled_by_last: dict[str, dict[int, int]] = defaultdict(dict)  # output index -> id
+        # speculative decoding: req_id -> {sampling step -> tokens the last rank emitted}
+        self.num_emitted: dict[str, dict[int, int]] | None = \
+            defaultdict(dict) if self.cfg.num_spec_tokens else None
         self.received: dict[str, list[int]] = defaultdict(list)
         self.closed: dict[str, str] = {}     # req_id -> finish reason seen by the client
         self._posts: dict[int, dict[int, bool]] = defaultdict(dict)
@@ -183,8 +186,7 @@ class InvariantOracle:
             admitted, prefill, kept = self._row_info(out.step, rid)
             if int(out.start_positions[i]) < prefill:
                 continue
-            steps = self.sampling_steps[rid]
-            n_prev = kept + bisect_left(steps, out.step) - bisect_left(steps, admitted)
+            n_prev = self._outputs_before(rid, out.step, admitted, kept)
             hist = history[slot]
             truth = self.sampled_by_last[rid]
             if len(hist) != n_prev or not hist or hist[-1] != truth.get(n_prev - 1):
@@ -192,14 +194,34 @@ class InvariantOracle:
                                f"{len(hist)} sampled ids ending {hist[-1:]}, last rank sampled "
                                f"{n_prev} ending {truth.get(n_prev - 1)}")
 
-    def record_sampled(self, out: SchedulerOutput, tokens: np.ndarray) -> None:
-        """Ground truth: ids the last rank sampled for the sampling rows of ``out``."""
+    def _outputs_before(self, rid: str, step: int, admitted: int, kept: int) -> int:
+        """Outputs ``rid`` holds before step ``step`` in its admission at ``admitted`` (with
+        ``kept`` outputs kept): one per sampling step, or what each emitted with speculation."""
+        steps = self.sampling_steps[rid]
+        lo, hi = bisect_left(steps, admitted), bisect_left(steps, step)
+        if self.num_emitted is None:
+            return kept + hi - lo
+        emitted = self.num_emitted[rid]
+        return kept + sum(emitted.get(s, 0) for s in steps[lo:hi])
+
+    def record_sampled(self, out: SchedulerOutput, tokens: np.ndarray,
+                       num_sampled: np.ndarray | None = None) -> None:
+        """Ground truth: ids the last rank sampled for the sampling rows of ``out``.
+
+        Args:
+            tokens: ``[num_rows]`` one id per row, or with ``num_sampled`` (speculative decoding)
+                ``[num_rows, K + 1]``, of which row ``i`` emitted the first ``num_sampled[i]``.
+        """
         for i in np.nonzero(out.is_final_chunk)[0].tolist():
             rid = out.req_ids[i]
             admitted, _, kept = self._row_info(out.step, rid)
-            steps = self.sampling_steps[rid]
-            index = kept + bisect_left(steps, out.step) - bisect_left(steps, admitted)
-            self.sampled_by_last[rid][index] = int(tokens[i])
+            index = self._outputs_before(rid, out.step, admitted, kept)
+            if num_sampled is None:
+                self.sampled_by_last[rid][index] = int(tokens[i])
+                continue
+            self.num_emitted[rid][out.step] = n = int(num_sampled[i])
+            for j in range(n):
+                self.sampled_by_last[rid][index + j] = int(tokens[i, j])
 
     # ---------------------------------------------------------- client side (3)
     def on_updates(self, step: int, updates: list[TokenUpdate]) -> None:

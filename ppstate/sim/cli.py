@@ -14,6 +14,7 @@ import json
 import sys
 from dataclasses import asdict
 
+from ppstate import mutants
 from ppstate.errors import PPStateError
 from ppstate.sim.simulator import run_sim
 from ppstate.sim.trace import DEFAULT_SIM_TRACE_DIR, record_sim
@@ -76,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fork-rate", type=float, default=0.0,
                    help="probability a request is a fork of the previous one (n > 1 samples)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    p.add_argument("--spec-tokens", type=int, default=0, metavar="K",
+                   help="speculative decoding: up to K drafts per decode row (default 0: off)")
+    p.add_argument("--spec-acceptance", type=float, default=0.7,
+                   help="probability that a draft is the model's token (with --spec-tokens)")
+    p.add_argument("--mutant", choices=sorted(mutants.MUTANTS), default=None, metavar="NAME",
+                   help="switch one known-bad variant on (python -m ppstate.check "
+                        "--list-mutants), e.g. keep_rejected_draft with --spec-tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -96,13 +104,19 @@ def config_from_args(ns: argparse.Namespace) -> SimConfig:
                      cost_per_token_s=float(ns.stage_cost[1]), cost_per_prefix_token_s=0.0,
                      cost_concurrency=ns.contention,
                      num_kv_blocks=ns.kv_blocks, shared_prefix=max(0, ns.shared_prefix),
-                     fork_rate=ns.fork_rate,
+                     fork_rate=ns.fork_rate, num_spec_tokens=ns.spec_tokens,
+                     spec_acceptance=ns.spec_acceptance,
                      enable_prefix_caching=not ns.no_prefix_caching)
 
 
 def run_cli(argv: list[str] | None = None) -> int:
     """Parse ``argv``, run, print; returns 0 clean, 1 on violations, 2 on bad arguments."""
     ns = build_parser().parse_args(argv)
+    with mutants.enabled(*([ns.mutant] if ns.mutant else [])):
+        return _run(ns)
+
+
+def _run(ns: argparse.Namespace) -> int:
     trace = None
     try:
         cfg = config_from_args(ns)
@@ -119,7 +133,10 @@ def run_cli(argv: list[str] | None = None) -> int:
         print(f"trace written to {trace}; replay with: python -m ppstate.replay {trace}",
               file=sys.stderr)
     if ns.json:
-        print(json.dumps({**asdict(result), "trace": None if trace is None else str(trace)},
+        summary = asdict(result)
+        if summary["spec"] is None:   # runs without speculation print what they always did
+            del summary["spec"]
+        print(json.dumps({**summary, "trace": None if trace is None else str(trace)},
                          sort_keys=True))
     else:
         print(f"steps={result.steps} ticks={result.ticks} completed={result.completed} "
@@ -128,7 +145,8 @@ def run_cli(argv: list[str] | None = None) -> int:
               f"bubble={result.bubble_fraction:.3f} preemptions={result.preemptions} "
               f"prefix_hit_tokens={result.prefix_hit_tokens} violations={result.num_violations}")
     if result.num_violations:
-        print(f"invariant violations with seed {result.seed}; reproduce with:\n  {result.repro}",
+        repro = result.repro + (f" --mutant {ns.mutant}" if ns.mutant else "")
+        print(f"invariant violations with seed {result.seed}; reproduce with:\n  {repro}",
               file=sys.stderr)
         return 1
     return 0

@@ -67,13 +67,20 @@ class SimKV:
                                    f"from the scheduler's (digest {int(got[i])} vs "
                                    f"{int(out.block_digests[i])})")
 
-    def forward(self, out: SchedulerOutput) -> None:
+    def forward(self, out: SchedulerOutput, starts: np.ndarray | None = None,
+                inputs: np.ndarray | None = None, num_drafts: np.ndarray | None = None) -> None:
         """Write every row's positions, then read each row's whole context back and compare
-        (vectorised over the rows of the step)."""
+        (vectorised over the rows of the step).
+
+        With speculative decoding (:mod:`ppstate.sim.spec_rank`): ``starts`` ``[num_rows]`` are
+        the rank's own start positions, ``inputs`` ``[num_rows, K + 1]`` the rows' input ids and
+        ``num_drafts`` ``[num_rows]`` their drafts; a row writes its drafts at ``start + 1 ..
+        start + k`` and reads back positions ``0 .. start`` only (its committed context: the
+        accepted tokens, which a rank that kept a rejected draft's position no longer has)."""
         if out.num_rows == 0:
             return
         slots = out.slots.astype(np.int64)
-        start = out.start_positions.astype(np.int64)
+        start = out.start_positions.astype(np.int64) if starts is None else starts
         end = start + out.num_scheduled_tokens
         short = np.nonzero(-(-end // self.bs) > self.num_blocks[slots])[0]
         for i in short.tolist():
@@ -88,8 +95,12 @@ class SimKV:
             truth, pos = truths[i], np.arange(start[i], end[i])
             w_slot.append(np.full(pos.size, slots[i]))
             w_pos.append(pos)
-            w_val.append(np.where(pos < truth.size, truth[np.minimum(pos, truth.size - 1)], UNKNOWN))
-            n = min(int(end[i]), truth.size)
+            val = np.where(pos < truth.size, truth[np.minimum(pos, truth.size - 1)], UNKNOWN)
+            nd = 0 if num_drafts is None else int(num_drafts[i])
+            if nd:
+                val[1:nd + 1] = inputs[i, 1:nd + 1]
+            w_val.append(val)
+            n = min(int(end[i]) - nd, truth.size)
             r_slot.append(np.full(n, slots[i]))
             r_pos.append(np.arange(n))
             r_val.append(truth[:n])

@@ -21,6 +21,7 @@ from ppstate.payload import SampledPayload
 from ppstate.pp_handler import ConsumedEntry
 from ppstate.rank_step import RankStep
 from ppstate.sim.kv import SimKV
+from ppstate.sim.spec_rank import SimSpec
 from ppstate.oracle.model import model_token
 from ppstate.oracle.slot_model import SlotTokens
 
@@ -54,11 +55,13 @@ class SimRank:
         max_num_reqs: slots.
         checker: receives ground truth and records violations.
         kv_geometry: ``(max_model_len, num_blocks, block_size)`` of the KV cache model.
+        spec: ``(K, acceptance)`` of speculative decoding (:mod:`ppstate.sim.spec`); K = 0: off.
     """
 
     def __init__(self, rank: int, pp_size: int, depth: int, max_num_reqs: int,
                  checker: "InvariantOracle",
-                 kv_geometry: tuple[int, int, int] = (2048, 2048, 16)) -> None:
+                 kv_geometry: tuple[int, int, int] = (2048, 2048, 16),
+                 spec: tuple[int, float] = (0, 0.0)) -> None:
         self.rank, self.is_last, self.checker = rank, rank == pp_size - 1, checker
         self.slot_tokens = SlotTokens(max_num_reqs)    # owners, token histories (shared model)
         self.eos_at = np.full(max_num_reqs, -1, dtype=np.int64)    # [max_num_reqs]
@@ -67,6 +70,7 @@ class SimRank:
         self.step_order = RankStep(self, rank, pp_size, depth, max_num_reqs)
         self.handler = self.step_order.handler
         self.kv = SimKV(rank, max_num_reqs, *kv_geometry, checker)
+        self.spec = SimSpec(self, *spec) if spec[0] else None
         self.wire = Wire()
         self.next_index = 0         # index of the next step this rank runs among the issued ones
         self.busy_until = -1        # tick the running step ends (-1: idle)
@@ -94,6 +98,8 @@ class SimRank:
             self.mirror.add_request(n.slot, len(n.prompt_token_ids), n.max_seq_len,
                                     n.num_cached_tokens)
             self.kv.on_new(n.slot)
+        if self.spec is not None:
+            self.spec.admit(out)
         self.kv.apply_deltas(out)
         self.kv.check_block_ids(out)
 
@@ -101,6 +107,8 @@ class SimRank:
         """Checks every row's input (invariants 2, 3); rank 0: ``[num_rows]`` input tokens."""
         st = self.slot_tokens
         self.checker.check_inputs(self.rank, out, st.owner, st.history)
+        if self.spec is not None:
+            return self.spec.prepare(out)
         return st.input_tokens(out) if self.rank == 0 else None
 
     def receive(self, out: SchedulerOutput) -> np.ndarray:
@@ -109,8 +117,12 @@ class SimRank:
     def forward(self, out: SchedulerOutput, inputs: np.ndarray | None,
                 received: np.ndarray | None) -> np.ndarray:
         """KV writes and reads through the block table; the "hidden states" pass through."""
-        self.kv.forward(out)
-        return inputs if received is None else received
+        hidden = inputs if received is None else received
+        if self.spec is not None:
+            self.kv.forward(out, self.spec.starts, hidden, self.spec.num_drafts)
+        else:
+            self.kv.forward(out)
+        return hidden
 
     def send(self, out: SchedulerOutput, hidden: np.ndarray) -> None:
         self.wire.hidden[out.step] = hidden
@@ -123,7 +135,10 @@ class SimRank:
 
     def sample(self, out: SchedulerOutput, mask: np.ndarray | None,
                logits: np.ndarray | None) -> SampledPayload:
-        """The model's token for each final-chunk row, conditioned on rank 0's input token."""
+        """The model's token for each final-chunk row, conditioned on rank 0's input token (with
+        speculation: every position of the row verified, :meth:`SimSpec.sample`)."""
+        if self.spec is not None:
+            return self.spec.sample(out, logits)
         payload, st = SampledPayload.zeros(out.num_rows), self.slot_tokens
         for i in np.nonzero(out.is_final_chunk)[0].tolist():
             slot = int(out.slots[i])
@@ -145,6 +160,8 @@ class SimRank:
         live = idx_mapping >= 0
         np.subtract.at(self.num_computed, idx_mapping[live], rejected[live])
         self.mirror.apply_rejected(idx_mapping, rejected)
+        if self.spec is not None:
+            self.spec.applied(step, idx_mapping, payload)
 
     def publish(self, out: SchedulerOutput, mask: np.ndarray | None,
                 payload: SampledPayload) -> None:
@@ -159,7 +176,10 @@ class SimRank:
         self.checker.record_post(out, self.rank, False, None)
 
     def received(self, entry: ConsumedEntry) -> SampledPayload:
-        return self.wire.broadcast[entry.step]
+        payload = self.wire.broadcast[entry.step]
+        if self.spec is not None:
+            self.spec.check_width(entry.step, payload)
+        return payload
 
     def result(self, out: SchedulerOutput, payload: SampledPayload) -> StepResult:
         return StepResult(out.step, payload.token_ids.copy(),

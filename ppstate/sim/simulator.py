@@ -47,6 +47,9 @@ class SimResult:
     num_violations: int = 0
     seed: int = 0
     repro: str = ""
+    #: speculative runs only (None otherwise, and left out of the CLI's JSON): the scheduler's
+    #: ``spec_stats`` (drafts proposed and accepted, decode rows with drafts)
+    spec: dict | None = None
 
 
 class Simulator:
@@ -64,7 +67,8 @@ class Simulator:
         depth = sc.pp_size if sc.mode == "overlapped" else 1
         self.depth = depth
         kv = (sc.max_model_len, sc.num_kv_blocks, sc.block_size)
-        self.ranks = [SimRank(r, sc.pp_size, depth, sc.max_num_seqs, self.checker, kv)
+        spec = (sc.num_spec_tokens, cfg.spec_acceptance)
+        self.ranks = [SimRank(r, sc.pp_size, depth, sc.max_num_seqs, self.checker, kv, spec)
                       for r in range(sc.pp_size)]
         self.wire = Wire()
         self.outputs = self.wire.outputs
@@ -240,7 +244,8 @@ class Simulator:
             prefix_hit_tokens=self.sched.kv.pool.hit_tokens,
             invariant_violations=[v.as_dict() for v in self.checker.violations],
             num_violations=self.checker.num_violations, seed=self.cfg.seed,
-            repro=repro_command(self.cfg))
+            repro=repro_command(self.cfg),
+            spec=self.sched.spec_stats() if self.cfg.scheduler.num_spec_tokens else None)
 
 
 def run_sim(cfg: SimConfig) -> SimResult:
@@ -267,4 +272,6 @@ def repro_command(cfg: SimConfig) -> str:
             + ("" if sc.enable_prefix_caching else " --no-prefix-caching")
             + (f" --contention {cfg.contention}" if cfg.contention != 1.0 else "")
             + (f" --empty-step-ticks {cfg.empty_step_ticks}" if cfg.empty_step_ticks >= 0 else "")
-            + (" --adaptive-lanes" if sc.adaptive_lanes else "") + " --json")
+            + (" --adaptive-lanes" if sc.adaptive_lanes else "")
+            + (f" --spec-tokens {sc.num_spec_tokens} --spec-acceptance {cfg.spec_acceptance}"
+               if sc.num_spec_tokens else "") + " --json")

@@ -26,6 +26,8 @@ def record_sim(cfg: SimConfig, trace_dir: str | Path) -> tuple[SimResult, Path]:
     sink = RecordingSink()
     sim = Simulator(cfg, sink=sink)
     result = sim.run()
-    run_dir = write_run(trace_dir, "sim", sim.sched.config, dataclasses.asdict(cfg), sink.events,
-                        seed=cfg.seed)
+    header = dataclasses.asdict(cfg)
+    if not cfg.scheduler.num_spec_tokens:   # a run without speculation: the header it always had
+        del header["spec_acceptance"]
+    run_dir = write_run(trace_dir, "sim", sim.sched.config, header, sink.events, seed=cfg.seed)
     return result, run_dir

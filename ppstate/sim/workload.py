@@ -57,6 +57,9 @@ class SimConfig:
         fork_rate: probability a request is a fork of the previous one (same prompt and
             arrival, ``fork_of`` set: the ``n`` samples of one OpenAI request) [--fork-rate];
             0 draws nothing, so runs without forks stay as they were.
+        spec_acceptance: with ``scheduler.num_spec_tokens`` = K > 0 [--spec-tokens K] (decode
+            rows carry up to K drafts, :mod:`ppstate.sim.spec`), the probability that a draft
+            is the model's token [--spec-acceptance]; draws nothing from the seed's generator.
         workload: explicit requests (overrides the random ones; tests).
         max_steps: liveness bound (0: derived from the workload).
 
@@ -81,6 +84,7 @@ class SimConfig:
     empty_step_ticks: int = -1
     shared_prefix: int = 0
     fork_rate: float = 0.0
+    spec_acceptance: float = 0.7
     workload: tuple[SimRequest, ...] | None = None
     max_steps: int = 0
 
@@ -116,6 +120,9 @@ class SimConfig:
             raise SchedulerError("SimConfig.p2p_ticks and broadcast_ticks must be >= 0")
         if not 0.0 <= self.abort_rate <= 1.0 or not 0.0 <= self.eos_prob <= 1.0:
             raise SchedulerError("SimConfig.abort_rate and eos_prob must be in [0, 1]")
+        if not 0.0 <= self.spec_acceptance <= 1.0:
+            raise SchedulerError(f"SimConfig.spec_acceptance must be in [0, 1], got "
+                                 f"{self.spec_acceptance!r}")
         if not 0.0 <= self.fork_rate <= 1.0:
             raise SchedulerError(f"SimConfig.fork_rate must be in [0, 1], got {self.fork_rate!r}")
         if self.arrival not in ("burst", "poisson"):

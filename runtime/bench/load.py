@@ -43,7 +43,7 @@ def map_sizes(engine: AsyncEngine) -> dict[str, int]:
     """Entries of every per-request map of the engine and its scheduler."""
     s = engine.sched
     return {"engine_streams": len(engine._streams), "engine_step_rows": len(engine._step_rows),
-            "sched_live": len(s._live), "sched_finished": len(s._finished),
+            "sched_live": len(s.queues.live), "sched_finished": len(s.queues.finished),
             "sched_running": s.num_running, "sched_waiting": s.num_waiting,
             "slot_table": len(s.slots._slot_of), "kv_tables": len(s.kv.pool.tables),
             "lifecycle_models": len(s.lifecycle.machine.models)}

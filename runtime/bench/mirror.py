@@ -10,15 +10,17 @@ the after-step check (on CUDA :class:`~runtime.worker.mirror_check.AsyncMirrorCh
 values copied to the device, compared there with the device tables, one flag copied back; on the
 CPU ``DeviceState.validate``).
 
-Off, on and the check as it was before the comparison moved onto the device
-(:mod:`runtime.bench.mirror_before`: the whole snapshot copied to the host and compared there,
-same coverage; on the CPU the same in-place check; reported as ``before_*``) alternate in one run (``--rounds`` triples of ``--steps`` steps; CUDA: wall time,
-synchronised at the end of each block; CPU: process CPU time, one torch thread); reported per N: microseconds per step off and on (median over rounds),
-the validation's share ``on / off - 1`` and its microseconds per step (``on - off``, and the time
-spent inside the check calls themselves, ``check_us_per_step``: less exposed to the load of a
-shared machine; on CUDA it includes the wait for the previous step's copy), and each check
-timed alone on the final state, now and before (``pieces_us``, :func:`pieces`); on the CPU also the
-microseconds of the check as it was before issue #27 (the mirror counters only), in the same run. The share of a whole
+Off, on and the check as it was before its per-step host cost was cut (main at 9fb95f0, frozen in
+:mod:`runtime.bench.mirror_before`: same coverage; on the CPU the token ids compared up to the
+longest live ``total_len``; reported as ``before_*``) alternate in one run (``--rounds`` triples of
+``--steps`` steps; CUDA: wall time, synchronised at the end of each block; CPU: process CPU time,
+one torch thread); reported per N: microseconds per step off and on (median over rounds), the
+validation's share ``on / off - 1`` and its microseconds per step (``on - off``, and the time spent
+inside the check calls themselves, ``check_us_per_step``: less exposed to the load of a shared
+machine; on CUDA it includes the wait for the previous step's copy), and each check timed alone on
+the final state (``pieces_us``, :func:`pieces`: the digest, the after-step check now and before);
+on the CPU also the microseconds of the check as it was before issue #27 (the mirror counters
+only), in the same run. The share of a whole
 engine step is smaller by the model's time (the engine on / off ratio: ``runtime.bench pp
 --overheads``). ``--json-out F`` writes the results (kind ``mirror-validation``).
 """
@@ -35,7 +37,7 @@ import torch
 from ppstate.batch import NewRequest, SchedulerOutput
 from ppstate.block_digest import BlockDigests
 from ppstate.mirror import MIRROR_FIELDS
-from runtime.bench.mirror_before import BeforeCheck
+from runtime.bench.mirror_before import BeforeCheck, BeforeTokens
 from runtime.bench.results import subcommand_line, write_result
 from runtime.worker.device_state import DeviceState
 from runtime.worker.mirror_check import AsyncMirrorCheck
@@ -64,10 +66,12 @@ class RankLoop:
         self._grow(self.tokens)                                   # the prompts' blocks
         self.state.apply_scheduled(self.slots_t, torch.full((rows,), prompt_len, device=device),
                                    self.slots.astype(np.int64), self.tokens.copy())
-        self.check = AsyncMirrorCheck(self.state) if device.type == "cuda" else None
+        cuda = device.type == "cuda"
+        self.check = AsyncMirrorCheck(self.state) if cuda else None
+        self.before = BeforeCheck(self.state) if cuda else None
         self.token_mirror = self.state.track_tokens()   # the token-id check: "on" blocks only
+        self.before_tokens = BeforeTokens(rows, max_model_len, device)   # "before" blocks only
         self.state.tokens = None
-        self.before = BeforeCheck(self.state)
         self.clock = time.perf_counter if device.type == "cuda" else time.process_time
         self.check_s = 0.0   # time spent inside the validation calls (both kinds), summed
         self.step_no = 0
@@ -91,7 +95,7 @@ class RankLoop:
 
     def step(self, validate: bool | str) -> None:
         """One decode step of every row (what the worker does besides the model). ``validate``:
-        False, True (everything), ``"before"`` (everything, compared on the host:
+        False, True (everything), ``"before"`` (everything, as before the host cost was cut:
         :mod:`runtime.bench.mirror_before`) or ``"counters"`` (CPU: only the mirror counters'
         check, as before issue #27: the stacked read, ``CpuMirror.validate`` and
         ``validate_blocks``)."""
@@ -101,10 +105,8 @@ class RankLoop:
                               self.tokens.astype(np.int32), np.ones(self.n, dtype=bool),
                               block_digests=self.digests.of(self.slots))
         t0 = self.clock()
-        if validate is True:
+        if validate is True or validate == "before":
             st.check_block_digests(out)
-        elif validate == "before":
-            self.before.digests(out)
         self.check_s += self.clock() - t0
         slots64 = self.slots.astype(np.int64)
         st.apply_scheduled(self.slots_t, self.ones_t, slots64, np.ones(self.n, dtype=np.int64))
@@ -117,15 +119,44 @@ class RankLoop:
             dev = torch.stack([getattr(st, f) for f in MIRROR_FIELDS]).cpu().numpy()
             st.mirror.validate(dev, live, self.step_no, owners=st.owner)
             st.mirror.validate_blocks(BLOCK, live, self.step_no, owners=st.owner)
-        elif validate == "before":
-            self.before.after_step(self.step_no)
         elif validate:
-            if self.check is not None:
-                self.check.snapshot(self.step_no)
-            else:
-                st.validate(self.step_no)
+            self.after_step(validate, self.step_no)
         self.check_s += self.clock() - t0
         self.step_no += 1
+
+    def after_step(self, validate: bool | str, step: int) -> None:
+        """The after-step check of ``step``: now (True) or before (``"before"``)."""
+        st = self.state
+        if self.check is not None:
+            (self.check if validate is True else self.before).snapshot(step)
+        elif validate is True:
+            st.validate(step)
+        else:   # the CPU check before: the token ids compared up to the longest live total_len
+            tokens, st.tokens = st.tokens, None
+            try:
+                st.validate(step)
+            finally:
+                st.tokens = tokens
+            t = int(st.total_len_np[st.live_slots()].max())
+            if not np.array_equal(st.all_token_ids.numpy()[:, :t], tokens.ids_np[:, :t]):
+                raise AssertionError("token ids differ in the benchmark's healthy loop")
+
+    def use(self, validate: bool | str) -> None:
+        """Install the token mirror of mode ``validate`` (none when off), from the device's ids."""
+        st = self.state
+        st.tokens = None
+        if validate is True:
+            st.tokens = self.token_mirror
+        elif validate == "before":
+            st.tokens = self.before_tokens
+        if st.tokens is not None:
+            st.tokens.resync(st.all_token_ids)
+
+    def finish(self) -> None:
+        """Compare what is still pending (CUDA)."""
+        if self.check is not None:
+            self.check.poll(block=True)
+            self.before.poll(block=True)
 
     def block(self, steps: int, validate: bool | str) -> float:
         """Seconds per step of ``steps`` steps: wall time on CUDA (synchronised at the end),
@@ -133,10 +164,7 @@ class RankLoop:
         ``inside_s``: seconds per step spent inside the validation calls themselves."""
         self.check_s = 0.0
         cuda = self.device.type == "cuda"
-        self.state.tokens = None
-        if validate is True:   # the token-id check's host copy, from the device's ids
-            self.state.tokens = self.token_mirror
-            self.token_mirror.resync(self.state.all_token_ids)
+        self.use(validate)
         clock = time.perf_counter if cuda else time.process_time
         if cuda:
             torch.cuda.synchronize()
@@ -144,12 +172,9 @@ class RankLoop:
         for _ in range(steps):
             self.step(validate)
         t1 = self.clock()
-        if validate is True and self.check is not None:
-            self.check.poll(block=True)
-        if validate == "before":
-            self.before.finish()
+        self.finish()
         self.check_s += self.clock() - t1
-        self.inside_s = self.check_s / steps   # the last compares included (poll / finish)
+        self.inside_s = self.check_s / steps   # the last compares included (poll)
         if cuda:
             torch.cuda.synchronize()
         return (clock() - t0) / steps
@@ -157,29 +182,24 @@ class RankLoop:
 
 def pieces(loop: RankLoop, calls: int = 300, repeats: int = 5) -> dict:
     """Microseconds per call of each check alone on the loop's current state (no state change
-    between calls: the healthy path), now and as #27 landed, interleaved; the minimum over
-    ``repeats`` (the least disturbed by a shared machine's load)."""
+    between calls: the healthy path), now and before, interleaved; the minimum over ``repeats``
+    (the least disturbed by a shared machine's load). ``digest``: the block-id digest check
+    (the same code in both modes)."""
     st, step = loop.state, loop.step_no
-    st.tokens = loop.token_mirror          # the check as "on" runs it (token ids included)
-    loop.token_mirror.resync(st.all_token_ids)
     out = SchedulerOutput(step, (), loop.slots, np.ones(loop.n, dtype=np.int32),
                           loop.tokens.astype(np.int32), np.ones(loop.n, dtype=bool),
                           block_digests=loop.digests.of(loop.slots))
-    after_now = ((lambda: loop.check.snapshot(step)) if loop.check is not None
-                 else (lambda: st.validate(step)))
-    fns = {"digest_now": lambda: st.check_block_digests(out),
-           "digest_before": lambda: loop.before.digests(out),
-           "after_step_now": after_now,
-           "after_step_before": lambda: loop.before.after_step(step)}
+    fns = {"digest": (False, lambda: st.check_block_digests(out)),
+           "after_step_now": (True, lambda: loop.after_step(True, step)),
+           "after_step_before": ("before", lambda: loop.after_step("before", step))}
     best = {k: float("inf") for k in fns}
     for _ in range(repeats):
-        for k, f in fns.items():
+        for k, (mode, f) in fns.items():
+            loop.use(mode)
             t0 = loop.clock()
             for _ in range(calls):
                 f()
-            if loop.check is not None:
-                loop.check.poll(block=True)
-                loop.before.finish()
+            loop.finish()
             best[k] = min(best[k], (loop.clock() - t0) / calls)
     return {k: 1e6 * v for k, v in best.items()}
 
@@ -249,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                   if "counters_only_us_per_step" in r else "")
         print(f"rows {n:4d} on {args.device}: off {r['us_per_step_off']:.1f} us/step, on "
               f"{r['us_per_step_on']:.1f} us/step (validation {r['validation_us_per_step']:.1f} "
-              f"us{before}, on/off {r['on_over_off']:.3f}; before (host compare): validation "
+              f"us{before}, on/off {r['on_over_off']:.3f}; before (9fb95f0): validation "
               f"{r['before_validation_us_per_step']:.1f} us, on/off {r['before_over_off']:.3f}); "
               f"inside the check calls: {r['check_us_per_step']:.1f} us now, "
               f"{r['before_check_us_per_step']:.1f} us before", flush=True)

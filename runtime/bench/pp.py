@@ -16,7 +16,9 @@ min, max over the rounds):
   overlapped with adaptive lanes; the ratio to sync at each point. The engines' order rotates
   from round to round (round i starts with the i-th), so none always follows another.
 * ``--overheads``: tracing (``--trace-dir``) and mirror validation (``every`` vs ``off``) as
-  throughput ratios on the decode workload (``trace_overhead`` = 1 - on / off).
+  throughput and worker-CPU-per-step ratios on the decode workload, at each concurrency of
+  ``--overheads-concurrency``, on / off alternating (:mod:`runtime.bench.pp_overheads`;
+  ``trace_overhead`` = 1 - on / off).
 * ``--calibrate``: fit the step-cost model (:mod:`ppstate.step_cost`) to the ranks' busy seconds
   per step of the sweep and prefill runs; written under ``step_cost`` (load with
   ``--step-cost FILE``).
@@ -30,60 +32,14 @@ import argparse
 import asyncio
 import random
 import statistics
-import time
 from contextlib import AsyncExitStack
 
+from runtime.bench.engine_runs import (ratio_summary, run_workload,  # noqa: F401 (re-export)
+                                       stream_timed, timed_request)
 from runtime.bench.results import subcommand_line, write_result
 from runtime.cli_common import add_engine_flags, engine_config
 from runtime.config import EngineConfig
 from runtime.engine import AsyncEngine
-from runtime.sampling_params import SamplingParams
-
-
-async def timed_request(engine: AsyncEngine, rid: str, ids: list[int], max_tokens: int) -> dict:
-    """Stream one greedy request (EOS ignored): TTFT, TPOT (seconds) and its token count."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return await stream_timed(engine, rid, ids, params)
-
-
-async def stream_timed(engine: AsyncEngine, rid: str, ids: list[int],
-                       params: SamplingParams) -> dict:
-    """Stream one request: ``ttft_s`` and ``tpot_s`` (seconds) and its token count ``tokens``."""
-    t0 = time.perf_counter()
-    first, n = None, 0
-    async for out in engine.add_request(rid, ids, params):
-        if out.new_token_ids and first is None:
-            first = time.perf_counter()
-        n += len(out.new_token_ids)
-    end = time.perf_counter()
-    tpot = (end - first) / (n - 1) if n > 1 and first else 0.0
-    return {"ttft_s": (first or end) - t0, "tpot_s": tpot, "tokens": n}
-
-
-async def run_workload(engine: AsyncEngine, prompts: list[list[int]], max_tokens: int,
-                       tag: str) -> dict:
-    """All ``prompts`` at once on a warm engine: throughput, TTFT and per-rank busy s per step."""
-    s0 = engine.stats()
-    t0 = time.perf_counter()
-    res = await asyncio.gather(*(timed_request(engine, f"{tag}-{i}", p, max_tokens)
-                                 for i, p in enumerate(prompts)))
-    wall = time.perf_counter() - t0
-    s1 = engine.stats()
-    tokens = sum(r["tokens"] for r in res)
-    steps = s1["steps_total"] - s0["steps_total"]
-    busy = [b - a for a, b in zip(s0["rank_busy_seconds"], s1["rank_busy_seconds"])]
-    return {"wall_s": wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
-            "mean_ttft_s": statistics.mean(r["ttft_s"] for r in res),
-            "max_ttft_s": max(r["ttft_s"] for r in res),
-            "mean_tpot_s": statistics.mean(r["tpot_s"] for r in res), "steps": steps,
-            "rank_busy_s": busy, "busy_s_per_step": [b / max(1, steps) for b in busy],
-            "rank_busy_fraction": [b / wall for b in busy]}
-
-
-def ratio_summary(a: list[float], b: list[float]) -> dict:
-    """Pairwise ratios a[i] / b[i]: median, min, max and all of them."""
-    r = [x / y for x, y in zip(a, b) if y]
-    return {"median": statistics.median(r), "min": min(r), "max": max(r), "all": r} if r else {}
 
 
 async def interleaved(configs: dict[str, EngineConfig], workloads: list[tuple],
@@ -202,27 +158,9 @@ def sweep(base: EngineConfig, args, points: list[int]) -> dict:
 
 
 def overheads(base: EngineConfig, args) -> dict:
-    """Tracing and mirror validation on / off, decode workload, overlapped mode."""
-    import tempfile
-
-    def prompts(i: int) -> list[list[int]]:
-        return _prompts(args.num_requests, args.prompt_len, args.seed + 1000 * i)
-    out = {}
-    with tempfile.TemporaryDirectory(prefix="bench-trace-") as tmp:
-        pairs = {"trace": ({"trace_dir": None}, {"trace_dir": tmp}),
-                 "mirror_validation": ({"validate_mirrors": "off"}, {"validate_mirrors": "every"})}
-        wanted = [w.strip() for w in args.overheads_of.split(",")]
-        for what, (off, on) in ((w, pairs[w]) for w in wanted):
-            runs = asyncio.run(interleaved(
-                _variants(base, off=off, on=on), [(what, ["off", "on"], prompts, args.max_tokens,
-                                                   "output_tokens_per_s")], args.repeats))[what]
-            r = ratio_summary([x["output_tokens_per_s"] for x in runs["on"]],
-                              [x["output_tokens_per_s"] for x in runs["off"]])
-            out[what] = {"on_over_off": r, "runs": runs}
-            out[f"{what}_overhead"] = 1.0 - r["median"]
-            print(f"{what}: on/off throughput {r['median']:.3f} (min {r['min']:.3f}, "
-                  f"max {r['max']:.3f})", flush=True)
-    return out
+    """Tracing and mirror validation on / off, decode workload (:mod:`runtime.bench.pp_overheads`)."""
+    from runtime.bench.pp_overheads import overheads as measure
+    return measure(base, args, lambda n, i: _prompts(n, args.prompt_len, args.seed + n + 1000 * i))
 
 
 def calibrate(sweep_res: dict | None, prefill_res: dict | None, pp_size: int,
@@ -267,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overheads", action="store_true", help="tracing / mirror validation cost")
     p.add_argument("--overheads-of", default="trace,mirror_validation",
                    help="comma list of what --overheads measures: trace, mirror_validation")
+    p.add_argument("--overheads-concurrency", default=None,
+                   help="comma list of concurrencies for --overheads (default: --num-requests)")
+    p.add_argument("--overheads-warmup", type=int, default=1,
+                   help="unrecorded rounds per engine and concurrency before --overheads' rounds")
     p.add_argument("--calibrate", action="store_true",
                    help="fit the step-cost model to the sweep and prefill runs")
     p.add_argument("--seed", type=int, default=0)
@@ -287,6 +229,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--sweep must be a comma list of integers, got {args.sweep!r}")
     if set(args.overheads_of.split(",")) - {"trace", "mirror_validation"}:
         p.error("--overheads-of takes a comma list of trace, mirror_validation")
+    try:
+        if args.overheads_concurrency and min(
+                int(x) for x in args.overheads_concurrency.split(",")) < 1:
+            raise ValueError
+    except ValueError:
+        p.error("--overheads-concurrency must be a comma list of integers >= 1")
     if args.calibrate and (not points or args.workload not in ("prefill", "both")):
         p.error("--calibrate needs --sweep (decode rows) and --workload prefill or both")
     base = engine_config(p, args)

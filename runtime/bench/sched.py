@@ -93,7 +93,7 @@ class ControlPlane:
         if out is None or self.sched.in_flight >= self.sched.config.in_flight_limit:
             if not self.sched.in_flight:
                 return False
-            o = self.sched._in_flight[0]
+            o = self.sched.results.in_flight[0]
             n = o.num_rows
             self.sched.on_step_result(StepResult(o.step, np.full((n, 1), 7, np.int64),
                                                  o.is_final_chunk.astype(np.int32),

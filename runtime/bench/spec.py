@@ -85,18 +85,22 @@ def prompts(workload: str, n: int, seed: int, tokenizer=None, vocab: int = 40000
 
 
 async def _serve(engine, batch: list[list[int]], max_tokens: int,
-                 concurrency: int | None = None) -> dict:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+                 concurrency: int | None = None, temperature: float = 0.0) -> dict:
+    """Serve ``batch``; greedy, or with ``temperature`` > 0 seeded sampling (request ``i`` seed
+    ``i``: the same tokens with and without speculation)."""
     gate = asyncio.Semaphore(concurrency or len(batch))
 
-    async def one(rid: str, ids: list[int]):
+    async def one(rid: str, ids: list[int], i: int):
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
+                                seed=i if temperature else None)
         async with gate:
             t0, got = time.perf_counter(), []
             async for out in engine.add_request(rid, ids, params):
                 got += out.new_token_ids
             return got, time.perf_counter() - t0
     s0, t0 = engine.stats(), time.perf_counter()
-    res = await asyncio.gather(*(one(f"b{time.monotonic_ns()}-{i}", p) for i, p in enumerate(batch)))
+    res = await asyncio.gather(*(one(f"b{time.monotonic_ns()}-{i}", p, i)
+                                 for i, p in enumerate(batch)))
     wall, s1 = time.perf_counter() - t0, engine.stats()
     d = {k: s1.get(k, 0) - s0.get(k, 0) for k in ("steps_total", "spec_proposed_tokens",
                                                    "spec_accepted_tokens", "spec_decode_rows")}
@@ -113,7 +117,8 @@ async def _serve(engine, batch: list[list[int]], max_tokens: int,
 
 
 async def run_one(config, batches: dict[str, list[list[int]]], max_tokens: int,
-                  repeats: int = 1, concurrency: int | None = None) -> dict:
+                  repeats: int = 1, concurrency: int | None = None,
+                  temperature: float = 0.0) -> dict:
     """One engine: warm up, then each workload's batch ``repeats`` times (the best run kept)."""
     engine = await AsyncEngine.start(config)
     try:
@@ -121,7 +126,8 @@ async def run_one(config, batches: dict[str, list[list[int]]], max_tokens: int,
         await _serve(engine, [first], 8)
         res = {}
         for name, batch in batches.items():
-            runs = [await _serve(engine, batch, max_tokens, concurrency) for _ in range(repeats)]
+            runs = [await _serve(engine, batch, max_tokens, concurrency, temperature)
+                    for _ in range(repeats)]
             res[name] = max(runs, key=lambda r: r["output_tokens_per_s"])
     finally:
         await engine.shutdown()
@@ -141,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spec-list", default=None,
                    help="comma-separated K values to compare with off (default: --spec-tokens or 4)")
     p.add_argument("--repeats", type=int, default=1, help="runs per workload (best kept)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy (default); > 0: seeded sampling (request i seed i). On random "
+                        "weights, 1.0 draws near-uniform tokens: a workload with no proposals")
     p.add_argument("--out", default="bench-results/spec_decode.json")
     add_engine_flags(p)
     args = p.parse_args(argv)
@@ -162,11 +171,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config.model_copy(update={"scheduler": dataclasses.replace(config.scheduler,
                                                                           num_spec_tokens=k)})
         runs[k] = asyncio.run(run_one(cfg, batches, args.max_tokens, args.repeats,
-                                      args.concurrency))
+                                      args.concurrency, args.temperature))
     report = {"device": config.device, "pp_size": config.scheduler.pp_size,
               "model": str(config.model), "num_requests": args.num_requests,
               "concurrency": args.concurrency or args.num_requests,
               "max_tokens": args.max_tokens, "spec_ngram": config.spec_ngram,
+              "temperature": args.temperature,
               "text_prompts": not word_level(tokenizer), "workloads": {}}
     ok = True
     for w in batches:

@@ -7,9 +7,11 @@ Example (the one-GPU run of benchmarks/device/tp.sh: TP ranks share the GPU over
     python -m runtime.bench.tp --model FOLDER --device cuda --layouts 1x1,2x1,2x2 \\
         --json-out benchmarks/results/tp.json
 
-A layout is ``TPxPP``. Per layout: ``seconds`` (wall time of the whole batch, prefill included),
+A layout is ``TPxPP`` (the CUDA fast path: Triton kernels, decode CUDA graphs, piecewise under TP
+over gloo) or ``TPxPP:ref`` (``--cuda-path reference``). Per layout: ``seconds`` (wall time of the whole batch, prefill included),
 ``tokens_per_s`` (output tokens / seconds), ``agree`` (ids equal to the first layout's, per
-prompt, up to the first difference) and ``first_diff`` (index of the first differing id, or None).
+prompt, up to the first difference), ``first_diff`` (index of the first differing id, or None) and
+``cuda_graphs`` (rank 0's capture report: buckets, seconds, bytes, graphs per step).
 """
 
 from __future__ import annotations
@@ -24,21 +26,26 @@ import time
 from runtime.bench.results import write_result
 
 
-def parse_layout(text: str) -> tuple[int, int]:
-    """``"2x2"`` -> ``(tp, pp)``. Raises ValueError on another form."""
-    tp, _, pp = text.partition("x")
-    if not tp.isdigit() or not pp.isdigit():
-        raise ValueError(f"--layouts: {text!r} is not TPxPP (e.g. 2x2)")
-    return int(tp), int(pp)
+def parse_layout(text: str) -> tuple[int, int, str | None]:
+    """``"2x2"`` -> ``(tp, pp, None)``; ``"2x2:ref"`` -> ``(2, 2, "reference")`` (the CUDA
+    reference path, ``--cuda-path reference``). Raises ValueError on another form."""
+    shape, _, path = text.partition(":")
+    tp, _, pp = shape.partition("x")
+    if not tp.isdigit() or not pp.isdigit() or path not in ("", "ref"):
+        raise ValueError(f"--layouts: {text!r} is not TPxPP or TPxPP:ref (e.g. 2x2, 2x2:ref)")
+    return int(tp), int(pp), ("reference" if path else None)
 
 
 async def run_layout(base: dict, tp: int, pp: int, prompts: list[list[int]],
-                     new_tokens: int) -> tuple[list[list[int]], float]:
-    """Greedy ids of every prompt (all in flight at once) and the wall seconds they took."""
+                     new_tokens: int, info: dict | None = None) -> tuple[list[list[int]], float]:
+    """Greedy ids of every prompt (all in flight at once) and the wall seconds they took;
+    ``info``, if given, receives every rank's ready report (``{rank: {"cuda_graphs": ...}}``)."""
     from runtime.config import EngineConfig
     from runtime.engine import AsyncEngine
     from runtime.sampling_params import SamplingParams
     engine = await AsyncEngine.start(EngineConfig(**base, tp_size=tp, pp_size=pp))
+    if info is not None:
+        info.update(engine.pool.ready_info)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     try:
         async def one(i: int, p: list[int]) -> list[int]:
@@ -86,14 +93,16 @@ def main(argv: list[str] | None = None) -> dict:
                 enforce_eager=args.enforce_eager)
     results, ref = {}, None
     for text in args.layouts.split(","):
-        tp, pp = parse_layout(text)
-        ids, secs = asyncio.run(run_layout(base, tp, pp, prompts, args.new_tokens))
+        tp, pp, path = parse_layout(text)
+        info: dict = {}
+        ids, secs = asyncio.run(run_layout(dict(base, **({"cuda_path": path} if path else {})),
+                                           tp, pp, prompts, args.new_tokens, info))
         ref = ids if ref is None else ref
         diffs = [first_diff(a, b) for a, b in zip(ids, ref)]
         results[text] = {"tp": tp, "pp": pp, "seconds": round(secs, 3),
                          "tokens_per_s": round(sum(map(len, ids)) / secs, 1),
                          "agree": sum(d is None for d in diffs), "first_diff": diffs,
-                         "ids": ids}
+                         "cuda_graphs": info.get(0, {}).get("cuda_graphs"), "ids": ids}
         print(f"{text}: {secs:.2f} s, {results[text]['tokens_per_s']} tok/s, "
               f"{results[text]['agree']}/{len(ids)} prompts equal to {args.layouts.split(',')[0]}",
               flush=True)

@@ -1,4 +1,5 @@
-"""``python -m runtime.bench.tp_checks``: the tensor-parallel checks too long for CI (docs/tp.md),
+"""``python -m runtime.bench.tp_checks``: the tensor-parallel checks of tests/runtime/test_tp_pipelines.py
+as a script with timings (docs/tp.md),
 on a tiny random Qwen2 (2 layers, hidden 64, q/k/v biases) saved by transformers, its greedy ids
 from transformers' ``generate`` as the reference:
 

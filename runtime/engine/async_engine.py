@@ -8,6 +8,9 @@ decided in :mod:`runtime.engine.faults`: a failure inside a request's own work (
 parameters or stop-string matcher, encoding it, detokenizing its tokens, its logprobs) fails that
 request only; a worker error, a dead worker or a step past ``step_timeout_s`` fails every in-flight
 request with that error and stops all processes (never a hang).
+
+The engine owns two helpers: :class:`~runtime.engine.result_delivery.ResultDelivery` (a step's
+result -> the streams) and :class:`~runtime.engine.liveness.Liveness` (when the engine must die).
 """
 
 from __future__ import annotations
@@ -26,12 +29,14 @@ from runtime.config import EngineConfig
 from runtime.engine.admission import admission_checks, check_kv_fit, check_prompt
 from runtime.engine.counters import EngineCounters
 from runtime.engine.errors import EngineDeadError, RequestRejected
-from runtime.engine.faults import ENGINE, REQUEST, SHUTDOWN, RequestFailure, request_scope
+from runtime.engine.faults import ENGINE, SHUTDOWN, request_scope
 from runtime.engine.heap import freeze_startup_heap
 from runtime.engine.launcher import WorkerPool
-from runtime.engine.outputs import RequestOutput, logprob_index, logprobs_for, update_rows
+from runtime.engine.liveness import Liveness
+from runtime.engine.outputs import RequestOutput
 from runtime.engine.plan import plan_pipeline
 from runtime.engine.request_stream import RequestStream
+from runtime.engine.result_delivery import ResultDelivery
 from runtime.engine.trace import scheduler_config, start_trace_run, write_trace_header
 from runtime.model.detokenizer import IncrementalDetokenizer
 from runtime.messages import ControlMsg
@@ -45,10 +50,6 @@ from runtime.worker.kv_capacity import capacity_summary
 HEALTH_CHECK_S = 1.0  # seconds between two checks of the ranks' liveness and progress
 DRAIN_MAX = 4096      # messages handled at most by one _drain before the health check runs
 DEATH_GRACE_S = 1.0   # seconds the ranks get to exit by themselves after an engine failure
-#: seconds to look for an exited worker process after a rank reported a failed step: when a rank is
-#: killed, its peers' collectives fail at once and their report can arrive before the process is
-#: reaped; the error then names the dead rank, not only the survivor's "connection closed"
-DEAD_PEER_WAIT_S = 0.5
 
 
 class AsyncEngine:
@@ -67,12 +68,13 @@ class AsyncEngine:
         self._step_rows: dict[int, tuple[str, ...]] = {}
         self._wake = asyncio.Event()
         self._error: str | None = None
-        self._rank_error: asyncio.Task | None = None   # _die_naming_dead after a rank's error
         self._closed = False
         self._tasks: list[asyncio.Task] = []
         self.counters = EngineCounters(config.world_size)   # per rank process (pp x tp)
-        self._last_progress = time.monotonic()
         self.stalls = StallDetector(config.world_size, config.stall_timeout_s)  # from heartbeats
+        self.liveness = Liveness(config, pool, self.stalls, self.sched, self._die)
+        self.delivery = ResultDelivery(self.sched, self._streams, self._step_rows, self.counters,
+                                       self._wake, self._issue_steps)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     @classmethod
@@ -211,14 +213,7 @@ class AsyncEngine:
         overlapped, 1 in sync mode)."""
         while self.is_alive and (out := self.sched.schedule()) is not None:
             self._step_rows[out.step] = out.req_ids
-            for new in out.new_requests:   # queue time (vllm:request_queue_time_seconds)
-                stream = self._streams.get(new.req_id)
-                if stream is not None and stream.scheduled_s is None:
-                    stream.scheduled_s = time.monotonic()
-            for new in out.new_requests:   # prefix-cache hit of the first admission (usage)
-                if (stream := self._streams.get(new.req_id)) is not None and \
-                        stream.num_cached_tokens is None:
-                    stream.num_cached_tokens = new.num_cached_tokens
+            self.delivery.note_admitted(out.new_requests)
             self.counters.step_issued()
             self.pool.send_step(out)
 
@@ -254,8 +249,8 @@ class AsyncEngine:
     def _handle(self, msg) -> None:
         kind = msg.kind
         if kind == "error":
-            self._on_rank_error(f"rank {msg.rank} failed at step {msg.step}: {msg.error_type}: "
-                                f"{msg.message}")
+            self.liveness.on_rank_error(f"rank {msg.rank} failed at step {msg.step}: "
+                                        f"{msg.error_type}: {msg.message}")
         elif kind == "result":
             self.counters.busy_s[msg.rank] += msg.busy_s
             self.counters.note_dropped(msg.rank, msg.dropped_rows)
@@ -265,96 +260,14 @@ class AsyncEngine:
             self.stalls.observe(msg)
 
     def _on_result(self, result) -> None:
-        """Deliver one step's tokens to their streams. A request's own failure (its logprobs,
-        detokenizing, stop strings) ends that request only (:mod:`runtime.engine.faults`); the
-        stage is named without a context manager per row (two per row per step were ~7% of the
-        engine's time at 256 rows)."""
-        self._last_progress = time.monotonic()
-        self.counters.steps_total += 1
-        rows = self._step_rows.pop(result.step, ())
-        row_of = logprob_index(result, rows)
-        streams, tokens = self._streams, 0
-        if result.prompt_logprobs is not None:
-            self._push_prompt_logprobs(result.prompt_logprobs, rows)
-        updates = self.sched.on_step_result(result)
-        # The next step goes out before the streams are served: the ranks compute it while this
-        # process detokenizes and wakes the clients (a stop string found below stops its
-        # request one step later, as an in-flight step does in overlapped mode).
-        self._issue_steps()
-        for req_id, token_ids, finish_reason in update_rows(updates):
-            stream = streams.get(req_id)
-            if stream is None:
-                continue
-            tokens += len(token_ids)
-            stage = "logprobs"
-            try:
-                lps = None if row_of is None else logprobs_for(result, row_of, req_id, token_ids)
-                stage = "detokenize"
-                reason = stream.push_tokens(token_ids, finish_reason, lps)
-            except Exception as exc:  # noqa: BLE001 - this request's own data only
-                self._fail_request(RequestFailure(req_id, stage, exc))
-                continue
-            if reason is not None:
-                if finish_reason is None:  # stop string found by the detokenizer
-                    self.sched.stop(req_id)
-                del streams[req_id]
-        self.counters.tokens_total += tokens
-        self._wake.set()
-
-    def _push_prompt_logprobs(self, plps, rows: tuple[str, ...]) -> None:
-        """Hand each stream the prompt logprobs its prefill rows scored in one step
-        (:class:`~runtime.sampling.step_logprobs.PromptLogprobs`); a failure ends that request."""
-        for j in range(plps.rows.shape[0]):
-            req_id = rows[int(plps.rows[j])]
-            stream = self._streams.get(req_id)
-            if stream is None:
-                continue
-            try:
-                stream.add_prompt_logprob(*plps.entry(j))
-            except Exception as exc:  # noqa: BLE001 - this request's own data only
-                self._fail_request(RequestFailure(req_id, "logprobs", exc))
-
-    def _fail_request(self, failure: RequestFailure) -> None:
-        """End one request after a :class:`RequestFailure`: free its slot, close its stream with
-        ``error_kind`` ``"request"``; the engine and the other requests go on."""
-        stream = self._streams.pop(failure.req_id, None)
-        if self.sched.abort(failure.req_id):
-            self._wake.set()
-        if stream is not None:
-            stream.finish("abort", error=str(failure), error_kind=REQUEST)
-
-    def _on_rank_error(self, error: str) -> None:
-        """A rank reported a failed step: die, naming first any worker process that exited
-        within :data:`DEAD_PEER_WAIT_S` (the likely cause of a survivor's failed collective)."""
-        if self._rank_error is None:
-            self._rank_error = asyncio.get_running_loop().create_task(self._die_naming_dead(error))
-
-    async def _die_naming_dead(self, error: str) -> None:
-        deadline = time.monotonic() + DEAD_PEER_WAIT_S
-        while not (dead := self.pool.dead_ranks()) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        self._die(f"{self.pool.describe_dead(dead)}; then {error}" if dead else error)
+        """Deliver one step's result (:meth:`ResultDelivery.on_result`)."""
+        self.liveness.progressed()
+        self.delivery.on_result(result)
 
     def _check_health(self) -> None:
-        """Fail the engine when a rank process exited, a rank was silent (no heartbeat) for
-        ``heartbeat_timeout_s``, a rank stalled inside a step or every rank waited on
-        communication for ``stall_timeout_s`` (:mod:`runtime.engine.stall`), or no step finished
-        within ``step_timeout_s``."""
-        if not self.is_alive:
-            return
-        dead = self.pool.dead_ranks()
-        silent = self.pool.silent_ranks(self.config.heartbeat_timeout_s)
-        if dead:
-            self._die(self.pool.describe_dead(dead))
-        elif silent:
-            self._die(f"rank(s) {silent} sent no heartbeat for heartbeat_timeout_s="
-                      f"{self.config.heartbeat_timeout_s} s (killed or frozen)")
-        elif stall := self.stalls.check():
-            self._die(stall)
-        elif self.sched.in_flight and time.monotonic() - self._last_progress > self.config.step_timeout_s:
-            self._die(f"no step finished within step_timeout_s={self.config.step_timeout_s}")
-        elif not self.sched.in_flight:
-            self._last_progress = time.monotonic()
+        """Fail the engine when the pipeline is unhealthy (:meth:`Liveness.check`)."""
+        if self.is_alive:
+            self.liveness.check()
 
     def _die(self, error: str) -> None:
         if self._error is None and not self._closed:

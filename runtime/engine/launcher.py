@@ -60,6 +60,7 @@ class WorkerPool:
         self._heartbeat: asyncio.Task | None = None
         self._shutdown_task: asyncio.Task | None = None
         self.num_kv_blocks: int | None = None  # smallest KV block count the ranks reported
+        self.ready_info: dict[int, dict] = {}   # rank -> its ReadyMsg info (layers, CUDA graphs)
         self.last_heard = [time.monotonic()] * config.world_size  # [pp x tp] monotonic s, any message
 
     def _addresses(self) -> tuple[str, list[str], str]:
@@ -123,6 +124,7 @@ class WorkerPool:
                 raise RuntimeError(f"rank {msg.rank}: {msg.error_type}: {msg.message}")
             if msg.kind == "ready":
                 ready.add(msg.rank)
+                self.ready_info[msg.rank] = dict(msg.info)
                 self.last_heard = [time.monotonic()] * self.config.world_size
                 blocks = msg.info.get("num_kv_blocks")
                 if blocks is not None:

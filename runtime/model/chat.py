@@ -15,6 +15,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -64,6 +65,8 @@ class ChatTemplate:
         env.globals["strftime_now"] = _strftime_now
         try:
             self._template = env.from_string(source)
+            #: the variables the template reads from its caller (``messages``, ``tools``, ...)
+            self.variables = frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
         except jinja2.TemplateSyntaxError as e:
             raise ValueError(f"chat template does not compile: {e.message} (line {e.lineno})") from e
         self.source = source

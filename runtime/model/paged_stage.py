@@ -133,7 +133,7 @@ class PagedStage:
         ``(hidden, residual)`` or, on the last stage, fp32 logits ``[R, V]``."""
         st, cfg = self.stage, self.cfg
         if st.is_first:
-            hidden, residual = F.embedding(input_ids, st.embed), None
+            hidden, residual = self.embed(input_ids), None
         for i, layer in enumerate(st.layers):
             hidden, residual = self._layer(layer, hidden, residual, meta, self.kv_cache[i])
         if not st.is_last:
@@ -141,7 +141,20 @@ class PagedStage:
         last = hidden.index_select(0, meta.logits_indices)
         if residual is not None:
             last = last + residual.index_select(0, meta.logits_indices)
-        return F.linear(rms_norm(last, st.norm, cfg.rms_norm_eps), st.lm_head).float()
+        return self.logits(rms_norm(last, st.norm, cfg.rms_norm_eps))
+
+    # ---- the three places tensor parallelism hooks into (runtime/model/tp/paged.py) ----------
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[T]`` token ids -> ``[T, H]`` embeddings."""
+        return F.embedding(input_ids, self.stage.embed)
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of a row-parallel output ``x [T, H]`` over the TP group: ``x`` itself here."""
+        return x
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """``[R, H]`` normed last hidden states -> fp32 logits ``[R, V]``."""
+        return F.linear(normed, self.stage.lm_head).float()
 
     def _layer(self, layer, x, residual, meta: PagedMeta, kv):
         """One decoder layer; a dense one in 9 launches: add+norm, QKV GEMM (bias folded into
@@ -157,9 +170,10 @@ class PagedStage:
         attn = paged_attention(q, kv[0], kv[1], meta.block_tables, meta.seq_lens,
                                meta.query_start_loc, meta.max_query_len, d ** -0.5,
                                num_splits=meta.num_splits)
-        normed, residual = add_rms_norm(F.linear(attn.view(-1, h * d), layer.o, layer.o_bias),
-                                        residual, layer.ln2, cfg.rms_norm_eps)
+        o = self.reduce(F.linear(attn.view(-1, h * d), layer.o, layer.o_bias))
+        normed, residual = add_rms_norm(o, residual, layer.ln2, cfg.rms_norm_eps)
         if layer.moe:
-            return moe_forward(normed, layer.router, layer.experts_gate_up, layer.experts_down,
-                               cfg.experts_per_token, cfg.moe_renormalize), residual
-        return F.linear(silu_mul(F.linear(normed, layer.gate_up)), layer.down), residual
+            return self.reduce(moe_forward(normed, layer.router, layer.experts_gate_up,
+                                           layer.experts_down, cfg.experts_per_token,
+                                           cfg.moe_renormalize)), residual
+        return self.reduce(F.linear(silu_mul(F.linear(normed, layer.gate_up)), layer.down)), residual

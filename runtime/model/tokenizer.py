@@ -87,6 +87,12 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         return None if self._template is None else self._template.source
 
+    @property
+    def chat_template_variables(self) -> frozenset[str]:
+        """The variables the chat template reads from its caller (empty without a template):
+        ``"tools" in`` it says whether a request's ``tools`` reach the prompt at all."""
+        return frozenset() if self._template is None else self._template.variables
+
     def set_chat_template(self, source: str) -> None:
         """Replace the chat template (``--chat-template``). Raises ValueError if it does not
         compile."""

@@ -56,7 +56,9 @@ async def chat_completions(h: Handlers, req: ChatCompletionRequest, request: Req
     arrival = time.perf_counter()
     h.check_model(req.model)
     req_id = f"chatcmpl-{uuid.uuid4().hex}"
-    tools = ToolMode(req, getattr(h.engine.tokenizer, "chat_template", None))
+    tok = h.engine.tokenizer
+    tools = ToolMode(req, getattr(tok, "chat_template", None),
+                     getattr(tok, "chat_template_variables", None))
     ids = await chat_prompt(h, req, req_id, tools)
     n = req.n or 1
     if n > h.config.scheduler.max_num_seqs:
@@ -82,7 +84,6 @@ async def chat_completions(h: Handlers, req: ChatCompletionRequest, request: Req
     results = await choices.collect(request.receive)
     if results is None:
         return Response(status_code=499)
-    tok = h.engine.tokenizer
     out = []
     for k, res in enumerate(results):
         lp = (R.chat_logprobs(res.logprobs, view.token_text, tok.token_bytes, top_n)

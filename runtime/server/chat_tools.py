@@ -19,15 +19,29 @@ from runtime.server.tools import (Call, StreamSplitter, ToolChoiceError, constra
                                   parse_constrained, parser_for)
 
 
+#: the 400 of a request with ``tools`` (not ``tool_choice: none``) on a template without tools
+NO_TOOL_TEMPLATE = ("Unsupported value for 'tools': this server's chat template does not render "
+                    "tools (it never reads a 'tools' variable), so the model would not see them. "
+                    "Start the server with a tool chat template, e.g. --chat-template hermes (built "
+                    "in) or --chat-template FILE, or send tool_choice 'none'.")
+
+
 class ToolMode:
     """Tool calling of one chat request (inactive without ``tools`` or with ``tool_choice: none``).
 
     Args:
         req: the ChatCompletionRequest.
         template: the chat template's source (picks the output format of ``auto``).
+        template_variables: the variables the template reads (``Tokenizer.chat_template_variables``);
+            None when unknown (no check).
+    Raises:
+        APIError: 400 naming ``tool_choice`` (a forcing choice without tools) or ``tools`` (tools
+            in use while the template never reads ``tools``: the model would not see them, and a
+            forced call would be made up).
     """
 
-    def __init__(self, req: Any, template: str | None) -> None:
+    def __init__(self, req: Any, template: str | None,
+                 template_variables: frozenset[str] | None = None) -> None:
         self.tools = req.tools or []
         self.choice = req.tool_choice if req.tool_choice is not None else ("auto" if self.tools else "none")
         self.active = bool(self.tools) and self.choice != "none"
@@ -36,6 +50,8 @@ class ToolMode:
         if req.tool_choice not in (None, "none", "auto") and not self.tools:
             raise APIError("Invalid value for 'tool_choice': a tool_choice other than 'none' or "
                            "'auto' needs 'tools'.", param="tool_choice", code="invalid_value")
+        if self.active and template_variables is not None and "tools" not in template_variables:
+            raise APIError(NO_TOOL_TEMPLATE, param="tools", code="unsupported_value")
 
     @property
     def constrained(self) -> bool:

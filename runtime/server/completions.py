@@ -10,7 +10,9 @@ with prompt logprobs, ``max_tokens: 0`` scoring, and vLLM's ``prompt_logprobs``.
   last rank while the prompt is prefilled (:mod:`runtime.sampling.prompt_logprobs`).
 * ``max_tokens: 0`` (needs ``echo``) scores the prompt without generating: the engine samples one
   token, which is dropped (``completion_tokens`` 0, ``finish_reason`` ``length``).
-* ``best_of`` samples per prompt, the ``n`` with the highest cumulative logprob returned.
+* ``best_of`` samples per prompt, the ``n`` with the highest cumulative logprob returned;
+  ``completion_tokens`` counts the output tokens of all ``best_of`` samples (what was generated,
+  as OpenAI bills it), not only of the ``n`` returned.
 
 Samples of one prompt share its KV blocks (forks, :mod:`runtime.server.choices`) except when the
 prompt's logprobs are asked for: every sample then prefills the prompt itself (a position taken
@@ -112,10 +114,11 @@ async def completions(h: Handlers, req: CompletionRequest, request: Request) -> 
     results = await choices.collect(request.receive)
     if results is None:
         return Response(status_code=499)
+    usage = view.usage(results)   # every generated sample, best_of's discarded ones too
     if ranking:
         results = best_choices(results, len(prompts), samples, n)
         view.samples = n
-    return JSONResponse(view.body(results).model_dump(mode="json"))
+    return JSONResponse(view.body(results, usage).model_dump(mode="json"))
 
 
 class _View:
@@ -171,10 +174,11 @@ class _View:
         return R.Usage.of(sum(len(p) for p in self.prompts), completion,
                           sum(r.num_cached_tokens for r in firsts))
 
-    def body(self, results: list[Collected]) -> R.CompletionResponse:
+    def body(self, results: list[Collected], usage: R.Usage) -> R.CompletionResponse:
+        """The response of the returned ``results``; ``usage`` counts every generated sample."""
         return R.CompletionResponse(id=self.req_id, created=self.created, model=self.h.model_name,
                                     choices=[self.choice(k, r) for k, r in enumerate(results)],
-                                    usage=self.usage(results))
+                                    usage=usage)
 
     async def stream(self, choices: Choices) -> AsyncIterator[str]:
         """SSE chunks, each carrying one choice's increment (choices interleaved by index);

@@ -56,6 +56,11 @@ class APIError(Exception):
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
+    def encoded(self) -> bytes:
+        """The body's bytes exactly as :meth:`response` (and so every FastAPI error handler)
+        writes them (compact UTF-8 JSON), for the ASGI layers that answer before the app."""
+        return self.response().body
+
 
 def param_from_loc(loc: tuple[Any, ...]) -> str | None:
     """Turn a pydantic error location into an OpenAI ``param``.

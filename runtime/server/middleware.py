@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import hmac
-import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -26,7 +25,7 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 
 
 async def _send_error(send: Send, err: APIError) -> None:
-    body = json.dumps(err.body()).encode()
+    body = err.encoded()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if err.status == 401:
         headers.append((b"www-authenticate", b"Bearer"))

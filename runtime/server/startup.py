@@ -15,8 +15,7 @@ engine lives and 503 ``engine_dead`` after a failure.
 
 from __future__ import annotations
 
-import json
-
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from runtime.server.errors import APIError
@@ -55,7 +54,7 @@ def loading_body(path: str) -> dict:
 async def send_loading(scope: Scope, send: Send) -> None:
     """Answer one HTTP request with 503 and :func:`loading_body` (the request body is not read)."""
     path = scope.get("path", "")
-    body = json.dumps(loading_body(path)).encode()
+    body = JSONResponse(loading_body(path)).body   # the app's own JSON encoding
     await send({"type": "http.response.start", "status": 200 if path == "/health/live" else 503,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode()),

@@ -104,14 +104,23 @@ class DecodeGraphs:
             with torch.cuda.stream(side):
                 self._run(b)                       # warm-up: Triton compiles, allocator settles
             torch.cuda.current_stream().wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                self.outputs[b] = self._run(b)
-            self.pool = g.pool() if self.pool is None else self.pool
-            self.graphs[b] = g
+            self._capture_bucket(b)
         torch.cuda.synchronize()
         return CaptureReport(sorted(self.buckets), time.perf_counter() - t0,
                              before - torch.cuda.mem_get_info()[0])
+
+    def _capture_bucket(self, b: int) -> None:
+        """Capture bucket ``b``'s step as one graph in the shared pool (after its warm-up)."""
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            self.outputs[b] = self._run(b)
+        self.pool = g.pool() if self.pool is None else self.pool
+        self.graphs[b] = g
+
+    def _replay(self, b: int):
+        """Replay bucket ``b`` (inputs already in the static buffers); its full-bucket output."""
+        self.graphs[b].replay()
+        return self.outputs[b]
 
     def bucket_for(self, rows: int) -> int | None:
         """Smallest captured bucket holding ``rows`` rows, or None (run eagerly)."""
@@ -150,8 +159,7 @@ class DecodeGraphs:
         if hidden is not None:
             self.hidden[:n].copy_(hidden)
             self.residual[:n].copy_(residual)
-        self.graphs[b].replay()
-        out = self.outputs[b]
+        out = self._replay(b)
         if isinstance(out, tuple):
             return out[0][:n], out[1][:n]
         return out[:n]

@@ -37,6 +37,9 @@ class PPGroups:
             with tensor parallelism the TP rank r of every stage (docs/tp.md).
         tp_rank, tp_size, tp_group: this rank's place in its stage's TP group
             (:mod:`runtime.worker.tp_groups`); size 1 and no group without TP.
+        mesh: the ``torch.distributed`` ``DeviceMesh`` with dimensions ``("pp", "tp")`` the TP
+            and PP groups come from (``mesh["tp"].get_group()``, ``mesh["pp"].get_group()``);
+            None without TP (the PP groups are then two ``new_group`` over the world).
     """
     rank: int
     pp_size: int
@@ -50,6 +53,7 @@ class PPGroups:
     tp_rank: int = 0
     tp_size: int = 1
     tp_group: object | None = None
+    mesh: object | None = None
     _pending_sends: list = field(default_factory=list)
     _side_stream: object | None = None
 

@@ -97,7 +97,7 @@ class _Worker:
         if k > 0:  # speculative decoding (#14; on the CUDA fast path #33)
             from runtime.sampling.speculative_verify import SpecDecoder
             spec = SpecDecoder(k, cfg.spec_ngram, self.groups.is_first, self.groups.is_last)
-            if graphs is not None:
+            if graphs is not None and not getattr(graphs, "piecewise", False):
                 verify_graphs = self._verify_graphs(fast, cfg, k)
         grammar = None
         if self.groups.is_last:   # structured outputs: built on the first constrained request
@@ -116,12 +116,12 @@ class _Worker:
         common = dict(max_num_reqs=cfg.scheduler.max_num_seqs, progress=(self.rank == 0),
                       max_model_len=cfg.scheduler.max_model_len,
                       block_size=cfg.scheduler.block_size, num_blocks=1)
+        fast_cpu = device.type == "cpu" and self._cpu_fast_path(cfg)
         if self.tp_comm is not None:   # tensor parallelism: this TP rank's slice (exact path)
             from runtime.model.tp.stage import load_tp_stage
             return load_tp_stage(self.args.model_path, self.args.layer_range, self.tp_comm,
                                  dtype=dtype, device=device, batch_invariant=True, **common)
-        if device.type == "cpu" and cfg.cpu_path == "fast" and cfg.scheduler.num_spec_tokens == 0 \
-                and self._fast_path_fits():
+        if fast_cpu:
             from runtime.model.cpu.fast_stage import load_fast_stage
             from runtime.model.cpu.threads import apply_threads, plan_threads
             pin = cfg.cpu_pin and cfg.launcher == "spawn" and cfg.dp_size == 1
@@ -131,35 +131,43 @@ class _Worker:
         return load_stage(self.args.model_path, self.args.layer_range, dtype=dtype,
                           device=device, batch_invariant=True, **common)
 
-    def _fast_path_fits(self) -> bool:
-        """Whether the CPU fast path implements this model; if not, rank 0 says so and every rank
-        loads the exact path (the same choice on all ranks: it depends on the model only)."""
+    def _cpu_fast_path(self, cfg: EngineConfig) -> bool:
+        """Whether this CPU rank serves with the fast path; rank 0 prints which path serves and
+        why the fast one is bypassed (``runtime/model/cpu/path_choice.py``). The choice is the
+        same on all ranks: it depends on the configuration and the model only."""
+        from runtime.model.cpu.path_choice import cpu_path_line, exact_reasons
+        reasons = exact_reasons(cfg.cpu_path, cfg.tp_size, cfg.scheduler.num_spec_tokens,
+                                self._model_unsupported)
+        if self.rank == 0:
+            print(cpu_path_line(reasons), file=sys.stderr, flush=True)
+        return not reasons
+
+    def _model_unsupported(self) -> str | None:
+        """What of this model the CPU fast path does not implement, or None."""
         from runtime.model.cpu.fast_stage import fast_path_unsupported
         from runtime.model.registry import resolve_model_path
         from runtime.model.weights import open_checkpoint
-        reason = fast_path_unsupported(open_checkpoint(resolve_model_path(self.args.model_path)).config)
-        if reason is not None and self.rank == 0:
-            print(f"CPU fast path: {reason} is not implemented there; serving with the exact path",
-                  flush=True)
-        return reason is None
+        return fast_path_unsupported(open_checkpoint(resolve_model_path(self.args.model_path)).config)
 
     def _fast_path(self, stage, cfg: EngineConfig, device: torch.device):
         """CUDA: the Triton fast path over the stage's cache, and (unless ``--enforce-eager``)
         decode-only CUDA graphs captured now, with their time and memory printed (rank 0 shows
         a progress bar). CPU: (None, None), the exact reference path."""
         self.graph_report = None
-        if device.type != "cuda" or self.tp_comm is not None:   # TP: the reference path (docs/tp.md)
+        if device.type != "cuda" or cfg.cuda_path == "reference":
             return None, None
-        from runtime.model.paged_stage import PagedStage
-        from runtime.worker.cuda_graphs import DecodeGraphs
-        fast = PagedStage(stage)
+        from runtime.worker.tp_graphs import fast_path_classes   # TP: docs/tp.md
+        stage_cls, graphs_cls = fast_path_classes(self.tp_comm, self.groups.nccl)
+        fast = stage_cls(stage)
         if cfg.enforce_eager:
             return fast, None
-        graphs = DecodeGraphs(fast, cfg.scheduler.max_num_seqs, -(-cfg.scheduler.max_model_len // cfg.scheduler.block_size),
+        graphs = graphs_cls(fast, cfg.scheduler.max_num_seqs, -(-cfg.scheduler.max_model_len // cfg.scheduler.block_size),
                               cfg.scheduler.max_model_len)
         rep = graphs.capture(progress=(self.rank == 0))
         self.graph_report = {"buckets": len(rep.buckets), "seconds": round(rep.seconds, 2),
-                             "bytes": rep.bytes}
+                             "bytes": rep.bytes,
+                             "graphs_per_step": getattr(graphs, "num_segments", {}).get(
+                                 rep.buckets[-1], 1)}   # > 1: piecewise (TP over gloo)
         print(f"rank {self.rank}: captured {len(rep.buckets)} CUDA graphs (decode batches "
               f"{rep.buckets[0]}..{rep.buckets[-1]}) in {rep.seconds:.1f} s, "
               f"{rep.bytes / 2**20:.0f} MiB", file=sys.stderr, flush=True)

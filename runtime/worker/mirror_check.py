@@ -6,21 +6,28 @@ After a step, :meth:`AsyncMirrorCheck.snapshot` writes the host copies of everyt
 use, the sampling tables, the biased live slots' logit-bias rows), as they are at that moment,
 flat into pinned host memory, and enqueues on the device, in stream order after the step:
 
-1. one non-blocking copy of those expected values to a device buffer;
+1. one non-blocking copy of those expected values, and of the live-slot mask, to the device;
 2. one concatenation of the device tensors into a second device buffer (the step's snapshot);
-3. one element-wise comparison of the two, reduced to one flag;
-4. one non-blocking copy of that flag (one byte) to pinned host memory, and a CUDA event.
+3. one element-wise comparison of the two, and the block counts' test on the live slots
+   (:func:`blocks_short_or_over`: ``held`` vs ``ceil(num_computed_tokens / block_size)``),
+   reduced to one flag;
+4. one non-blocking copy of that flag (one byte) to pinned host memory, and a CUDA event (one
+   per buffer, reused).
 
 The comparison of the common path is therefore one byte read when the event has completed
 (:meth:`poll` checks it opportunistically; the next :meth:`snapshot` forces it), so a divergence
-is still reported at the latest while the next step finishes ("within one step"). The block
-counts' test (``held`` vs ``ceil(num_computed_tokens / block_size)``) reads host values only and
-runs on the host at the same time. Only when the flag is set does the check copy the step's
-snapshot (which stays on the device, double-buffered, until then) and its expected values back
-and look field by field over the live slots (``state_check.compare``) to raise
+is still reported at the latest while the next step finishes ("within one step"). Without
+logit-bias rows steps 1-4 (and the token rows' digests, :mod:`runtime.worker.token_check`) are one
+CUDA graph per buffer, and the host writes the expected values through views of its buffer made
+once: per step the host does five array copies, one graph launch, one event record and, for the
+previous step, one byte read and one comparison of the token digests. Only when the flag is set
+does the check copy the step's snapshot (which stays on the device, double-buffered, until then)
+and its expected values back and look field by field over the live slots
+(``state_check.compare``), then at the block counts, to raise
 :class:`~ppstate.errors.MirrorDivergence` naming rank, step, slot, request, field and both values,
-exactly as the synchronous check does. The previous version compared on the host after copying
-the whole snapshot (``runtime/bench/mirror_before.py`` keeps it for the benchmark).
+exactly as the synchronous check does. ``runtime/bench/mirror_before.py`` keeps the version before
+the per-step host cost was cut (block counts tested on the host, new views and events each step)
+for the benchmark.
 
 On the CPU (no events) every operation runs at once and the comparison is immediate.
 
@@ -86,6 +93,11 @@ class AsyncMirrorCheck:
         self.tok_np = self.tok_host.numpy()
         self._nct = MIRROR_FIELDS.index("num_computed_tokens")
         self._nb = MIRROR_FIELDS.index("num_blocks")
+        self.live_host = torch.zeros(2, n, dtype=torch.bool, pin_memory=self._pin)   # [2, n]
+        self.live_np = self.live_host.numpy()       # the live mask of each buffer's snapshot
+        self.live_dev = torch.zeros(2, n, dtype=torch.bool, device=state.device)
+        self._events = [torch.cuda.Event(), torch.cuda.Event()] if self._pin else None
+        self._views: dict[tuple[int, int], tuple] = {}   # (buffer, size) -> unpack views, graph
         self.pending: list[_Pending] = []
         self._error: MirrorDivergence | None = None   # found while recording, raised next
         self.checked_steps = 0
@@ -97,9 +109,13 @@ class AsyncMirrorCheck:
         comparison reduced to one flag, the flag out."""
         exp_d, snap = self.exp_dev[k, :size], self.snap_dev[k, :size]
         exp_d.copy_(self.exp_host[k, :size], non_blocking=True)
+        self.live_dev[k].copy_(self.live_host[k], non_blocking=True)
         st = self.state
         state_check.device_flat(st, cols, to_device(bl, st.device) if bl.size else None, out=snap)
-        self.flag_host[k:k + 1].copy_(torch.ne(snap, exp_d).any().view(1), non_blocking=True)
+        bad = blocks_short_or_over(st.fields[self._nb], st.fields[self._nct], st.block_size,
+                                   2 * (st.width - 1), self.live_dev[k])
+        flag = torch.logical_or(torch.ne(snap, exp_d).any(), bad)
+        self.flag_host[k:k + 1].copy_(flag.view(1), non_blocking=True)
         if st.tokens is not None:   # compared on the host when the sampled ids have landed too
             st.tokens.device_digest(st.all_token_ids, self.tok_dev[k])
             self.tok_host[k].copy_(self.tok_dev[k], non_blocking=True)
@@ -140,6 +156,7 @@ class AsyncMirrorCheck:
             return
         dev = self.state.device
         self.capacity, self._graphs = size, None   # the graphs read the old buffers: recapture
+        self._views = {}
         self.exp_host = torch.empty(2, size, dtype=torch.int32, pin_memory=self._pin)
         self.exp_np = self.exp_host.numpy()
         self.exp_dev = torch.empty(2, size, dtype=torch.int32, device=dev)
@@ -168,14 +185,20 @@ class AsyncMirrorCheck:
         cols = st.block_table_np.shape[1] if graph is not None else state_check.used_cols(st, live)
         size = state_check.flat_size(m_slots(st), cols, bl.size, state_check.bias_width(st))
         self._grow(size)
-        state_check.host_flat(st, cols, self.exp_np[k, :size], bl)
-        if graph is not None:
+        np.copyto(self.live_np[k], st.live_np)
+        if graph is not None:   # the graph's layout: the views of its buffer, made once
+            views = self._views.get((k, size))
+            if views is None:
+                views = self._views[(k, size)] = state_check.unpack(
+                    self.exp_np[k, :size], m_slots(st), cols)
+            state_check.fill_host(st, cols, views)
             graph.replay()
         else:
+            state_check.host_flat(st, cols, self.exp_np[k, :size], bl)
             self._enqueue(k, size, cols, bl)
         event = None
-        if self._pin:
-            event = torch.cuda.Event()
+        if self._pin:   # buffer k's previous snapshot was compared (poll above): its event too
+            event = self._events[k]
             event.record()
         p = _Pending(step, k, live, list(st.owner), event, cols, bl, size)
         if st.tokens is not None:
@@ -225,20 +248,12 @@ class AsyncMirrorCheck:
                 return
 
     def _compare(self, p: _Pending) -> None:
+        """The verdict of ``p``: its flag (fields and block counts, compared on the device) and
+        its token digests. Only a set flag unpacks the layout and looks field by field."""
         self.checked_steps += 1
-        n = m_slots(self.state)
-        exp_flat = self.exp_np[p.buf, :p.size]
-        exp = state_check.unpack(exp_flat, n, p.cols)[0]                  # [F, max_num_reqs]
-        bs, slack = self.state.block_size, 2 * (self.state.width - 1)  # spec drafts' blocks
-        held, computed = exp[self._nb, p.live], exp[self._nct, p.live]   # [num_live] each
         try:
             if self.flag_np[p.buf]:   # the device saw a difference: name the first (field, slot)
-                state_check.compare(self.snap_dev[p.buf, :p.size].cpu().numpy(), exp_flat, n,
-                                    p.cols, p.live, p.step, self.state.mirror.rank, p.owners,
-                                    p.biased, state_check.bias_width(self.state))
-            if not ((held >= -(-computed // bs)).all()
-                    and (held <= -(-(computed + slack) // bs)).all()):
-                self._raise_blocks(p, exp)
+                self._name(p)
             tokens = self.state.tokens
             if tokens is not None and p.tag >= 0:
                 tokens.drain(p.tag)
@@ -249,6 +264,22 @@ class AsyncMirrorCheck:
             raise
         p.verdict = (True, None)
 
+    def _name(self, p: _Pending) -> None:
+        """Slow path of a set flag: the first divergent (field, live slot) of ``p``'s snapshot,
+        else the first live slot whose block count breaks invariant 9 (a set flag with neither
+        came from a slot that is not live: nothing to report)."""
+        n = m_slots(self.state)
+        exp_flat = self.exp_np[p.buf, :p.size]
+        state_check.compare(self.snap_dev[p.buf, :p.size].cpu().numpy(), exp_flat, n, p.cols,
+                            p.live, p.step, self.state.mirror.rank, p.owners, p.biased,
+                            state_check.bias_width(self.state))
+        exp = state_check.unpack(exp_flat, n, p.cols)[0]                  # [F, max_num_reqs]
+        bs, slack = self.state.block_size, 2 * (self.state.width - 1)  # spec drafts' blocks
+        held, computed = exp[self._nb, p.live], exp[self._nct, p.live]   # [num_live] each
+        if not ((held >= -(-computed // bs)).all()
+                and (held <= -(-(computed + slack) // bs)).all()):
+            self._raise_blocks(p, exp)
+
     def _raise_blocks(self, p: _Pending, exp: np.ndarray) -> None:
         """The first slot of ``p`` whose block count breaks invariant 9, as
         ``CpuMirror.validate_blocks`` names it (``exp``: the counters ``[F, max_num_reqs]``)."""
@@ -257,3 +288,13 @@ class AsyncMirrorCheck:
             np.copyto(expected.array(f), exp[i])
         expected.validate_blocks(self.state.block_size, p.live, p.step, owners=p.owners,
                                  spec_slack=2 * (self.state.width - 1))
+
+
+def blocks_short_or_over(held: torch.Tensor, computed: torch.Tensor, block_size: int, slack: int,
+                         live: torch.Tensor) -> torch.Tensor:
+    """Invariant 9 on the device: whether a ``live`` slot holds fewer blocks than its computed
+    tokens need, or more than they need with ``slack`` draft tokens (``held``, ``computed``,
+    ``live``: ``[max_num_reqs]``; ``ceil(c / bs) <= h <= ceil((c + slack) / bs)`` is ``0 <= h * bs
+    - c < bs + slack``). Returns a 0-d bool tensor (enqueued, no host wait)."""
+    room = held * block_size - computed                                   # [max_num_reqs]
+    return torch.logical_and(live, (room < 0) | (room >= block_size + slack)).any()

@@ -3,10 +3,10 @@
 The order of a step (deferred consume -> free / admit -> inputs -> receive -> forward -> send ->
 sample and publish, or post the deferred receive -> post-update -> validate) is
 :class:`~ppstate.rank_step.RankStep`'s, shared with the simulator (docs/design.md, "The step of a
-rank"). This module supplies the operations: device state, the model forward, p2p hand-off of
-hidden states, sampling and the sampled-token broadcast. The last rank's sampled ids leave through
-a non-blocking copy to pinned memory: :meth:`StageRunner.launch` returns before they land
-(:class:`~runtime.worker.pending_result.PendingResult`), :meth:`StageRunner.step` waits for them.
+rank"). This module supplies the operations: device state, the forward (`step_forward.py`), p2p
+hand-off of hidden states, sampling (`step_sampler.py`) and the sampled-token broadcast. The last
+rank's sampled ids leave through a non-blocking copy to pinned memory: :meth:`StageRunner.launch`
+returns before they land (:class:`~runtime.worker.pending_result.PendingResult`).
 
 Every collective decision is a pure function of the replicated :class:`SchedulerOutput`
 (``ppstate.pp_handler.need_sampled_mask``), so all ranks agree whether a broadcast happens.
@@ -14,7 +14,6 @@ Every collective decision is a pure function of the replicated :class:`Scheduler
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -28,21 +27,19 @@ from ppstate.payload import SampledPayload
 from ppstate.pp_handler import ConsumedEntry, PPHandler
 from ppstate.rank_step import RankStep
 from runtime.host_copy import HostCopy, to_device
-from runtime.model.paged_stage import PagedMeta, PagedStage
-from runtime.model.stage import BatchMeta, StageModel
-from runtime.sampling.penalties import TokenHistory
-from runtime.sampling.prompt_logprobs import PendingPrompt, PromptLogprobPlan
-from runtime.sampling.sampler import sample
-from runtime.sampling.speculative_verify import SpecDecoder, logprob_rows as spec_logprob_rows
+from runtime.model.paged_stage import PagedStage
+from runtime.model.stage import StageModel
+from runtime.sampling.prompt_logprobs import PendingPrompt
+from runtime.sampling.speculative_verify import SpecDecoder
 from runtime.worker.cuda_graphs import DecodeGraphs
 from runtime.worker.device_state import DeviceState
 from runtime.worker.grammar_hooks import GrammarHooks
 from runtime.worker.groups import PPGroups
 from runtime.worker.mirror_check import AsyncMirrorCheck
-from runtime.worker.pending_result import (LogprobRows, PendingResult, ReadyLogprobs,
-                                            sampled_fields)
+from runtime.worker.pending_result import LogprobRows, PendingResult, sampled_fields
 from runtime.worker.progress import Progress
-from runtime.worker.step_inputs import build_fast_meta
+from runtime.worker.step_forward import ForwardPath, StepInputs
+from runtime.worker.step_sampler import StepSampler
 
 
 class _PendingRecv:
@@ -69,14 +66,6 @@ class StepTiming:
     Time spent waiting on peers is not summed: the trace's ``recv`` / ``broadcast`` phase events
     carry it (``docs/trace_format.md``)."""
     busy_s: float = 0.0
-
-
-@dataclass
-class _Inputs:
-    """What :meth:`StageRunner.prepare_inputs` builds: the batch metadata and, on rank 0, the
-    ``[num_tokens]`` input token ids gathered from device state."""
-    meta: BatchMeta
-    input_ids: torch.Tensor | None
 
 
 class StageRunner:
@@ -124,16 +113,15 @@ class StageRunner:
                                phases=self.progress)
         self.host_copy = HostCopy(state.device)
         self._logprobs: LogprobRows | None = None   # of the step being sampled (last rank)
-        self._prompt_plan: PromptLogprobPlan | None = None   # widened logits of this step
         self._prompt_lps: PendingPrompt | None = None        # its prompt logprobs (last rank)
-        self._meta: BatchMeta | None = None         # of the step being run
         self._sampled: SampledPayload | None = None  # the payload this rank just sampled
         self.timing = StepTiming()
         self.running_step = -1   # the step being run (its consumes may be of skipped numbers)
         self.spec = spec
         self.grammar = grammar
         self.verify_graphs = verify_graphs
-        self._verify_in = None   # padded inputs of a verify step a graph replays (#33)
+        self.fwd = ForwardPath(groups, stage, state, fast, graphs, spec, grammar, verify_graphs)
+        self.sampler = StepSampler(state, self.fwd, spec, grammar)
 
     @property
     def handler(self) -> PPHandler | None:
@@ -186,40 +174,8 @@ class StageRunner:
             self.grammar.admit(out)
 
     # ---- RankBackend: forward ----------------------------------------------------------------
-    def prepare_inputs(self, out: SchedulerOutput) -> _Inputs:
-        starts = out.start_positions
-        self._verify_in = None
-        if self.spec is not None:  # speculative decoding (#14): own corrected starts, drafts
-            starts = self.spec.prepare(out, self.state)
-            if self.verify_graphs is not None:   # a verify step a CUDA graph holds (#33)
-                self._verify_in = self.verify_graphs.inputs(
-                    out.slots, starts, out.num_scheduled_tokens, self.spec.rows.decode,
-                    self.state.block_table_np, self.state.block_size)
-        if self.fast is None:
-            meta = BatchMeta.build(out.slots, starts, out.num_scheduled_tokens,
-                                   self.device, torch.from_numpy(self.state.block_table_np),
-                                   self.state.block_size, attention_groups=True)
-        else:   # numpy arithmetic, two uploads (runtime/worker/step_inputs.py)
-            meta = build_fast_meta(out.slots, starts, out.num_scheduled_tokens,
-                                   self.state.block_table_np, self.state.block_size, self.device)
-        self._meta = meta
-        if self.spec is not None and self.g.is_last:
-            if self.spec.rows.any_drafts:   # else one logit row per step row, as without
-                meta = self.spec.logit_meta(meta, out)
-            else:
-                self.spec.first = np.arange(out.num_rows, dtype=np.int64)
-        elif self.g.is_last:   # prompt logprobs: logits at every token of the scoring rows
-            self._prompt_plan = self.state.sampling_state.prompt_logprobs.plan(
-                out.slots, starts, out.num_scheduled_tokens)
-            if self._prompt_plan is not None:
-                meta = dataclasses.replace(meta, last_token=to_device(
-                    self._prompt_plan.index.astype(np.int64), self.device, torch.int64))
-        if self.grammar is not None:    # the bitmask fills while the forward runs
-            spec = self.spec
-            self.grammar.start_fill(out, None if spec is None else spec.rows,
-                                    None if spec is None else spec.first)
-        ids = self.state.input_ids(meta.token_slots, meta.positions) if self.g.is_first else None
-        return _Inputs(meta, ids)
+    def prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
+        return self.fwd.prepare(out)
 
     def receive(self, out: SchedulerOutput) -> torch.Tensor:
         ns_r = time.monotonic_ns()
@@ -228,13 +184,13 @@ class StageRunner:
             self._emit_timing("recv", out.step, ns_r)
         return packed
 
-    def forward(self, out: SchedulerOutput, inputs: _Inputs, received: torch.Tensor | None):
+    def forward(self, out: SchedulerOutput, inputs: StepInputs, received: torch.Tensor | None):
         t0, ns0 = time.perf_counter(), time.monotonic_ns()
         with torch.inference_mode():
             if received is None:
-                res = self._stage_forward(inputs.meta, input_ids=inputs.input_ids)
+                res = self.fwd.run(inputs.meta, input_ids=inputs.input_ids)
             else:
-                res = self._stage_forward(inputs.meta, hidden=received[0], residual=received[1])
+                res = self.fwd.run(inputs.meta, hidden=received[0], residual=received[1])
         if self.sink.enabled:
             self._emit_timing("forward", out.step, ns0)
         self.timing.busy_s += time.perf_counter() - t0
@@ -249,23 +205,9 @@ class StageRunner:
         self.timing.busy_s += time.perf_counter() - t0
 
     def apply_scheduled(self, out: SchedulerOutput) -> None:
-        meta = self._meta
+        meta = self.fwd.meta
         self.state.apply_scheduled(meta.slots, meta.query_lens, out.slots.astype(np.int64),
                                    out.num_scheduled_tokens.astype(np.int64))
-
-    def _stage_forward(self, meta: BatchMeta, **inputs):
-        """The reference forward, or on the fast path a decode-only step through its CUDA graph
-        (when one holds the rows) and any other step eagerly over the Triton kernels."""
-        if self.fast is None:
-            return self.stage(meta, **inputs)
-        self.stage._check(meta, inputs.get("input_ids"), inputs.get("hidden"))
-        if self._verify_in is not None:
-            return self.verify_graphs.run(self._verify_in, **inputs)
-        pm = PagedMeta.from_batch(meta, self.stage.cfg.num_kv_heads)
-        if self.graphs is not None and meta.max_query_len == 1 and \
-                self.graphs.bucket_for(meta.num_rows) is not None:
-            return self.graphs.run(pm, **inputs)
-        return self.fast.forward(pm, **inputs)
 
     # ---- RankBackend: sampled tokens ---------------------------------------------------------
     def sample(self, out: SchedulerOutput, mask: np.ndarray | None,
@@ -277,42 +219,7 @@ class StageRunner:
         if r == 0:
             return payload
         t0, ns0 = time.perf_counter(), time.monotonic_ns()
-        if self._prompt_plan is not None:   # back to one logit row per step row
-            logits, self._prompt_lps = self._prompt_plan.split(logits, self.state.all_token_ids)
-            self._prompt_plan = None
-        if mask is not None and self.grammar is not None:
-            self.grammar.mask(logits)
-        spec = self.spec if self.spec is not None and self.spec.rows.any_drafts else None
-        if mask is not None and spec is not None:  # speculative decoding (#14)
-            v, rows = self.spec.sample(out, mask, logits, self.state, payload.buf)
-            if self.grammar is not None:
-                self.grammar.accept_spec(out.slots[rows], v.token_ids, v.num_sampled)
-            ks = self.state.sampling_state.num_logprobs_np[out.slots[rows]]
-            self._logprobs = ReadyLogprobs(spec_logprob_rows(v, rows, r, ks))
-        elif mask is not None:
-            rows = np.flatnonzero(mask)
-            s_rows = out.slots[rows]
-            # a step without drafts under --spec-tokens: the rank's corrected starts (#33)
-            starts = out.start_positions if self.spec is None else self.spec.rows.starts
-            batch, slots_t = self.state.sampling_state.batch(
-                s_rows, starts[rows] + out.num_scheduled_tokens[rows])
-            history = None
-            if batch.penalty_rows is not None:  # penalties read the slots' token history
-                history = TokenHistory.gather(self.state.all_token_ids, self.state.prefill_len,
-                                              self.state.total_len, slots_t[batch.penalty_rows])
-            if rows.size < r:
-                rows_t = to_device(rows, self.device, torch.int64)
-                so = sample(logits.index_select(0, rows_t).float(), batch, history)
-                payload.token_ids[rows_t, 0] = so.token_ids
-                payload.num_sampled[rows_t] = 1
-            else:   # every row samples (decode steps): no row gather
-                so = sample(logits.float(), batch, history)
-                payload.token_ids[:, 0] = so.token_ids
-                payload.num_sampled[:] = 1
-            if self.grammar is not None:
-                self.grammar.accept_plain(s_rows, so.token_ids)
-            self._logprobs = LogprobRows.of(so, rows, r,
-                                            self.state.sampling_state.num_logprobs_np[s_rows])
+        self._logprobs, self._prompt_lps = self.sampler.run(out, mask, logits, payload)
         if self.sink.enabled:
             self._emit_timing("sample", out.step, ns0)
         self.timing.busy_s += time.perf_counter() - t0

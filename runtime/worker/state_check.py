@@ -95,7 +95,17 @@ def host_flat(state, k: int, out: np.ndarray | None = None,
     w = bias_width(state)
     if out is None:
         out = np.empty(flat_size(n, k, b, w), dtype=np.int32)
-    counters, t, i64, bt, f32, lb_ids, lb_vals = unpack(out, n, k, b, w)
+    fill_host(state, k, unpack(out, n, k, b, w), biased_slots)
+    return out
+
+
+def fill_host(state, k: int, views: tuple[np.ndarray, ...],
+              biased_slots: np.ndarray | None = None) -> None:
+    """Write the host copies into ``views`` (:func:`unpack` of a flat layout with ``k``
+    block-table columns and ``biased_slots``' logit-bias rows; a caller may keep the views of a
+    buffer it reuses: five copies, no new array)."""
+    counters, t, i64, bt, f32, lb_ids, lb_vals = views
+    b = 0 if biased_slots is None else biased_slots.size
     counters[:] = state.mirror.values
     t[:] = state.total_len_np
     i64[:] = state.sampling_state.i64_np
@@ -105,7 +115,6 @@ def host_flat(state, k: int, out: np.ndarray | None = None,
         lb = state.sampling_state.logit_bias
         np.take(lb.ids_np, biased_slots, axis=0, out=lb_ids)
         np.take(lb.values_np.view(np.int32), biased_slots, axis=0, out=lb_vals)
-    return out
 
 
 def unpack(flat: np.ndarray, n: int, k: int, b: int = 0, w: int = 0) -> tuple[np.ndarray, ...]:

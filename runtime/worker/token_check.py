@@ -7,8 +7,9 @@ read it too. It is written at admission (the replicated prompt ids) and by the s
 post-update (the ids of the deferred broadcast, or the last rank's own sample), and with
 speculative decoding by the drafts rank 0 and the last rank write ahead (:meth:`write`). The host never
 needed those ids on a non-last rank, so :class:`TokenMirror` keeps them by one non-blocking copy
-of each applied ``[num_rows, width]`` sampled block to pinned memory (:meth:`record`), applied to
-the host copy once it has landed (:meth:`drain`).
+of each applied ``[num_rows, width]`` sampled block to pinned memory (:meth:`record`; a few
+buffers, reused once their ids are applied: no allocation per step), applied to the host copy
+once it has landed (:meth:`drain`).
 
 The check compares, for every live slot, the digest of the whole row ``sum_p ids[s, p] * V_p mod
 2**64`` (``V_p``: odd 64-bit constants, :func:`position_weights`): on the device one multiply and
@@ -17,7 +18,9 @@ one row sum, travelling with the after-step check's flag; on the host kept incre
 wrong slot, and any later change of a row, changes that row's digest (one id changed by ``d``
 changes it by ``d * V_p != 0``). The comparison of step ``t`` runs when its flag has landed, after
 the ids sampled up to step ``t`` have been applied to the host copy, so it is exact for the state
-at the end of step ``t``: the same "within one step" as the other fields.
+at the end of step ``t``: the same "within one step" as the other fields. A healthy step compares
+the digests of every slot with one ``memcmp`` (the host copy follows every device write, live
+slot or not); only a difference looks at the live slots.
 """
 
 from __future__ import annotations
@@ -62,7 +65,8 @@ class TokenMirror:
         self._w = position_weights(max_model_len)                    # [max_model_len] uint64
         self.weights = torch.from_numpy(self._w.view(np.int64).copy()).to(device)
         self.digest_np = np.zeros(max_num_reqs, dtype=np.uint64)       # [max_num_reqs]
-        self.pending: list[tuple] = []   # (tag, host ids [R, width], slots, pos, num)
+        self.pending: list[tuple] = []   # (tag, host ids [R, width], slots, pos, num, pinned)
+        self._free: list[torch.Tensor] = []   # pinned [max_num_reqs, cols] buffers not in use
         self.tag = 0                     # snapshots started so far (a write's tag: the next one)
 
     def resync(self, all_token_ids: torch.Tensor) -> None:
@@ -84,19 +88,37 @@ class TokenMirror:
                num: np.ndarray) -> None:
         """The sampled post-update's writes: row ``r`` writes ``sampled[r, :num[r]]`` at positions
         ``start[r] ..`` (below ``max_model_len``) of slot ``slots[r]`` (``-1``: skipped). On
-        CUDA the ids are copied to pinned memory now and applied by :meth:`drain`."""
-        keep = (slots >= 0) & (num > 0)
-        if not keep.any():
-            return
-        rows = np.flatnonzero(keep)
+        CUDA the ids are copied now (non-blocking) into a pinned buffer reused once applied, and
+        applied by :meth:`drain`; the arrays are copied (the caller may reuse them)."""
+        if slots.size and slots.min() >= 0 and num.min() > 0:   # every row writes (decode)
+            rows = None
+        else:
+            keep = (slots >= 0) & (num > 0)
+            if not keep.any():
+                return
+            rows = np.flatnonzero(keep)
+            slots, start, num = slots[rows], start[rows], num[rows]
         if self.device.type == "cpu":
-            self._apply(sampled.numpy()[rows], slots[rows], start[rows], num[rows])
+            self._apply(sampled.numpy() if rows is None else sampled.numpy()[rows], slots, start,
+                        num)
             return
-        idx = torch.from_numpy(rows).to(sampled.device, non_blocking=True) \
-            if rows.size != slots.size else None
-        src = sampled if idx is None else sampled.index_select(0, idx)
-        self.pending.append((self.tag, src.to("cpu", non_blocking=True), slots[rows],
-                             start[rows], num[rows]))
+        src = sampled
+        if rows is not None and rows.size != sampled.shape[0]:
+            src = sampled.index_select(0, torch.from_numpy(rows).to(sampled.device,
+                                                                    non_blocking=True))
+        buf = self._pinned(src.shape[1])
+        host = buf[:src.shape[0]]
+        host.copy_(src, non_blocking=True)
+        self.pending.append((self.tag, host, slots.astype(np.int64), start.astype(np.int64),
+                             num.copy(), buf))
+
+    def _pinned(self, cols: int) -> torch.Tensor:
+        """A pinned ``[max_num_reqs, cols]`` int64 buffer not in use: from the free list, or
+        made once (:meth:`drain` gives it back once its ids are applied)."""
+        for i, buf in enumerate(self._free):
+            if buf.shape[1] == cols:
+                return self._free.pop(i)
+        return torch.empty(self.ids_np.shape[0], cols, dtype=torch.int64, pin_memory=True)
 
     def write(self, slot: int, start: int, ids: np.ndarray) -> None:
         """A write whose ids the host knows (speculative drafts, ``[k]``): ``ids[slot, start ..]``
@@ -106,25 +128,27 @@ class TokenMirror:
         if self.device.type == "cpu":
             self._apply(ids, *args)
         else:
-            self.pending.append((self.tag, ids, *args))
+            self.pending.append((self.tag, ids, *args, None))
 
     def drain(self, tag: int) -> None:
         """Apply the recorded writes of snapshots up to ``tag`` (their copies landed: each was
         enqueued before that snapshot's event, which has completed)."""
         while self.pending and self.pending[0][0] <= tag:
-            _, host, slots, start, num = self.pending.pop(0)
-            self._apply(host if isinstance(host, np.ndarray) else host.numpy(), slots, start, num)
+            _, host, slots, start, num, buf = self.pending.pop(0)
+            self._apply(host if buf is None else host.numpy(), slots, start, num)
+            if buf is not None:
+                self._free.append(buf)   # its ids are in the host copy: reusable
 
     def _apply(self, ids: np.ndarray, slots: np.ndarray, start: np.ndarray,
                num: np.ndarray) -> None:
-        """One step's writes (``ids`` ``[R, width]``; ``slots``, ``start``, ``num`` ``[R]``; a
-        step's slots are distinct)."""
-        slots = slots.astype(np.int64)
-        if ids.shape[1] == 1 and (start < self.max_model_len).all():   # decode, no drafts
-            pos, new = start.astype(np.int64), ids[:, 0].astype(np.int64)
-            old = self.ids_np[slots, pos]
-            self.digest_np[slots] += (new - old).view(np.uint64) * self._w[pos]
-            self.ids_np[slots, pos] = new
+        """One step's writes (``ids`` ``[R, width]`` int64; ``slots``, ``start``, ``num`` ``[R]``
+        int64; a step's slots are distinct)."""
+        if ids.shape[1] == 1 and start.max() < self.max_model_len:   # decode, no drafts
+            new = ids[:, 0]
+            old = self.ids_np[slots, start]
+            with np.errstate(over="ignore"):   # the digest wraps mod 2**64 on purpose
+                self.digest_np[slots] += (new - old).view(np.uint64) * self._w[start]
+            self.ids_np[slots, start] = new
             return
         cols = np.arange(ids.shape[1])
         pos = start[:, None].astype(np.int64) + cols[None, :]             # [R, width]
@@ -154,6 +178,8 @@ class TokenMirror:
                 or, when the rows agree by now, ``all_token_ids (digest)`` with both digests.
         """
         host = self.digest_np.view(np.int64)
+        if device_digest.tobytes() == host.tobytes():   # every slot's row agrees: one memcmp
+            return
         bad = np.flatnonzero(device_digest[live] != host[live])
         if not bad.size:
             return

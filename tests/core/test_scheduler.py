@@ -18,7 +18,7 @@ def spec(rid, plen=4, max_tokens=3, **kw):
 
 def answer(sched, token=7):
     """Return the oldest in-flight step's result: ``token`` for every sampling row."""
-    out = sched._in_flight[0]
+    out = sched.results.in_flight[0]
     n = out.num_rows
     res = StepResult(out.step, np.full((n, 1), token, dtype=np.int64),
                      out.is_final_chunk.astype(np.int32), np.zeros(n, dtype=np.int32))

@@ -13,10 +13,10 @@ from test_scheduler import answer, drive, spec
 
 def internal_sizes(sched: Scheduler) -> dict[str, int]:
     """Sizes of every per-request map of the scheduler."""
-    return {"finished": len(sched._finished), "live": len(sched._live),
-            "running": len(sched._running), "waiting": len(sched._waiting),
+    return {"finished": len(sched.queues.finished), "live": len(sched.queues.live),
+            "running": len(sched.queues.running), "waiting": len(sched.queues.waiting),
             "slot_of": len(sched.slots._slot_of), "kv_tables": len(sched.kv.pool.tables),
-            "in_flight": len(sched._in_flight), "freed": len(sched._freed)}
+            "in_flight": len(sched.results.in_flight), "freed": len(sched.queues.freed)}
 
 
 def test_internal_maps_bounded_after_many_requests():

@@ -22,7 +22,7 @@ def cfg(**kw):
 
 
 def answer(sched):
-    out = sched._in_flight[0]
+    out = sched.results.in_flight[0]
     ids = np.full((out.num_rows, 1), 7, dtype=np.int64)
     return sched.on_step_result(StepResult(out.step, ids, out.is_final_chunk.astype(np.int32),
                                            np.zeros(out.num_rows, dtype=np.int32)))

@@ -20,7 +20,7 @@ def sync_cfg(**kw):
 
 def answer(sched, tokens):
     """Answer the oldest in-flight step: row i samples ``tokens[i]`` (sampling rows only)."""
-    out = sched._in_flight[0]
+    out = sched.results.in_flight[0]
     ids = np.asarray(tokens[:out.num_rows] if out.num_rows else [], dtype=np.int64).reshape(-1, 1)
     return sched.on_step_result(StepResult(out.step, ids, out.is_final_chunk.astype(np.int32),
                                            np.zeros(out.num_rows, dtype=np.int32)))
@@ -80,7 +80,7 @@ def test_rows_of_a_preempted_admission_are_dropped():
     s = Scheduler(sync_cfg(pp_size=2, mode="overlapped"))
     s.add_request(RequestSpec("a", (1, 2, 3), 5))
     first = s.schedule()                             # a's prefill, result not yet back
-    req = s._running["a"]
+    req = s.queues.running["a"]
     s.preempt(req)
     again = s.schedule()                             # re-admitted at once (fresh epoch)
     assert [n.req_id for n in again.new_requests] == ["a"] and req.epoch == 2

@@ -25,16 +25,17 @@ def check_views(s: Scheduler, delivered: dict[str, list[int]] | None = None) -> 
     for slot in range(s.config.max_num_seqs):
         req = running.get(slot)
         if req is None:
-            assert s.slot_epoch[slot] == 0 and not s.decoding[slot] and s.slot_req[slot] is None
-            assert not s.out_tokens[slot].any() and s.kv.held[slot] == 0
+            assert s.views.slot_epoch[slot] == 0 and not s.views.decoding[slot]
+            assert s.views.slot_req[slot] is None
+            assert not s.views.out_tokens[slot].any() and s.kv.held[slot] == 0
             continue
-        assert s.slot_epoch[slot] == req.epoch and s.slot_req[slot] is req
-        assert bool(s.decoding[slot]) == (req.state == "decoding")
+        assert s.views.slot_epoch[slot] == req.epoch and s.views.slot_req[slot] is req
+        assert bool(s.views.decoding[slot]) == (req.state == "decoding")
         n = int(s.arrays.num_output_tokens[slot])
-        assert not s.out_tokens[slot, n:].any()
-        assert s.out_tokens[slot, :len(req.output_token_ids)].tolist() == req.output_token_ids
+        assert not s.views.out_tokens[slot, n:].any()
+        assert s.views.out_tokens[slot, :len(req.output_token_ids)].tolist() == req.output_token_ids
         if delivered is not None:
-            assert s.out_tokens[slot, :n].tolist() == delivered.get(req.req_id, [])
+            assert s.views.out_tokens[slot, :n].tolist() == delivered.get(req.req_id, [])
         assert s.kv.held[slot] == len(s.kv.pool.table(req.req_id))
 
 
@@ -49,7 +50,7 @@ def drive(cfg: SchedulerConfig, seed: int, n: int = 24) -> tuple[list, list, int
             plen = rng.randint(1, 6)
             s.add_request(RequestSpec(f"r{added}", tuple(rng.randrange(3, 50) for _ in range(plen)),
                                       rng.randint(1, 6), eos_token_ids=frozenset({EOS})))
-            reqs[f"r{added}"] = s._live[f"r{added}"]
+            reqs[f"r{added}"] = s.queues.live[f"r{added}"]
             added += 1
         if added and rng.random() < 0.05:
             s.abort(f"r{rng.randrange(added)}")
@@ -58,7 +59,7 @@ def drive(cfg: SchedulerConfig, seed: int, n: int = 24) -> tuple[list, list, int
             outs.append((out.req_ids, out.slots.tolist(), out.start_positions.tolist(),
                          out.num_scheduled_tokens.tolist()))
         if s.in_flight and (out is None or s.in_flight >= cfg.in_flight_limit):
-            o = s._in_flight[0]
+            o = s.results.in_flight[0]
             toks = [EOS if rng.random() < 0.1 else rng.randrange(3, 50) for _ in range(o.num_rows)]
             res = StepResult(o.step, np.array(toks, dtype=np.int64).reshape(-1, 1),
                              o.is_final_chunk.astype(np.int32), np.zeros(o.num_rows, np.int32))

@@ -87,8 +87,8 @@ def test_drafts_for_row_caps():
 def _answer(sched, accept):
     """Answer the oldest in-flight step: decode rows accept ``accept(req_id)`` of their drafts
     (token ids 100, 101, ...); final chunks sample one token."""
-    out = sched._in_flight[0]
-    drafts = sched._in_flight_drafts[0]
+    out = sched.results.in_flight[0]
+    drafts = sched.results.in_flight_drafts[0]
     n, w = out.num_rows, 1 + sched.config.num_spec_tokens
     ids = np.zeros((n, w), dtype=np.int64)
     ns, nr = np.zeros(n, dtype=np.int32), np.zeros(n, dtype=np.int32)

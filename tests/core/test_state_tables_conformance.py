@@ -1,12 +1,13 @@
-"""The two state tables that build no machine, checked against the code that implements them.
+"""The two state tables whose machine only validates the edges, checked against their code.
 
 ``specs/request.yaml`` and ``specs/block.yaml`` are built into ``transitions`` machines
 (:mod:`ppstate.lifecycle`, :mod:`ppstate.block_states`), so code and table cannot differ. The slot
 (``specs/slot.yaml``) and the PPHandler entry (``specs/pp_handler.yaml``) are hand-written
-numpy / deque code (:class:`ppstate.slots.SlotTable`, :class:`ppstate.pp_handler.PPHandler`): the
-tables specify them, and these tests run the code from every non-final state through every
-trigger (each guard true and false) and compare the observed relation — the state reached, the
-effects seen, or a refusal — with the table's. A changed edge, source, destination, guard or
+numpy / deque code (:class:`ppstate.slots.SlotTable`, :class:`ppstate.pp_handler.PPHandler`; their
+guards and effects are bound to methods, :mod:`ppstate.table_binding`): the tables specify them,
+and these tests run the code from every non-final state through every trigger (each guard true
+and false) and compare the observed relation — the state reached, the effects seen, or a
+refusal — with the table's. A changed edge, source, destination, guard or
 effect on either side fails here; so does a trigger with no operation in the code.
 """
 

@@ -88,14 +88,14 @@ def test_equal_time_chunks_shrink_as_the_prefix_grows():
 def _run(sched: Scheduler, steps: int) -> list:
     """Issue up to ``steps`` steps, answering the oldest in flight (token 7) when blocked."""
     outs = []
-    while len(outs) < steps and (sched.has_unfinished() or sched.in_flight or sched._freed):
+    while len(outs) < steps and (sched.has_unfinished() or sched.in_flight or sched.queues.freed):
         out = sched.schedule()
         if out is not None:
             outs.append(out)
             continue
         if not sched.in_flight:
             break
-        o = sched._in_flight[0]
+        o = sched.results.in_flight[0]
         n = o.num_rows
         sched.on_step_result(StepResult(o.step, np.full((n, 1), 7, np.int64),
                                         o.is_final_chunk.astype(np.int32), np.zeros(n, np.int32)))

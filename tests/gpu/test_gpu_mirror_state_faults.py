@@ -4,7 +4,8 @@ The CPU test's faults (tests/runtime/test_mirror_state_faults.py) with every ran
 GPU: the block-id digest is checked on the host before the forward; the device fields go through
 the asynchronous check (compared on the device, one flag copied back), whose snapshot of the
 first step after the fault names that step; it is raised while the following step finishes.
-Skipped without CUDA.
+Skipped without CUDA. Without the default model's GGUF (a device machine), random weights of
+its shape.
 """
 
 from __future__ import annotations
@@ -12,14 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mirror_faults import cut_maker, plant_and_catch, start
+from mirror_faults import cut_maker, plant_and_catch, start, weights_or_random
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @pytest.fixture(scope="module")
-def cut(model_weights):
-    return cut_maker(model_weights, "cuda")
+def cut(request):
+    return cut_maker(weights_or_random(request), "cuda")
 
 
 @pytest.mark.parametrize("pp,rank", [(2, 1), (2, 0), (3, 1)])

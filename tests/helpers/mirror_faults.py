@@ -37,6 +37,23 @@ def cut_maker(model_weights, device: str = "cpu"):
     return make
 
 
+def weights_or_random(request) -> tuple:
+    """The ``model_weights`` fixture's ``(config, weights)``, or, where the default model is not
+    installed (a device machine without its GGUF), random weights of its shape (SmolLM2-135M,
+    runtime/bench/gpu_models.py) for the first 3 layers: the faults and the checks that catch
+    them depend on the state's bookkeeping, not on the trained values."""
+    from runtime.model.errors import ModelNotFoundError
+    try:
+        return request.getfixturevalue("model_weights")
+    except ModelNotFoundError:
+        from runtime.bench.gpu_models import model_config, random_tensor
+        from runtime.model.tensor_names import stage_tensor_names
+        cfg = model_config("smollm2-135m")
+        small = cfg.model_copy(update={"num_layers": 3})
+        return cfg, {n: random_tensor(cfg, n, torch.device("cpu"), torch.float32)
+                     for n in stage_tensor_names(small, (0, 3))}
+
+
 def start(stages: list, device: str = "cpu") -> InprocPipeline:
     """A pipeline over ``stages`` running a seeded "victim" and a greedy "other" request, ticked
     until the victim has 4 tokens (prefill in chunks of 8, then decodes)."""

@@ -216,8 +216,12 @@ def test_shards_of_every_tensor_reassemble_the_checkpoint(kv1):
 def test_tp_refuses_a_degree_the_heads_cannot_split(kv1):
     from runtime.model.hf_loader import HFCheckpoint
     from runtime.model.tp.shard import check_tp
-    with pytest.raises(ValueError, match="--tp: 3 does not divide .*num_heads=4"):
-        check_tp(HFCheckpoint(kv1[0]).config, 3)
+    cfg = HFCheckpoint(kv1[0]).config        # 4 heads, 1 KV head, intermediate 96, experts' 32
+    with pytest.raises(ValueError) as exc:
+        check_tp(cfg, 3)
+    assert str(exc.value) == ("--tp 3: the model has 4 attention heads and 1 KV heads; --tp must "
+                              "divide the 4 attention heads and divide the expert intermediate "
+                              "size 32 (valid: 1, 2, 4)")
 
 
 def test_torchrun_world_is_pp_times_tp():
@@ -226,3 +230,44 @@ def test_torchrun_world_is_pp_times_tp():
     assert resolve_cli({"launcher": "auto", "pp_size": None, "tp_size": 2}, env)["pp_size"] == 2
     with pytest.raises(ValueError, match="--pp: pp x tp must equal"):
         resolve_cli({"launcher": "auto", "pp_size": 4, "tp_size": 2}, env)
+
+
+def _mesh_rank(rank: int, port: int, out) -> None:
+    """One of 4 processes (PP=2 x TP=2): build the groups, report what each one holds."""
+    import torch
+    import torch.distributed as dist
+
+    from runtime.worker.groups import destroy_groups
+    from runtime.worker.tp_groups import init_tp_groups
+    torch.set_num_threads(1)
+    g = init_tp_groups(rank, 2, 2, f"tcp://127.0.0.1:{port}", torch.device("cpu"), 20.0)
+    x = torch.tensor([10 ** rank])
+    dist.all_reduce(x, group=g.tp_group)
+    out.put((rank, g.rank, g.tp_rank, g.chain, g.mesh.mesh_dim_names,
+             dist.get_process_group_ranks(g.tp_group), dist.get_process_group_ranks(g.pp_group),
+             dist.get_process_group_ranks(g.bcast_group), int(x), g.bcast_group is not g.pp_group))
+    destroy_groups(g)
+
+
+def test_tp_groups_come_from_a_pp_tp_device_mesh():
+    """4 gloo processes: the TP group is ``mesh["tp"]`` (a stage's consecutive ranks, an
+    all-reduce sums exactly their values), the PP chain ``mesh["pp"]``, the sibling broadcast group
+    the same ranks as a second group."""
+    import multiprocessing as mp
+
+    from runtime.worker.tp_groups import layout
+    assert layout(2, 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    ctx = mp.get_context("fork")
+    out, port = ctx.Queue(), random.Random().randrange(30000, 40000)
+    procs = [ctx.Process(target=_mesh_rank, args=(r, port, out)) for r in range(4)]
+    for p in procs:
+        p.start()
+    got = sorted(out.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert [p.exitcode for p in procs] == [0] * 4
+    assert got == [
+        (0, 0, 0, (0, 2), ("pp", "tp"), [0, 1], [0, 2], [0, 2], 11, True),
+        (1, 0, 1, (1, 3), ("pp", "tp"), [0, 1], [1, 3], [1, 3], 11, True),
+        (2, 1, 0, (0, 2), ("pp", "tp"), [2, 3], [0, 2], [0, 2], 1100, True),
+        (3, 1, 1, (1, 3), ("pp", "tp"), [2, 3], [1, 3], [1, 3], 1100, True)]

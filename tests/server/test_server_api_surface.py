@@ -11,6 +11,8 @@ prompt logprobs (fp32 log-softmax at each position).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import openai
 import pytest
@@ -35,19 +37,24 @@ def folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(folder):
+def served(folder):
     proc = ServerProcess("--model", folder, "--pp", "2", "--cpu-path", "exact",
                          "--max-model-len", str(MAX_MODEL_LEN),
                          "--max-num-seqs", "8", "--max-prefill-chunk", "16",
                          "--reasoning-parser", "deepseek_r1")
     try:
         load_reference(folder)   # transformers loads while the server starts
-        url = proc.wait_ready(180)
+        proc.url = proc.wait_ready(180)
     except BaseException:
         proc.stop()
         raise
-    yield url
+    yield proc
     assert proc.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def server(served) -> str:
+    return served.url
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +74,12 @@ def complete(client, prompt, **kw):
 
 def hits(url: str) -> float:
     return metric_samples(url)[("ppstate_prefix_cache_hits_total", ())]
+
+
+def test_startup_names_the_exact_cpu_path_and_its_reason(served):
+    log = Path(served.log.name).read_text()   # not through the shared handle: its offset is the server's
+    lines = [x for x in log.splitlines() if x.startswith("CPU path: ")]
+    assert lines == ["CPU path: exact (fp32 torch reference; reason: --cpu-path exact)"]
 
 
 def test_n_with_seed_equals_separate_seeded_requests_and_shares_the_prefill(server, client):
@@ -92,6 +105,18 @@ def test_best_of_returns_the_highest_cumulative_logprob(client):
         c = complete(client, prompt, seed=3 + j, temperature=1.0, max_tokens=5).choices[0]
         totals.append((sum(c.logprobs.token_logprobs), ids_of(c)))
     assert len(best.choices) == 1 and ids_of(best.choices[0]) == max(totals)[1]
+    # usage counts every generated sample (3 x 5 tokens), not only the returned one
+    assert (best.usage.prompt_tokens, best.usage.completion_tokens) == (3, 15)
+
+
+def test_best_of_usage_counts_every_sample_of_every_prompt(client):
+    """Two prompts (3 and 2 tokens), best_of 3, n 2, 4 tokens each (ignore_eos): 4 choices
+    returned, 2 x 3 x 4 = 24 completion tokens generated and counted."""
+    r = complete(client, [prompt_of(60, 61, 62), prompt_of(70, 71)], n=2, best_of=3, seed=5,
+                 temperature=1.0, max_tokens=4)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert all(len(ids_of(c)) == 4 for c in r.choices)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (5, 24, 29)
 
 
 def test_a_batch_of_prompts_equals_single_requests(client):

@@ -29,6 +29,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from reference import greedy_reference, hf_model
+from runtime.server.chat_tools import NO_TOOL_TEMPLATE
 from test_server_validation import check_error, malformed_cases
 
 pytestmark = pytest.mark.slow
@@ -148,6 +149,13 @@ def test_health_is_503_loading_before_the_model_is_up(served):
     assert status == 503 and body["status"] == "loading"
 
 
+def test_startup_names_the_cpu_path_once(served):
+    """``runtime.serve`` defaults to the CPU fast path; rank 0 (of 2) says so on stderr, once."""
+    log = Path(served.log.name).read_text()   # not through the shared handle: its offset is the server's
+    lines = [x for x in log.splitlines() if x.startswith("CPU path: ")]
+    assert lines == ["CPU path: fast (ONNX Runtime MatMulNBits: 8-bit weight blocks, int8 activations)"]
+
+
 def test_models(client):
     models = client.models.list().data
     assert len(models) == 1 and models[0].max_model_len == MAX_MODEL_LEN
@@ -212,6 +220,42 @@ def test_stop_string_and_natural_stop(client):
                                     stop=[stop, "never-generated"])
     assert cut.choices[0].text == full[: full.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
+
+
+ADD_TOOL = [{"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+
+
+@pytest.mark.parametrize("choice", [None, "auto", "required",
+                                    {"type": "function", "function": {"name": "add"}}],
+                         ids=["default", "auto", "required", "named"])
+@pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+def test_tools_on_a_template_without_tools_are_400_naming_tools(server, client, choice, stream):
+    """SmolLM2's own template never reads ``tools``: a request that would use them (anything but
+    ``tool_choice: none``) is refused before the engine sees it, instead of a made-up call."""
+    kw = {} if choice is None else {"tool_choice": choice}
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model="default", messages=MESSAGES, tools=ADD_TOOL,
+                                       max_tokens=4, stream=stream, **kw)
+    assert exc.value.status_code == 400
+    assert exc.value.body == {"message": NO_TOOL_TEMPLATE, "type": "invalid_request_error",
+                              "param": "tools", "code": "unsupported_value"}
+    assert "start the server with a tool chat template, e.g. --chat-template hermes" in \
+        NO_TOOL_TEMPLATE.lower()
+
+
+def test_tool_choice_none_is_served_as_plain_chat_after_the_400s(server, client):
+    """``tool_choice: none`` leaves the tools out of the prompt: the greedy reply of the plain
+    conversation, token for token (the engine kept serving through the refused requests)."""
+    _, tok = hf_model()
+    question = [{"role": "user", "content": "What is 2+2?"}]
+    ref = list(greedy_reference(tuple(reference_ids(question)), 16))
+    eos = ref.index(tok.eos_token_id)
+    r = client.chat.completions.create(model="default", messages=question, tools=ADD_TOOL,
+                                       tool_choice="none", max_tokens=16, temperature=0)
+    assert r.choices[0].message.content == tok.decode(ref[:eos])
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "stop"
+    assert httpx.get(f"{server}/health", timeout=60).status_code == 200
 
 
 def test_malformed_requests_get_400_and_do_not_disturb_a_stream(server, client):

@@ -134,7 +134,7 @@ def test_settled_leftover_is_erased_and_renamed():
     assert all(rk.slot_tokens.owner[slot] == "z0" for rk in s.ranks)
     assert s.results[0].sampled_token_ids.tolist() == [[0]] and s.ranks[1].slot_tokens.history[slot] == []
     assert s.monitor.inner.closed == {"z0": "closed"} and s.monitor.delivered == {}
-    assert s.sched._in_flight_epochs[0].tolist() == [-1]   # never matches a slot again
+    assert s.sched.results.in_flight_epochs[0].tolist() == [-1]   # never matches a slot again
 
 
 def test_slot_labels_are_names():

@@ -42,24 +42,42 @@ _SPLIT = {
 }
 
 
+def _unmet(cfg: ModelConfig, tp: int) -> list[str]:
+    """The conditions on ``--tp`` that ``tp`` fails for model ``cfg`` (empty: ``tp`` is valid)."""
+    unmet = []
+    if cfg.num_heads % tp:
+        unmet.append(f"divide the {cfg.num_heads} attention heads")
+    if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
+        unmet.append(f"divide the {cfg.num_kv_heads} KV heads or be a multiple of "
+                     f"{cfg.num_kv_heads}")
+    if cfg.intermediate_size % tp:
+        unmet.append(f"divide the MLP intermediate size {cfg.intermediate_size}")
+    if cfg.num_experts and cfg.moe_intermediate_size % tp:
+        unmet.append(f"divide the expert intermediate size {cfg.moe_intermediate_size}")
+    return unmet
+
+
+def valid_tp(cfg: ModelConfig) -> list[int]:
+    """Every TP degree model ``cfg`` can be split by, ascending (``1`` always; none exceeds the
+    number of attention heads)."""
+    return [t for t in range(1, cfg.num_heads + 1) if not _unmet(cfg, t)]
+
+
 def check_tp(cfg: ModelConfig, tp: int) -> None:
     """Refuse a TP degree the model's shapes cannot be split by.
 
     Raises:
-        ValueError: (message starts with ``--tp``) ``num_heads``, the intermediate sizes or the
-            KV heads (``KVH % tp`` or ``tp % KVH``) do not divide.
+        ValueError: the message names the flag, the model's head counts, the conditions ``tp``
+            fails and the valid values, e.g. ``--tp 2: the model has 9 attention heads and 3 KV
+            heads; --tp must divide the 9 attention heads and divide the 3 KV heads or be a
+            multiple of 3 (valid: 1, 3)``.
     """
-    problems = []
-    if cfg.num_heads % tp:
-        problems.append(f"num_heads={cfg.num_heads}")
-    if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
-        problems.append(f"num_kv_heads={cfg.num_kv_heads} (nor divides {tp})")
-    if cfg.intermediate_size % tp:
-        problems.append(f"intermediate_size={cfg.intermediate_size}")
-    if cfg.num_experts and cfg.moe_intermediate_size % tp:
-        problems.append(f"moe_intermediate_size={cfg.moe_intermediate_size}")
-    if problems:
-        raise ValueError(f"--tp: {tp} does not divide the model's {', '.join(problems)}")
+    unmet = _unmet(cfg, tp)
+    if unmet:
+        valid = ", ".join(map(str, valid_tp(cfg)))
+        raise ValueError(f"--tp {tp}: the model has {cfg.num_heads} attention heads and "
+                         f"{cfg.num_kv_heads} KV heads; --tp must {' and '.join(unmet)} "
+                         f"(valid: {valid})")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,40 @@
+"""``runtime.bench pp --overheads`` (runtime/bench/pp_overheads.py): the on / off ratios of the
+rounds, and the worker CPU seconds read from /proc."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from runtime.bench.pp_overheads import process_cpu_s, summarize
+
+
+def _run(tok_s: float, busy: float, cpu: float) -> dict:
+    return {"output_tokens_per_s": tok_s, "busy_s_per_step": [busy], "worker_cpu_s_per_step": cpu}
+
+
+def test_summary_pairs_rounds_in_order_and_takes_medians():
+    runs = {"off": [_run(100, 2e-3, 4e-3), _run(200, 1e-3, 2e-3), _run(50, 4e-3, 8e-3)],
+            "on": [_run(98, 2e-3, 5e-3), _run(210, 1.5e-3, 2e-3), _run(40, 4e-3, 6e-3)]}
+    s = summarize(128, runs)
+    assert s["concurrency"] == 128 and s["runs"] is runs
+    assert s["on_over_off"]["all"] == pytest.approx([0.98, 1.05, 0.8])
+    assert (s["on_over_off"]["median"], s["on_over_off"]["min"], s["on_over_off"]["max"]) == \
+        pytest.approx((0.98, 0.8, 1.05))
+    assert s["busy_per_step_on_over_off"]["all"] == pytest.approx([1.0, 1.5, 1.0])
+    assert s["worker_cpu_per_step_on_over_off"]["all"] == pytest.approx([1.25, 1.0, 0.75])
+    assert (s["off_output_tokens_per_s"], s["on_output_tokens_per_s"]) == (100, 98)
+    assert s["on_worker_cpu_s_per_step"] == pytest.approx(5e-3)
+
+
+def test_process_cpu_seconds_follow_os_times_and_grow_with_work():
+    t0 = process_cpu_s(os.getpid())
+    ref = os.times()
+    assert abs(t0 - (ref.user + ref.system)) < 0.05   # clock ticks of /proc vs os.times
+    end = time.process_time() + 0.2
+    while time.process_time() < end:                  # burn 0.2 s of CPU
+        pass
+    assert process_cpu_s(os.getpid()) - t0 >= 0.15
+    assert process_cpu_s(2 ** 22 + 12345) == 0.0      # no such process
