@@ -94,8 +94,12 @@ def default_adaptive_lanes(args: argparse.Namespace) -> bool:
     """``--adaptive-lanes`` when neither it nor ``--no-adaptive-lanes`` is given: on for the fast
     CPU path (one lane of all decode rows instead of ``pp_size`` lanes of a share each: on the
     2-core machine PP=2 served 1.3-1.5x more tokens per CPU second so, docs/cpu_fast_path.md),
-    off on CUDA and on the exact path."""
-    if args.cpu_path != "fast" or args.device == "cuda":
+    off on CUDA and where a flag bypasses the fast path (``--cpu-path exact``, ``--tp``,
+    ``--spec-tokens``: ``runtime.model.cpu.path_choice``; a model the fast path lacks is only
+    found once the checkpoint is opened, and keeps the lanes chosen here)."""
+    from runtime.model.cpu.path_choice import exact_reasons
+    if args.device == "cuda" or exact_reasons(args.cpu_path, args.tp or 1, args.spec_tokens or 0,
+                                              lambda: None):
         return False
     from runtime.device import uses_cuda
     return not uses_cuda(args.device)

@@ -108,3 +108,4 @@ def test_adaptive_lanes_default_on_the_fast_cpu_path_only():
     assert parse("--device", "cpu", "--no-adaptive-lanes")[1].scheduler.adaptive_lanes is False
     assert parse("--device", "cpu", "--cpu-path", "exact")[1].scheduler.adaptive_lanes is False
     assert parse("--device", "cpu", "--cpu-path", "exact", "--adaptive-lanes")[1].scheduler.adaptive_lanes is True
+    assert parse("--device", "cpu", "--spec-tokens", "2")[1].scheduler.adaptive_lanes is False
