@@ -1,6 +1,8 @@
 """Generate the README's benchmark tables from ``benchmarks/results/*.json`` (kinds ``pp``,
 ``sched``, ``contention`` and ``cpu_serve``, written by ``python -m runtime.bench
-pp|sched|contention|cpu-serve --json-out``; of ``cpu_serve`` the newest file only).
+pp|sched|contention|cpu-serve --json-out``; of ``cpu_serve`` the newest file that ran llama.cpp
+(any, when none did) as the serving table, and each newer one as a line of its own: an A/B run of
+a few ppstate servers, e.g. ``--only fast-pp1,fast-pp2 --rounds 4``).
 
 ``python benchmarks/readme_table.py`` rewrites the block between the two marker comments in
 README.md; ``--check`` exits 1 when the block differs from what the results say
@@ -79,11 +81,15 @@ def render(docs: list[tuple[str, dict]]) -> str:
     found: dict[str, tuple[str, dict]] = {}
     sweep, sched = None, None
     contention: list[tuple[str, dict]] = []   # every machine's contention file, one table each
-    serving = None
+    serving, ab = None, []
     for name, doc in docs:                 # newer files override older ones
         res = doc["results"]
         if doc["kind"] == "cpu_serve":
-            serving = (name, doc)
+            if serving is None or "llama.cpp" in res["servers"] \
+                    or "llama.cpp" not in serving[1]["results"]["servers"]:
+                serving, ab = (name, doc), []
+            else:
+                ab.append((name, doc))
             continue
         for key, *_ in METRICS:
             if metric(res, key) is not None:
@@ -125,7 +131,9 @@ def render(docs: list[tuple[str, dict]]) -> str:
         lines += ["", *contention_table(*c)]
     if serving:
         lines += ["", *serving_table(*serving)]
-    extra = [x for x in (sweep, sched, serving) if x] + contention
+    for name, doc in ab:
+        lines += ["", ab_line(name, doc)]
+    extra = [x for x in (sweep, sched, serving) if x] + contention + ab
     cmds = sorted({doc["command"] for _, doc in [*found.values(), *extra]})
     machines = sorted({doc["machine"] for _, doc in [*found.values(), *extra]})
     lines += ["", "Machine: " + "; ".join(machines) + ".", "", "Commands:", ""]
@@ -183,6 +191,21 @@ def serving_table(name: str, doc: dict) -> list[str]:
         out += ["", f"PP=2 / PP=1 at {conc} streams: "
                 + ", ".join(f"{k.split('_')[0]} {v:.2f}" for k, v in pp.items()) + "."]
     return out
+
+
+def ab_line(name: str, doc: dict) -> str:
+    """One line of a later ``cpu-serve`` run without llama.cpp: each server's output tokens/s at
+    the run's concurrency (median over its rounds) and the PP=2 / PP=1 ratios by round."""
+    res, conc = doc["results"], doc["args"]["concurrency"]
+    rounds = doc["args"].get("rounds", 1)
+    tps = ", ".join(f"{n} {r[f'concurrent_{conc}']['output_throughput']:.1f}"
+                    for n, r in res["servers"].items() if "error" not in r)
+    by_round = res["ratios"].get("pp2_over_pp1_concurrent_by_round", {})
+    ratios = "; ".join(f"{n} / {n.split('-')[0]}-pp1 " + ", ".join(f"{x:.2f}" for x in v)
+                       for n, v in by_round.items())
+    return (f"Later A/B run (`{name}`, {doc['date'][:16]} UTC, {rounds} round(s), servers taking "
+            f"turns): {conc} streams output tok/s (median) {tps}"
+            + (f"; PP=2 / PP=1 by round: {ratios}" if ratios else "") + ".")
 
 
 def replace_block(text: str, block: str) -> str:

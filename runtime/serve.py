@@ -82,8 +82,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --restart-workers: seconds before the first restart, doubled for "
                    "each later one (at most 30 s)")
     add_engine_flags(p)
-    p.set_defaults(cpu_path="fast")  # serving: quantized CPU path (tests keep EngineConfig's exact)
+    p.add_argument("--no-adaptive-lanes", dest="adaptive_lanes", action="store_false",
+                   help="fill every in-flight lane (the default on CUDA and the exact CPU path; "
+                   "on the fast CPU path adaptive lanes are on: docs/cpu_fast_path.md)")
+    # serving: quantized CPU path (tests keep EngineConfig's exact); lanes: default_adaptive_lanes
+    p.set_defaults(cpu_path="fast", adaptive_lanes=None)
     return p
+
+
+def default_adaptive_lanes(args: argparse.Namespace) -> bool:
+    """``--adaptive-lanes`` when neither it nor ``--no-adaptive-lanes`` is given: on for the fast
+    CPU path (one lane of all decode rows instead of ``pp_size`` lanes of a share each: on the
+    2-core machine PP=2 served 1.3-1.5x more tokens per CPU second so, docs/cpu_fast_path.md),
+    off on CUDA and where a flag bypasses the fast path (``--cpu-path exact``, ``--tp``,
+    ``--spec-tokens``: ``runtime.model.cpu.path_choice``; a model the fast path lacks is only
+    found once the checkpoint is opened, and keeps the lanes chosen here)."""
+    from runtime.model.cpu.path_choice import exact_reasons
+    if args.device == "cuda" or exact_reasons(args.cpu_path, args.tp or 1, args.spec_tokens or 0,
+                                              lambda: None):
+        return False
+    from runtime.device import uses_cuda
+    return not uses_cuda(args.device)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -256,6 +275,8 @@ def parse_cli(argv: list[str] | None = None) -> tuple[argparse.Namespace, Engine
         p.error(f"--restart-backoff: must be >= 0, got {args.restart_backoff}")
     if args.api_server_count < 0:
         p.error(f"--api-server-count: must be >= 0, got {args.api_server_count}")
+    if args.adaptive_lanes is None:
+        args.adaptive_lanes = default_adaptive_lanes(args)
     config = engine_config(p, args)
     if args.api_server_count and (args.restart_workers or config.dp_size > 1
                                   or config.launcher != "spawn"):

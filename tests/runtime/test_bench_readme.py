@@ -62,3 +62,21 @@ def test_render_adds_the_newest_cpu_serving_table(tmp_path):
     assert "| llama.cpp | 100.0 | 160.0 | - | 150 |" in text
     assert "| fast-pp1 | 50.0 | 200.0 | 0.50 / 1.25 | 1000 |" in text
     assert "PP=2 / PP=1 at 8 streams: fast 0.90." in text
+
+
+def test_later_cpu_serving_runs_without_llama_cpp_add_a_line(tmp_path):
+    def serving(date, names, rounds):
+        servers = {n: {"single": {"output_throughput": 10.0},
+                       "concurrent_8": {"output_throughput": tps},
+                       "rss_mib": {"server": 300.0, "children": [900.0]}} for n, tps in names.items()}
+        ratios = {"pp2_over_pp1_concurrent_by_round": {"fast-pp2": [0.9, 1.1]}} if rounds > 1 else {}
+        doc = _doc(date, {"servers": servers, "ratios": ratios}, "cpu_serve")
+        doc["args"] = {"concurrency": 8, "input_len": 64, "output_len": 64, "rounds": rounds}
+        return json.dumps(doc)
+    (tmp_path / "full.json").write_text(serving("2026-01-01T00:00", {"llama.cpp": 90.0, "fast-pp1": 100.0}, 1))
+    (tmp_path / "ab.json").write_text(serving("2026-02-01T00:00", {"fast-pp1": 80.0, "fast-pp2": 84.5}, 2))
+    text = readme_table.render(readme_table.load_results(tmp_path))
+    assert "(`full.json`, 2026-01-01T00:00 UTC)" in text and "| llama.cpp | 10.0 | 90.0 |" in text
+    assert ("Later A/B run (`ab.json`, 2026-02-01T00:00 UTC, 2 round(s), servers taking turns): 8 "
+            "streams output tok/s (median) fast-pp1 80.0, fast-pp2 84.5; PP=2 / PP=1 by round: "
+            "fast-pp2 / fast-pp1 0.90, 1.10.") in text

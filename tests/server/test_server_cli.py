@@ -101,3 +101,11 @@ def test_url_of_socket():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         assert serve.url_of(s, "127.0.0.1") == f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_adaptive_lanes_default_on_the_fast_cpu_path_only():
+    assert parse("--device", "cpu")[1].scheduler.adaptive_lanes is True
+    assert parse("--device", "cpu", "--no-adaptive-lanes")[1].scheduler.adaptive_lanes is False
+    assert parse("--device", "cpu", "--cpu-path", "exact")[1].scheduler.adaptive_lanes is False
+    assert parse("--device", "cpu", "--cpu-path", "exact", "--adaptive-lanes")[1].scheduler.adaptive_lanes is True
+    assert parse("--device", "cpu", "--spec-tokens", "2")[1].scheduler.adaptive_lanes is False
