@@ -43,10 +43,12 @@ def run(pp: int, k: int, graphs_layout: bool) -> InprocPipeline:
     ranges = [(0, 2)] if pp == 1 else [(0, 1), (1, 2)]
     pipe = InprocPipeline(stages(ranges), max_num_seqs=SEQS, max_model_len=MAXLEN,
                           num_spec_tokens=k, spec_ngram=2)
-    for r in pipe.runners:                       # the CUDA worker's fast path, here on the CPU
-        r.fast = PagedStage(r.stage)
+    for r in pipe.runners:   # the CUDA worker's fast path, here on the CPU; the runner's
+        # ForwardPath (r.fwd) holds its own references since the arch split: set both
+        r.fast = r.fwd.fast = PagedStage(r.stage)
         if k and graphs_layout:
-            r.verify_graphs = VerifyGraphs(r.fast, SEQS, MAXLEN // 16, MAXLEN, k)
+            r.verify_graphs = r.fwd.verify_graphs = VerifyGraphs(r.fast, SEQS, MAXLEN // 16,
+                                                                 MAXLEN, k)
     if k and graphs_layout:   # the scheduler gives drafts to "cyc"'s rows only (a probe's choice)
         pipe.sched.speculative_probe = _OnlyCyc()
     for rid, p in PROMPTS.items():

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 import runtime.engine.admission as admission_mod
 import runtime.engine.async_engine as engine_mod
+import runtime.engine.result_delivery as delivery_mod
 from app_harness import CHAT, COMP, AppEngine
 from runtime.config import EngineConfig
 from runtime.engine.faults import ENGINE, REQUEST, RequestFailure, classify, request_scope
@@ -114,7 +115,7 @@ class _FaultyDetok(IncrementalDetokenizer):
 
 
 def _plant(monkeypatch, eng, stage: str) -> None:
-    real_build, real_trip, real_lp = admission_mod.SamplingBatch.build, admission_mod.new_request_round_trip, engine_mod.logprobs_for
+    real_build, real_trip, real_lp = admission_mod.SamplingBatch.build, admission_mod.new_request_round_trip, delivery_mod.logprobs_for
     if stage == "sampling_params":
         class Batch(admission_mod.SamplingBatch):
             @classmethod
@@ -139,7 +140,7 @@ def _plant(monkeypatch, eng, stage: str) -> None:
             if stream is not None and stream.params.seed == MARK_SEED and stream.num_output_tokens >= 2:
                 raise KeyError("planted: logprobs")
             return real_lp(result, row_of, req_id, token_ids)
-        monkeypatch.setattr(engine_mod, "logprobs_for", lp)
+        monkeypatch.setattr(delivery_mod, "logprobs_for", lp)
     elif stage == "tokenize":
         tok = eng.engine.tokenizer
         real_encode = tok.encode
