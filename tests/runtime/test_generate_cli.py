@@ -50,7 +50,8 @@ def generate(capsys, caplog):
      "--max-model-len 2048"),
     (["--tp", "2"], 1,   # the embedded SmolLM2-135M: 9 heads, 3 KV heads, intermediate 1536
      "error: --tp 2: the model has 9 attention heads and 3 KV heads; --tp must divide the 9 "
-     "attention heads and divide the 3 KV heads or be a multiple of 3 (valid: 1, 3)\n"),
+     "attention heads and divide the 3 KV heads or be a multiple of 3 (valid, with the MLP "
+     "intermediate size 1536 split too: 1, 3)\n"),
     (["--max-model-len", "999999"], 1,
      "error: --max-model-len: 999999 exceeds the model's context length 8192"),
 ])

@@ -221,7 +221,8 @@ def test_tp_refuses_a_degree_the_heads_cannot_split(kv1):
         check_tp(cfg, 3)
     assert str(exc.value) == ("--tp 3: the model has 4 attention heads and 1 KV heads; --tp must "
                               "divide the 4 attention heads and divide the expert intermediate "
-                              "size 32 (valid: 1, 2, 4)")
+                              "size 32 (valid, with the MLP intermediate size 96, expert "
+                              "intermediate size 32 split too: 1, 2, 4)")
 
 
 def test_torchrun_world_is_pp_times_tp():

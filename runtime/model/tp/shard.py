@@ -70,14 +70,17 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
         ValueError: the message names the flag, the model's head counts, the conditions ``tp``
             fails and the valid values, e.g. ``--tp 2: the model has 9 attention heads and 3 KV
             heads; --tp must divide the 9 attention heads and divide the 3 KV heads or be a
-            multiple of 3 (valid: 1, 3)``.
+            multiple of 3 (valid, with the MLP intermediate size 1536 split too: 1, 3)``.
     """
     unmet = _unmet(cfg, tp)
     if unmet:
         valid = ", ".join(map(str, valid_tp(cfg)))
+        sizes = f"MLP intermediate size {cfg.intermediate_size}"
+        if cfg.num_experts:
+            sizes += f", expert intermediate size {cfg.moe_intermediate_size}"
         raise ValueError(f"--tp {tp}: the model has {cfg.num_heads} attention heads and "
                          f"{cfg.num_kv_heads} KV heads; --tp must {' and '.join(unmet)} "
-                         f"(valid: {valid})")
+                         f"(valid, with the {sizes} split too: {valid})")
 
 
 @dataclass(frozen=True)
