@@ -67,3 +67,24 @@ def test_rows_with_several_ids_still_take_the_general_path(monkeypatch):
     assert m.ids_np[0, 2:4].tolist() == [17, 100 + 3]      # position 3 keeps its prompt id
     assert m.ids_np[5, 11:14].tolist() == [99, 98, 97]
     assert np.array_equal(m.digest_np, _digest(m.ids_np))
+
+
+def test_draft_free_step_allocates_no_drafts_tensor():
+    """plan_rows on a step without drafts returns rows of the decoder's zeros (made once), not a
+    fresh ``[R, K]`` tensor per step."""
+    from types import SimpleNamespace
+
+    from runtime.sampling.speculative_verify import SpecDecoder
+    mirror = SimpleNamespace(num_computed_tokens_np=np.array([5, 9, 0, 0], dtype=np.int64),
+                             num_computed_prefill_tokens_np=np.array([4, 6, 0, 0], np.int64),
+                             prefill_len_np=np.array([4, 6, 0, 0], dtype=np.int64))
+    state = SimpleNamespace(mirror=mirror, all_token_ids=torch.zeros(4, 32, dtype=torch.int64))
+    out = SimpleNamespace(slots=np.array([1, 0], dtype=np.int32), step=3, num_rows=2,
+                          num_scheduled_tokens=np.array([1, 1], dtype=np.int32))
+    dec = SpecDecoder(4, 3, is_first=False, is_last=False)   # a middle rank: no writes
+    assert dec.prepare(out, state).tolist() == [9, 5]
+    first = dec.rows.drafts
+    assert dec.prepare(out, state).tolist() == [9, 5]
+    assert dec.rows.drafts.shape == (2, 4) and int(dec.rows.drafts.abs().sum()) == 0
+    assert dec.rows.drafts.data_ptr() == first.data_ptr() == dec._zeros.data_ptr()
+    assert dec._zeros.shape == (4, 4) and not dec.rows.any_drafts
