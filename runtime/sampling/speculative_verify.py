@@ -60,7 +60,8 @@ class SpecRows:
         return bool(self.num_drafts.any())
 
 
-def plan_rows(out, state, num_spec_tokens: int, ngram: int, with_drafts: bool) -> SpecRows:
+def plan_rows(out, state, num_spec_tokens: int, ngram: int, with_drafts: bool,
+              zeros: torch.Tensor | None = None) -> SpecRows:
     """The step's :class:`SpecRows`, read before the immediate post-update. The drafts of all
     rows come from one batched proposal over the device's token history
     (:func:`~runtime.sampling.speculative_device.propose_ngram_rows`): no loop over rows, no host sync.
@@ -71,6 +72,9 @@ def plan_rows(out, state, num_spec_tokens: int, ngram: int, with_drafts: bool) -
         num_spec_tokens: ``K``.
         ngram: n-gram length of the proposer.
         with_drafts: compute the proposals (rank 0 and the last rank).
+        zeros: ``[>= R, K]`` int64 zeros on the state's device (never written) whose first ``R``
+            rows stand for the drafts of a step without any (no allocation, no kernel per
+            step: #33), or None.
 
     Raises:
         ValueError: a decode row asks for more than ``K`` drafts (scheduler / runner disagree).
@@ -89,6 +93,8 @@ def plan_rows(out, state, num_spec_tokens: int, ngram: int, with_drafts: bool) -
         r = slots.size
         drafts = propose_ngram_rows(state.all_token_ids, packed[:r], packed[r:],
                                     int(starts.max()) + 1, ngram, num_spec_tokens)
+    elif zeros is not None and zeros.shape[0] >= out.num_rows and zeros.device == dev:
+        drafts = zeros[:out.num_rows]
     else:
         drafts = torch.zeros(out.num_rows, num_spec_tokens, dtype=torch.int64, device=dev)
     return SpecRows(starts, num_drafts, drafts, decode)
@@ -204,11 +210,16 @@ class SpecDecoder:
         self.is_first, self.is_last = is_first, is_last
         self.rows: SpecRows | None = None      # the step being run
         self.first: np.ndarray | None = None   # [R] first logit row of each step row (last rank)
+        self._zeros: torch.Tensor | None = None  # [max_num_reqs, K] drafts of draft-free steps
 
     def prepare(self, out, state) -> np.ndarray:
         """Plan the step's rows and write the drafts; returns ``[R]`` corrected start positions
         (use them, not ``out.start_positions``, for the step's metadata)."""
-        self.rows = plan_rows(out, state, self.k, self.ngram, self.is_first or self.is_last)
+        zeros, dev = self._zeros, state.all_token_ids.device
+        if zeros is None or zeros.shape[0] < out.num_rows or zeros.device != dev:
+            n = max(out.num_rows, state.all_token_ids.shape[0])   # max_num_reqs rows: made once
+            zeros = self._zeros = torch.zeros(n, self.k, dtype=torch.int64, device=dev)
+        self.rows = plan_rows(out, state, self.k, self.ngram, self.is_first or self.is_last, zeros)
         if self.is_first or self.is_last:
             write_drafts(state, out, self.rows)
         return self.rows.starts

@@ -87,7 +87,7 @@ class GrammarHooks:
                 rows.append((slot, int(i), []))
             else:
                 k = int(spec_rows.num_drafts[i])
-                rows.append((slot, int(first[i]), spec_rows.drafts[i, :k].tolist()))
+                rows.append((slot, int(first[i]), spec_rows.drafts[i, :k].tolist() if k else []))
         n = out.num_rows if first is None else int(first[-1] + spec_rows.num_drafts[-1] + 1)
         self.fill = g.start_fill(n, rows)
 

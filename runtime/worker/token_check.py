@@ -103,6 +103,8 @@ class TokenMirror:
                         num)
             return
         src = sampled
+        if sampled.shape[1] > 1 and num.max() == 1:   # one id per row: copy column 0 only (#33)
+            src = sampled = sampled[:, :1]
         if rows is not None and rows.size != sampled.shape[0]:
             src = sampled.index_select(0, torch.from_numpy(rows).to(sampled.device,
                                                                     non_blocking=True))
@@ -143,12 +145,8 @@ class TokenMirror:
                num: np.ndarray) -> None:
         """One step's writes (``ids`` ``[R, width]`` int64; ``slots``, ``start``, ``num`` ``[R]``
         int64; a step's slots are distinct)."""
-        if ids.shape[1] == 1 and start.max() < self.max_model_len:   # decode, no drafts
-            new = ids[:, 0]
-            old = self.ids_np[slots, start]
-            with np.errstate(over="ignore"):   # the digest wraps mod 2**64 on purpose
-                self.digest_np[slots] += (new - old).view(np.uint64) * self._w[start]
-            self.ids_np[slots, start] = new
+        if num.min() == 1 and num.max() == 1 and start.max() < self.max_model_len:
+            self._apply_one(ids[:, 0], slots, start)   # decode, no drafts (any width: #33)
             return
         cols = np.arange(ids.shape[1])
         pos = start[:, None].astype(np.int64) + cols[None, :]             # [R, width]
@@ -160,6 +158,14 @@ class TokenMirror:
                          np.uint64(0))
         self.digest_np[slots] += terms.sum(axis=1, dtype=np.uint64)
         self.ids_np[s[write], pos[write]] = ids[write].astype(np.int64)
+
+    def _apply_one(self, new: np.ndarray, slots: np.ndarray, start: np.ndarray) -> None:
+        """One id per row (``new``, ``slots``, ``start`` ``[R]`` int64; positions below
+        ``max_model_len``): a decode step without drafts, whatever the payload's width."""
+        old = self.ids_np[slots, start]
+        with np.errstate(over="ignore"):   # the digest wraps mod 2**64 on purpose
+            self.digest_np[slots] += (new - old).view(np.uint64) * self._w[start]
+        self.ids_np[slots, start] = new
 
     def device_digest(self, all_token_ids: torch.Tensor, out: torch.Tensor) -> None:
         """``out`` ``[max_num_reqs]`` int64 = each device row's digest (enqueued)."""
