@@ -134,11 +134,30 @@ def render(docs: list[tuple[str, dict]]) -> str:
     for name, doc in ab:
         lines += ["", ab_line(name, doc)]
     extra = [x for x in (sweep, sched, serving) if x] + contention + ab
-    cmds = sorted({doc["command"] for _, doc in [*found.values(), *extra]})
+    cmds = sorted({repo_command(name, doc["command"]) for name, doc in [*found.values(), *extra]})
     machines = sorted({doc["machine"] for _, doc in [*found.values(), *extra]})
-    lines += ["", "Machine: " + "; ".join(machines) + ".", "", "Commands:", ""]
+    lines += ["", "Machines:", ""] + [f"* {m}" for m in machines]
+    lines += ["", "Commands (`MODEL_FOLDER`: a random-weight folder of the model's shape, made by "
+              "`python -m runtime.bench.model_folder`; `LLAMA_SERVER`: llama.cpp's llama-server "
+              "binary):", ""]
     lines += [f"* `{c}`" for c in cmds]
     return "\n".join(lines)
+
+
+def repo_command(name: str, command: str) -> str:
+    """``command`` as a reader of the repository can run it: the output path (``--json-out`` /
+    ``--out``) is the result file ``name`` the table cites (under ``benchmarks/results/``), and
+    paths outside the repository become placeholders (``LLAMA_SERVER``, ``MODEL_FOLDER``)."""
+    words = command.split()
+    for i, w in enumerate(words):
+        prev = words[i - 1] if i else ""
+        if prev in ("--json-out", "--out") and not w.startswith("benchmarks/"):
+            words[i] = f"benchmarks/results/{name}"
+        elif w.startswith("/") and w.endswith("llama-server"):
+            words[i] = "LLAMA_SERVER"
+        elif w.startswith(("/tmp/", "/root/", "/work/")):
+            words[i] = "MODEL_FOLDER"
+    return " ".join(words)
 
 
 def contention_table(name: str, doc: dict) -> list[str]:

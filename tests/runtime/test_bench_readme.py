@@ -80,3 +80,16 @@ def test_later_cpu_serving_runs_without_llama_cpp_add_a_line(tmp_path):
     assert ("Later A/B run (`ab.json`, 2026-02-01T00:00 UTC, 2 round(s), servers taking turns): 8 "
             "streams output tok/s (median) fast-pp1 80.0, fast-pp2 84.5; PP=2 / PP=1 by round: "
             "fast-pp2 / fast-pp1 0.90, 1.10.") in text
+
+
+def test_listed_commands_point_inside_the_repository():
+    cmd = ("python -m runtime.bench cpu-serve --llama-server /work/x/build/bin/llama-server "
+           "--model /tmp/smol --rounds 3 --json-out /tmp/cpu34/lanes.json")
+    assert readme_table.repo_command("cpu-serve-2026-12-03-lanes.json", cmd) == (
+        "python -m runtime.bench cpu-serve --llama-server LLAMA_SERVER --model MODEL_FOLDER "
+        "--rounds 3 --json-out benchmarks/results/cpu-serve-2026-12-03-lanes.json")
+    kept = "python -m runtime.bench sched --json-out benchmarks/results/sched-2026-12-02.json"
+    assert readme_table.repo_command("other.json", kept) == kept
+    readme = (ROOT / "README.md").read_text()
+    block = readme[readme.index("Commands (`MODEL_FOLDER`"):]
+    assert "/tmp/" not in block and "/work/" not in block and "/root/" not in block
