@@ -2,7 +2,8 @@
 
 One engine per ``K`` in ``0`` (off) and ``--spec-list`` (same flags otherwise; ``--device cuda``
 runs the Triton fast path with its decode and verify CUDA graphs) serves the same greedy requests
-of each workload in turn:
+of each workload in turn (one engine after another; ``--alternate``: all engines started at
+once and served run by run in turn, so drift of the machine is not confounded with ``K``):
 
 * ``friendly`` -- prompts that contain their answers: with a text tokenizer (the real SmolLM2
   GGUF) a code snippet to repeat with one name changed and a passage to quote; with a word-level
