@@ -18,7 +18,7 @@ model=/tmp/smollm2-random
   --out $model >> "$log" 2>&1
 timeout ${BENCH_TIMEOUT:-170} python3 -m runtime.bench.spec --device cuda --dtype bfloat16 --model $model \
   --pp 1 --spec-list 2,4 --workloads unfriendly --num-requests 4 --concurrency 1 --max-tokens 128 \
-  --repeats 3 --temperature ${TEMPERATURE:-1.0} --max-num-seqs 8 --max-model-len 1024 --out "$out/spec-nodraft.json" \
+  --repeats 3 --alternate --temperature ${TEMPERATURE:-1.0} --max-num-seqs 8 --max-model-len 1024 --out "$out/spec-nodraft.json" \
   2>&1 | grep -v -i warn >> "$log"
 echo "spec bench rc=${PIPESTATUS[0]}" | tee -a "$log"
 python3 - "$out/spec-nodraft.json" <<'PY' | tee -a "$log"

@@ -145,7 +145,8 @@ class TokenMirror:
                num: np.ndarray) -> None:
         """One step's writes (``ids`` ``[R, width]`` int64; ``slots``, ``start``, ``num`` ``[R]``
         int64; a step's slots are distinct)."""
-        if num.min() == 1 and num.max() == 1 and start.max() < self.max_model_len:
+        # every num >= 1 here (record drops rows without ids): max 1 = one id per row
+        if (ids.shape[1] == 1 or num.max() == 1) and start.max() < self.max_model_len:
             self._apply_one(ids[:, 0], slots, start)   # decode, no drafts (any width: #33)
             return
         cols = np.arange(ids.shape[1])

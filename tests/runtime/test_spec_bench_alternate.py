@@ -1,0 +1,38 @@
+"""``runtime.bench.spec --alternate``: engines served run by run in turn, best run kept (#33)."""
+
+import asyncio
+
+from runtime.bench import spec
+
+
+class _Engine:
+    def __init__(self, k, log):
+        self.k, self.log = k, log
+
+    async def shutdown(self):
+        self.log.append(("shutdown", self.k))
+
+
+def test_engines_alternate_run_by_run_and_keep_their_best(monkeypatch):
+    log, rates = [], {0: [5.0, 7.0], 2: [9.0, 4.0]}
+
+    async def start(cfg):
+        log.append(("start", cfg))
+        return _Engine(cfg, log)
+
+    async def serve(engine, batch, max_tokens, concurrency=None, temperature=0.0):
+        if max_tokens == 8:   # the warm-up
+            log.append(("warm", engine.k))
+            return {}
+        log.append(("run", engine.k, temperature))
+        return {"output_tokens_per_s": rates[engine.k].pop(0), "k": engine.k}
+
+    monkeypatch.setattr(spec.AsyncEngine, "start", start)
+    monkeypatch.setattr(spec, "_serve", serve)
+    res = asyncio.run(spec.run_alternated({0: 0, 2: 2}, {"w": [[1, 2, 3]]}, 64, repeats=2,
+                                          temperature=1.0))
+    assert log == [("start", 0), ("warm", 0), ("start", 2), ("warm", 2),
+                   ("run", 0, 1.0), ("run", 2, 1.0), ("run", 0, 1.0), ("run", 2, 1.0),
+                   ("shutdown", 0), ("shutdown", 2)]
+    assert res == {0: {"w": {"output_tokens_per_s": 7.0, "k": 0}},
+                   2: {"w": {"output_tokens_per_s": 9.0, "k": 2}}}
