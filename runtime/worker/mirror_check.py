@@ -25,9 +25,16 @@ does the check copy the step's snapshot (which stays on the device, double-buffe
 and its expected values back and look field by field over the live slots
 (``state_check.compare``), then at the block counts, to raise
 :class:`~ppstate.errors.MirrorDivergence` naming rank, step, slot, request, field and both values,
-exactly as the synchronous check does. ``runtime/bench/mirror_before.py`` keeps the version before
-the per-step host cost was cut (block counts tested on the host, new views and events each step)
-for the benchmark.
+exactly as the synchronous check does.
+
+On the last rank (:meth:`~runtime.worker.runner.StageRunner.result`) the snapshot rides on the
+step's result copy, which the rank makes anyway: ``snapshot(step, later=True)`` enqueues the
+check's device work just before that copy and records no event, :meth:`share` hands over the
+copy's :class:`~runtime.host_copy.PendingCopy` (its event completes after the check's copies;
+the worker's wait for the result and the check's wait are one ``cudaEventSynchronize`` between
+them), and the token mirror takes the sampled ids from the copy's host buffer
+(``TokenMirror.record(later=True)`` / ``attach``) instead of copying them itself. ``python -m
+runtime.bench mirror`` measures this against an older revision of this module read from git.
 
 On the CPU (no events) every operation runs at once and the comparison is immediate.
 
