@@ -68,7 +68,8 @@ class RankLoop:
     """One rank's per-step state work for ``rows`` decode rows (no model)."""
 
     def __init__(self, rows: int, device: torch.device, prompt_len: int, max_model_len: int,
-                 before: tuple[type, type]) -> None:
+                 before: tuple[type, type] | None = None) -> None:
+        """``before``: :func:`before_classes` (None: no ``"before"`` mode)."""
         self.n, self.device = rows, device
         self.state = DeviceState(rows, max_model_len, 1, device, rank=0, block_size=BLOCK)
         self.state.add_requests([NewRequest(f"r{s}", s, tuple(range(100, 100 + prompt_len)),
@@ -87,11 +88,12 @@ class RankLoop:
         self.state.apply_scheduled(self.slots_t, torch.full((rows,), prompt_len, device=device),
                                    self.slots.astype(np.int64), self.tokens.copy())
         cuda = device.type == "cuda"
-        before_check, before_tokens = before
         self.check = AsyncMirrorCheck(self.state) if cuda else None
-        self.before = before_check(self.state) if cuda else None
+        self.before = self.before_tokens = None   # "before" blocks only
+        if before is not None:
+            self.before = before[0](self.state) if cuda else None
+            self.before_tokens = before[1](rows, max_model_len, device)
         self.token_mirror = self.state.track_tokens()   # the token-id check: "on" blocks only
-        self.before_tokens = before_tokens(rows, max_model_len, device)   # "before" blocks only
         self.state.tokens = None
         self.copies = HostCopy(device)   # the last rank's result copy (every mode)
         self.held_copy = None   # the previous step's result copy, waited after the next step
@@ -180,15 +182,17 @@ class RankLoop:
         if validate is True:
             st.tokens = self.token_mirror
         elif validate == "before":
+            if self.before_tokens is None:
+                raise ValueError("RankLoop built without before classes: no 'before' mode")
             st.tokens = self.before_tokens
         if st.tokens is not None:
             st.tokens.resync(st.all_token_ids)
 
     def finish(self) -> None:
         """Compare what is still pending (CUDA) and wait for the last result copy."""
-        if self.check is not None:
-            self.check.poll(block=True)
-            self.before.poll(block=True)
+        for check in (self.check, self.before):
+            if check is not None:
+                check.poll(block=True)
         if self.held_copy is not None:
             self.held_copy.wait()
             self.held_copy = None
