@@ -48,15 +48,20 @@ class PendingCopy:
 
     def __init__(self, host: torch.Tensor, event: torch.cuda.Event | None) -> None:
         self.host, self.event = host, event
+        self.landed = event is None   # known complete: later checks make no CUDA call
 
     def ready(self) -> bool:
         """Whether the copy has landed (never blocks)."""
-        return self.event is None or self.event.query()
+        if not self.landed:
+            self.landed = self.event.query()
+        return self.landed
 
     def wait(self) -> np.ndarray:
-        """Block until the copy has landed; the values as a numpy array (a view of ``host``)."""
-        if self.event is not None:
+        """Block until the copy has landed; the values as a numpy array (a view of ``host``).
+        A second wait (or one after :meth:`ready` saw it land) makes no CUDA call."""
+        if not self.landed:
             self.event.synchronize()
+            self.landed = True
         return self.host.numpy()
 
 

@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
-# Issue #27 (mirror validation: its cost) on one H200, about 5 minutes (timeouts sum to 330 s;
+# Issue #27 (mirror validation: its cost) on one H200, about 3 minutes (timeouts sum to 415 s;
 # the most important parts first):
 # 1. a rank's validation per step at 128 and 256 decode rows, off / on / before (the check as of
-#    9fb95f0, runtime/bench/mirror_before.py) alternated in one run (python -m runtime.bench mirror);
+#    BEFORE_REV, default 4e816c2: runtime/worker/mirror_check.py and token_check.py read from git,
+#    or from $BEFORE_DIR where the tree has no .git: extract them there beforehand with
+#    `git show 4e816c2:runtime/worker/mirror_check.py > DIR/mirror_check.py` and the same for
+#    token_check.py) alternated in one run (python -m runtime.bench mirror);
 # 2. the CUDA tests: block ids shifted on rank 1 / rank 0 / the middle rank at PP=3, both table
-#    copies wrong, a fault in each validated field, all caught within one step naming rank and
-#    slot (tests/gpu/test_gpu_mirror_state_faults.py), the async check's own tests, digests;
+#    copies wrong, a fault in each validated field (also on the last rank, whose check rides on
+#    its result copy), all caught within one step naming rank and slot
+#    (tests/gpu/test_gpu_mirror_state_faults.py), the async check's own tests, digests;
 # 3. the engine (PP=1, SmolLM2-135M shape, random weights; bf16, CUDA graphs) with
 #    --validate-mirrors every vs off: two engines (256 slots) taking turns, order alternating per
-#    round, at 128 and 256 concurrent requests (python -m runtime.bench pp --overheads
-#    --overheads-of mirror_validation --overheads-concurrency 128,256): throughput, busy and
-#    worker-CPU seconds per step, on / off per round (median, min, max);
-# 4. the model-free loop on the host CPU (python -m runtime.bench mirror --device cpu).
+#    round, at 128 and 256 concurrent requests, 24 rounds of 128 tokens (python -m runtime.bench
+#    pp --overheads --overheads-of mirror_validation --overheads-concurrency 128,256):
+#    throughput, busy and worker-CPU seconds per step, on / off per round (median, min, max);
+# 4. the model-free loop on the host CPU (python -m runtime.bench mirror --device cpu);
+# 5. three speculative-decoding CUDA tests (the last rank's token mirror with drafts, PP=1 and 2).
 # Writes under $OUT (default ./device-out): mirror-tests.log, mirror-bench.log,
 # mirror-micro-{gpu,cpu}.json, pp-mirror.json, mirror-summary.json.
-# Usage: benchmarks/device/mirror.sh [OUTDIR]
+# Usage: [BEFORE_DIR=DIR] [BEFORE_REV=REV] benchmarks/device/mirror.sh [OUTDIR]
 set -u
 out=${1:-${OUT:-device-out}}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -22,8 +27,10 @@ mkdir -p "$out"
 log="$out/mirror-bench.log"
 python3 -c "import torch; print('cuda', torch.cuda.is_available(), torch.cuda.device_count())" | tee "$log"
 
-timeout 40 python3 -m runtime.bench mirror --rows 128,256 --device cuda --steps 30 --rounds 7 \
-  --json-out "$out/mirror-micro-gpu.json" >> "$log" 2>&1
+before=(--before-rev "${BEFORE_REV:-4e816c2}")
+[ -n "${BEFORE_DIR:-}" ] && before+=(--before-dir "$BEFORE_DIR")
+timeout 50 python3 -m runtime.bench mirror --rows 128,256 --device cuda --steps 30 --rounds 9 \
+  "${before[@]}" --json-out "$out/mirror-micro-gpu.json" >> "$log" 2>&1
 echo "micro rc=$?" | tee -a "$log"
 
 timeout 70 python3 -m pytest -p no:cacheprovider -q -rs --durations=15 \
@@ -36,14 +43,15 @@ tail -4 "$out/mirror-tests.log"
 folder=/tmp/smollm2-random
 [ -d $folder ] || timeout 30 python3 -m runtime.bench.model_folder --shape smollm2-135m \
   --out $folder >> "$log" 2>&1
-timeout 170 python3 -m runtime.bench pp --pp 1 --workload none --overheads \
-  --overheads-of mirror_validation --overheads-concurrency 128,256 --repeats 10 \
-  --overheads-warmup 1 --num-requests 128 --max-num-seqs 256 --max-tokens 256 \
+timeout 150 python3 -m runtime.bench pp --pp 1 --workload none --overheads \
+  --overheads-of mirror_validation --overheads-concurrency 128,256 --repeats 24 \
+  --overheads-warmup 2 --num-requests 128 --max-num-seqs 256 --max-tokens 128 \
   --max-model-len 384 --max-num-batched-tokens 8192 --max-prefill-chunk 4096 \
   --model $folder --device cuda --dtype bfloat16 --json-out "$out/pp-mirror.json" \
   2>&1 | grep -v -i -E "warn|loading" >> "$log"
-timeout 20 python3 -m runtime.bench mirror --rows 128,256 --device cpu --steps 30 --rounds 4 \
-  --json-out "$out/mirror-micro-cpu.json" >> "$log" 2>&1
+echo "engine rc=${PIPESTATUS[0]}" | tee -a "$log"
+timeout 25 python3 -m runtime.bench mirror --rows 128,256 --device cpu --steps 30 --rounds 4 \
+  "${before[@]}" --json-out "$out/mirror-micro-cpu.json" >> "$log" 2>&1
 
 python3 - "$out" <<'PY' | tee -a "$log"
 import json, statistics, sys
@@ -57,7 +65,7 @@ for name in ("mirror-micro-gpu", "mirror-micro-cpu"):
                                              "validation_us_per_step", "on_over_off",
                                              "before_validation_us_per_step", "before_over_off",
                                              "check_us_per_step", "before_check_us_per_step",
-                                             "before_us_per_step_on",
+                                             "before_us_per_step_on", "post_step_us_off",
                                              "pieces_us")
                           if k in r}
                          for r in json.loads(f.read_text())["results"]["results"]]
@@ -70,3 +78,7 @@ if f.exists():
 (out / "mirror-summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 print(json.dumps(summary, indent=1)[:3000])
 PY
+timeout 90 python3 -m pytest -p no:cacheprovider -q -x tests/gpu/test_gpu_spec_decode.py \
+  -k "2-1-False or 3-2-True or planted" >> "$out/mirror-tests.log" 2>&1
+echo "spec pytest rc=$?" | tee -a "$log"
+tail -2 "$out/mirror-tests.log"

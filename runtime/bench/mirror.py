@@ -10,17 +10,21 @@ the after-step check (on CUDA :class:`~runtime.worker.mirror_check.AsyncMirrorCh
 values copied to the device, compared there with the device tables, one flag copied back; on the
 CPU ``DeviceState.validate``).
 
-Off, on and the check as it was before its per-step host cost was cut (main at 9fb95f0, frozen in
-:mod:`runtime.bench.mirror_before`: same coverage; on the CPU the token ids compared up to the
-longest live ``total_len``; reported as ``before_*``) alternate in one run (``--rounds`` triples of
-``--steps`` steps; CUDA: wall time, synchronised at the end of each block; CPU: process CPU time,
-one torch thread); reported per N: microseconds per step off and on (median over rounds), the
-validation's share ``on / off - 1`` and its microseconds per step (``on - off``, and the time spent
-inside the check calls themselves, ``check_us_per_step``: less exposed to the load of a shared
-machine; on CUDA it includes the wait for the previous step's copy), and each check timed alone on
-the final state (``pieces_us``, :func:`pieces`: the digest, the after-step check now and before);
-on the CPU also the microseconds of the check as it was before issue #27 (the mirror counters
-only), in the same run. The share of a whole
+Off, on and the check as it was at ``--before-rev`` (default 4e816c2, main before the last rank's
+check rode on its result copy; :mod:`runtime.worker.mirror_check` and
+:mod:`runtime.worker.token_check` read from git at run time, :mod:`runtime.bench.git_source`, or
+from ``--before-dir`` where the machine has no ``.git``; same coverage; reported as ``before_*``)
+alternate in one run (``--rounds`` triples of ``--steps`` steps; CUDA: wall time, synchronised at
+the end of each block; CPU: process CPU time, one torch thread). Every mode also does what the
+last rank does anyway: the copy of the step's sampled ids to the host (its result) and, after the
+next step was enqueued, the wait for it. Reported per N: microseconds per step off and on (median
+over rounds), the validation's share ``on / off - 1`` and its microseconds per step (``on - off``,
+and the time spent inside the post-step calls themselves beyond off's, ``check_us_per_step``:
+less exposed to the load of a shared machine; on CUDA it includes the wait for the previous
+step's copy), and each post-step part timed alone on the final state (``pieces_us``,
+:func:`pieces`: the digest, the result copy alone, the after-step check with it now and before);
+on the CPU (where only the token mirror differs from before) also the microseconds of the check
+as it was before issue #27 (the mirror counters only), in the same run. The share of a whole
 engine step is smaller by the model's time (the engine on / off ratio: ``runtime.bench pp
 --overheads``). ``--json-out F`` writes the results (kind ``mirror-validation``).
 """
@@ -37,18 +41,35 @@ import torch
 from ppstate.batch import NewRequest, SchedulerOutput
 from ppstate.block_digest import BlockDigests
 from ppstate.mirror import MIRROR_FIELDS
-from runtime.bench.mirror_before import BeforeCheck, BeforeTokens
+from runtime.bench.git_source import SourceUnavailable, load_module
 from runtime.bench.results import subcommand_line, write_result
+from runtime.host_copy import HostCopy
 from runtime.worker.device_state import DeviceState
 from runtime.worker.mirror_check import AsyncMirrorCheck
 
 BLOCK = 16
+BEFORE_REV = "4e816c2"
+
+
+def before_classes(rev: str, src_dir: str | None = None) -> tuple[type, type]:
+    """``(AsyncMirrorCheck, TokenMirror)`` as they were at ``rev`` (``src_dir``: a folder holding
+    ``mirror_check.py`` and ``token_check.py`` extracted from it instead).
+
+    Raises:
+        SourceUnavailable: git, the commit or a file is absent (the message says how to extract
+            them).
+    """
+    mc = load_module(rev, "runtime/worker/mirror_check.py", f"_mirror_check_at_{rev}", src_dir)
+    tc = load_module(rev, "runtime/worker/token_check.py", f"_token_check_at_{rev}", src_dir)
+    return mc.AsyncMirrorCheck, tc.TokenMirror
 
 
 class RankLoop:
     """One rank's per-step state work for ``rows`` decode rows (no model)."""
 
-    def __init__(self, rows: int, device: torch.device, prompt_len: int, max_model_len: int) -> None:
+    def __init__(self, rows: int, device: torch.device, prompt_len: int, max_model_len: int,
+                 before: tuple[type, type] | None = None) -> None:
+        """``before``: :func:`before_classes` (None: no ``"before"`` mode)."""
         self.n, self.device = rows, device
         self.state = DeviceState(rows, max_model_len, 1, device, rank=0, block_size=BLOCK)
         self.state.add_requests([NewRequest(f"r{s}", s, tuple(range(100, 100 + prompt_len)),
@@ -68,10 +89,14 @@ class RankLoop:
                                    self.slots.astype(np.int64), self.tokens.copy())
         cuda = device.type == "cuda"
         self.check = AsyncMirrorCheck(self.state) if cuda else None
-        self.before = BeforeCheck(self.state) if cuda else None
+        self.before = self.before_tokens = None   # "before" blocks only
+        if before is not None:
+            self.before = before[0](self.state) if cuda else None
+            self.before_tokens = before[1](rows, max_model_len, device)
         self.token_mirror = self.state.track_tokens()   # the token-id check: "on" blocks only
-        self.before_tokens = BeforeTokens(rows, max_model_len, device)   # "before" blocks only
         self.state.tokens = None
+        self.copies = HostCopy(device)   # the last rank's result copy (every mode)
+        self.held_copy = None   # the previous step's result copy, waited after the next step
         self.clock = time.perf_counter if device.type == "cuda" else time.process_time
         self.check_s = 0.0   # time spent inside the validation calls (both kinds), summed
         self.step_no = 0
@@ -95,8 +120,8 @@ class RankLoop:
 
     def step(self, validate: bool | str) -> None:
         """One decode step of every row (what the worker does besides the model). ``validate``:
-        False, True (everything), ``"before"`` (everything, as before the host cost was cut:
-        :mod:`runtime.bench.mirror_before`) or ``"counters"`` (CPU: only the mirror counters'
+        False, True (everything), ``"before"`` (everything, as at the before revision:
+        :func:`before_classes`) or ``"counters"`` (CPU: only the mirror counters'
         check, as before issue #27: the stacked read, ``CpuMirror.validate`` and
         ``validate_blocks``)."""
         self._grow(self.tokens + 1)
@@ -111,35 +136,44 @@ class RankLoop:
         slots64 = self.slots.astype(np.int64)
         st.apply_scheduled(self.slots_t, self.ones_t, slots64, np.ones(self.n, dtype=np.int64))
         st.apply_sampled(self.slots_t, self.sampled, self.ones_t, self.zeros_t, slots64,
-                         np.zeros(self.n, dtype=np.int64), np.ones(self.n, dtype=np.int64))
+                         np.zeros(self.n, dtype=np.int64), np.ones(self.n, dtype=np.int64),
+                         tokens_later=validate is True and self.check is not None)
         self.tokens += 1
         t0 = self.clock()
-        if validate == "counters":
-            live = st.live_slots()
-            dev = torch.stack([getattr(st, f) for f in MIRROR_FIELDS]).cpu().numpy()
-            st.mirror.validate(dev, live, self.step_no, owners=st.owner)
-            st.mirror.validate_blocks(BLOCK, live, self.step_no, owners=st.owner)
-        elif validate:
-            self.after_step(validate, self.step_no)
+        self.tail(validate, self.step_no)
         self.check_s += self.clock() - t0
         self.step_no += 1
 
-    def after_step(self, validate: bool | str, step: int) -> None:
-        """The after-step check of ``step``: now (True) or before (``"before"``)."""
+    def tail(self, validate: bool | str, step: int) -> None:
+        """What follows a step's post-update on the last rank: the after-step check of
+        ``validate`` (:meth:`after_step`), the result copy, and the wait for the previous
+        step's copy (the worker's flush, after the next step was enqueued)."""
+        copy = self.after_step(validate, step)
+        prev, self.held_copy = self.held_copy, copy
+        if prev is not None:
+            prev.wait()
+
+    def after_step(self, validate: bool | str, step: int):
+        """The after-step check of ``step`` (off: none; True: now, riding on the result copy on
+        CUDA; ``"before"``: as at the before revision; ``"counters"``: CPU, the mirror counters
+        only) and the result copy; returns the copy (a PendingCopy)."""
         st = self.state
-        if self.check is not None:
-            (self.check if validate is True else self.before).snapshot(step)
-        elif validate is True:
+        if validate == "counters":
+            live = st.live_slots()
+            dev = torch.stack([getattr(st, f) for f in MIRROR_FIELDS]).cpu().numpy()
+            st.mirror.validate(dev, live, step, owners=st.owner)
+            st.mirror.validate_blocks(BLOCK, live, step, owners=st.owner)
+        elif validate and self.check is None:
             st.validate(step)
-        else:   # the CPU check before: the token ids compared up to the longest live total_len
-            tokens, st.tokens = st.tokens, None
-            try:
-                st.validate(step)
-            finally:
-                st.tokens = tokens
-            t = int(st.total_len_np[st.live_slots()].max())
-            if not np.array_equal(st.all_token_ids.numpy()[:, :t], tokens.ids_np[:, :t]):
-                raise AssertionError("token ids differ in the benchmark's healthy loop")
+        elif validate == "before":
+            self.before.snapshot(step)
+        elif validate:
+            self.check.snapshot(step, later=True)
+        copy = self.copies.start(self.sampled)
+        if validate is True and self.check is not None:
+            st.tokens.attach(copy.host)
+            self.check.share(copy)
+        return copy
 
     def use(self, validate: bool | str) -> None:
         """Install the token mirror of mode ``validate`` (none when off), from the device's ids."""
@@ -148,15 +182,20 @@ class RankLoop:
         if validate is True:
             st.tokens = self.token_mirror
         elif validate == "before":
+            if self.before_tokens is None:
+                raise ValueError("RankLoop built without before classes: no 'before' mode")
             st.tokens = self.before_tokens
         if st.tokens is not None:
             st.tokens.resync(st.all_token_ids)
 
     def finish(self) -> None:
-        """Compare what is still pending (CUDA)."""
-        if self.check is not None:
-            self.check.poll(block=True)
-            self.before.poll(block=True)
+        """Compare what is still pending (CUDA) and wait for the last result copy."""
+        for check in (self.check, self.before):
+            if check is not None:
+                check.poll(block=True)
+        if self.held_copy is not None:
+            self.held_copy.wait()
+            self.held_copy = None
 
     def block(self, steps: int, validate: bool | str) -> float:
         """Seconds per step of ``steps`` steps: wall time on CUDA (synchronised at the end),
@@ -181,17 +220,20 @@ class RankLoop:
 
 
 def pieces(loop: RankLoop, calls: int = 300, repeats: int = 5) -> dict:
-    """Microseconds per call of each check alone on the loop's current state (no state change
-    between calls: the healthy path), now and before, interleaved; the minimum over ``repeats``
-    (the least disturbed by a shared machine's load). ``digest``: the block-id digest check
-    (the same code in both modes)."""
+    """Microseconds per call of each post-step part alone on the loop's current state (no state
+    change between calls: the healthy path), interleaved; the minimum over ``repeats`` (the least
+    disturbed by a shared machine's load). ``digest``: the block-id digest check (the same code in
+    both modes); ``result_copy``: the result copy and the wait for the previous one alone (off);
+    ``after_step_now`` / ``after_step_before``: the after-step check with them (:meth:`RankLoop.tail`),
+    so the check's own cost is the difference to ``result_copy``."""
     st, step = loop.state, loop.step_no
     out = SchedulerOutput(step, (), loop.slots, np.ones(loop.n, dtype=np.int32),
                           loop.tokens.astype(np.int32), np.ones(loop.n, dtype=bool),
                           block_digests=loop.digests.of(loop.slots))
     fns = {"digest": (False, lambda: st.check_block_digests(out)),
-           "after_step_now": (True, lambda: loop.after_step(True, step)),
-           "after_step_before": ("before", lambda: loop.after_step("before", step))}
+           "result_copy": (False, lambda: loop.tail(False, step)),
+           "after_step_now": (True, lambda: loop.tail(True, step)),
+           "after_step_before": ("before", lambda: loop.tail("before", step))}
     best = {k: float("inf") for k in fns}
     for _ in range(repeats):
         for k, (mode, f) in fns.items():
@@ -204,15 +246,19 @@ def pieces(loop: RankLoop, calls: int = 300, repeats: int = 5) -> dict:
     return {k: 1e6 * v for k, v in best.items()}
 
 
-def measure(rows: int, device: str, steps: int, rounds: int, prompt_len: int) -> dict:
-    """Off / on alternated ``rounds`` times at ``rows`` rows (module docstring)."""
+def measure(rows: int, device: str, steps: int, rounds: int, prompt_len: int,
+            before_cls: tuple[type, type]) -> dict:
+    """Off / on / before alternated ``rounds`` times at ``rows`` rows (module docstring;
+    ``before_cls``: :func:`before_classes`)."""
     max_model_len = prompt_len + (4 * rounds + 2) * steps + 2 * BLOCK
-    loop = RankLoop(rows, torch.device(device), prompt_len, max_model_len)
+    loop = RankLoop(rows, torch.device(device), prompt_len, max_model_len, before_cls)
     loop.block(steps, True)                     # warm-up (allocations, first kernels)
     loop.block(steps, "before")
     off, on, before, counters, inside_on, inside_before = [], [], [], [], [], []
+    inside_off = []
     for _ in range(rounds):
         off.append(loop.block(steps, False))
+        inside_off.append(loop.inside_s)
         on.append(loop.block(steps, True))
         inside_on.append(loop.inside_s)
         before.append(loop.block(steps, "before"))
@@ -228,8 +274,11 @@ def measure(rows: int, device: str, steps: int, rounds: int, prompt_len: int) ->
            "before_validation_us_per_step": 1e6 * (statistics.median(before) -
                                                    statistics.median(off)),
            "before_over_off": statistics.median([b / a for a, b in zip(off, before)]),
-           "check_us_per_step": 1e6 * statistics.median(inside_on),
-           "before_check_us_per_step": 1e6 * statistics.median(inside_before),
+           "check_us_per_step": 1e6 * (statistics.median(inside_on) -
+                                       statistics.median(inside_off)),
+           "before_check_us_per_step": 1e6 * (statistics.median(inside_before) -
+                                              statistics.median(inside_off)),
+           "post_step_us_off": 1e6 * statistics.median(inside_off),
            "steps_per_block": steps, "rounds": rounds}
     res["pieces_us"] = pieces(loop)
     if counters:   # the check before issue #27 (mirror counters only), same run
@@ -246,6 +295,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=100, help="steps per timed block")
     p.add_argument("--rounds", type=int, default=5, help="off / on pairs")
     p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--before-rev", default=BEFORE_REV,
+                   help="git revision whose mirror_check.py / token_check.py are 'before'")
+    p.add_argument("--before-dir", default=None,
+                   help="folder with mirror_check.py and token_check.py of --before-rev, "
+                        "extracted beforehand (a machine without the repository's .git)")
     p.add_argument("--json-out", default=None)
     return p
 
@@ -259,21 +313,25 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--rows must be a comma list of integers, got {args.rows!r}")
     if min(rows) < 1 or args.steps < 1 or args.rounds < 1:
         p.error("--rows, --steps and --rounds must be >= 1")
+    try:
+        before_cls = before_classes(args.before_rev, args.before_dir)
+    except SourceUnavailable as exc:
+        p.error(f"cannot load the 'before' check: {exc}")
     if args.device == "cpu":
         torch.set_num_threads(1)
     results = []
     for n in rows:
-        r = measure(n, args.device, args.steps, args.rounds, args.prompt_len)
+        r = measure(n, args.device, args.steps, args.rounds, args.prompt_len, before_cls)
         results.append(r)
         before = (f", counters only {r['counters_only_us_per_step']:.1f} us"
                   if "counters_only_us_per_step" in r else "")
         print(f"rows {n:4d} on {args.device}: off {r['us_per_step_off']:.1f} us/step, on "
               f"{r['us_per_step_on']:.1f} us/step (validation {r['validation_us_per_step']:.1f} "
-              f"us{before}, on/off {r['on_over_off']:.3f}; before (9fb95f0): validation "
+              f"us{before}, on/off {r['on_over_off']:.3f}; before ({args.before_rev}): validation "
               f"{r['before_validation_us_per_step']:.1f} us, on/off {r['before_over_off']:.3f}); "
-              f"inside the check calls: {r['check_us_per_step']:.1f} us now, "
+              f"inside the post-step calls beyond off's: {r['check_us_per_step']:.1f} us now, "
               f"{r['before_check_us_per_step']:.1f} us before", flush=True)
-        print("  each check alone (us per call): " +
+        print("  each part alone (us per call): " +
               ", ".join(f"{k} {v:.1f}" for k, v in r["pieces_us"].items()), flush=True)
     if args.json_out:
         write_result(args.json_out, "mirror-validation", {"results": results}, vars(args),

@@ -149,10 +149,11 @@ class DeviceState:
     def apply_sampled(self, idx_mapping: torch.Tensor, sampled: torch.Tensor,
                       num_sampled: torch.Tensor, num_rejected: torch.Tensor,
                       idx_mapping_np: np.ndarray, num_rejected_np: np.ndarray,
-                      num_sampled_np: np.ndarray) -> None:
+                      num_sampled_np: np.ndarray, tokens_later: bool = False) -> None:
         """Sampled phase: write ids, advance ``total_len``, subtract rejected; ``-1`` rows skipped
         (``*_np``: ``[num_rows]`` host copies of the row arrays; ``num_sampled_np`` advances the
-        host copy of ``total_len``)."""
+        host copy of ``total_len``). ``tokens_later``: the token mirror makes no copy of
+        ``sampled``; the caller attaches its own host copy (``TokenMirror.record(later=True)``)."""
         post_update_sampled(idx_mapping, sampled.contiguous(), num_sampled.contiguous(),
                             num_rejected.contiguous(),
                             self.last_sampled_tokens, self.all_token_ids, self.total_len,
@@ -160,8 +161,11 @@ class DeviceState:
         self.mirror.apply_rejected(idx_mapping_np, num_rejected_np)
         keep = idx_mapping_np >= 0
         if self.tokens is not None:   # the ids land in the host copy once copied
-            self.tokens.record(sampled, idx_mapping_np,
-                               self.total_len_np[np.where(keep, idx_mapping_np, 0)], num_sampled_np)
+            start = self.total_len_np[np.where(keep, idx_mapping_np, 0)]
+            if tokens_later:
+                self.tokens.record(sampled, idx_mapping_np, start, num_sampled_np, later=True)
+            else:
+                self.tokens.record(sampled, idx_mapping_np, start, num_sampled_np)
         self.total_len_np[idx_mapping_np[keep]] += num_sampled_np[keep]   # a step's slots are distinct
 
     def live_slots(self) -> np.ndarray:

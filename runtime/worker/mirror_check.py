@@ -25,9 +25,16 @@ does the check copy the step's snapshot (which stays on the device, double-buffe
 and its expected values back and look field by field over the live slots
 (``state_check.compare``), then at the block counts, to raise
 :class:`~ppstate.errors.MirrorDivergence` naming rank, step, slot, request, field and both values,
-exactly as the synchronous check does. ``runtime/bench/mirror_before.py`` keeps the version before
-the per-step host cost was cut (block counts tested on the host, new views and events each step)
-for the benchmark.
+exactly as the synchronous check does.
+
+On the last rank (:meth:`~runtime.worker.runner.StageRunner.result`) the snapshot rides on the
+step's result copy, which the rank makes anyway: ``snapshot(step, later=True)`` enqueues the
+check's device work just before that copy and records no event, :meth:`share` hands over the
+copy's :class:`~runtime.host_copy.PendingCopy` (its event completes after the check's copies;
+the worker's wait for the result and the check's wait are one ``cudaEventSynchronize`` between
+them), and the token mirror takes the sampled ids from the copy's host buffer
+(``TokenMirror.record(later=True)`` / ``attach``) instead of copying them itself. ``python -m
+runtime.bench mirror`` measures this against an older revision of this module read from git.
 
 On the CPU (no events) every operation runs at once and the comparison is immediate.
 
@@ -68,6 +75,23 @@ class _Pending:
     size: int = 0                  # int32 words of the flat layout
     tag: int = -1                  # TokenMirror tag: its writes recorded before this snapshot
     verdict: tuple[bool, str | None] | None = None   # (ok, message) once compared
+    copy: object | None = None     # a PendingCopy whose event stands for this snapshot's (share)
+    awaiting: bool = False         # snapshot(later=True) before its share()
+
+    def landed(self) -> bool:
+        """Whether the snapshot's copies have landed (never blocks)."""
+        if self.awaiting:
+            return False
+        if self.copy is not None:
+            return self.copy.ready()
+        return self.event is None or self.event.query()
+
+    def wait(self) -> None:
+        """Block until the snapshot's copies have landed."""
+        if self.copy is not None:
+            self.copy.wait()
+        elif self.event is not None:
+            self.event.synchronize()
 
 
 class AsyncMirrorCheck:
@@ -100,6 +124,7 @@ class AsyncMirrorCheck:
         self._views: dict[tuple[int, int], tuple] = {}   # (buffer, size) -> unpack views, graph
         self.pending: list[_Pending] = []
         self._error: MirrorDivergence | None = None   # found while recording, raised next
+        self._unshared: _Pending | None = None   # a snapshot(later=True) waiting for share()
         self.checked_steps = 0
         self.use_graphs = self._pin
         self._graphed_tokens = None   # the TokenMirror whose digests the graphs compute
@@ -162,9 +187,16 @@ class AsyncMirrorCheck:
         self.exp_dev = torch.empty(2, size, dtype=torch.int32, device=dev)
         self.snap_dev = torch.empty(2, size, dtype=torch.int32, device=dev)
 
-    def snapshot(self, step: int) -> None:
+    def snapshot(self, step: int, later: bool = False) -> None:
         """Start the check of ``step`` (call after the step's post-update was issued). Finishes
         the previous step's check first (blocking on its flag if still in flight).
+
+        Args:
+            later: CUDA only: record no event; the caller enqueues a device-to-host copy right
+                after and hands its :class:`~runtime.host_copy.PendingCopy` to :meth:`share`
+                before the next snapshot or poll (the last rank: the step's result copy, whose
+                event then covers the check's copies too, and whose wait the engine makes
+                anyway).
 
         Raises:
             MirrorDivergence: from the previous step's (or, on CPU, this step's) comparison.
@@ -197,20 +229,30 @@ class AsyncMirrorCheck:
             state_check.host_flat(st, cols, self.exp_np[k, :size], bl)
             self._enqueue(k, size, cols, bl)
         event = None
-        if self._pin:   # buffer k's previous snapshot was compared (poll above): its event too
+        if self._pin and not later:   # buffer k's previous snapshot was compared (poll above)
             event = self._events[k]
             event.record()
-        p = _Pending(step, k, live, list(st.owner), event, cols, bl, size)
+        p = _Pending(step, k, live, list(st.owner), event, cols, bl, size,
+                     awaiting=self._pin and later)
+        self._unshared = p if p.awaiting else None
         if st.tokens is not None:
             p.tag, st.tokens.tag = st.tokens.tag, st.tokens.tag + 1
         self.pending.append(p)
         if self.sink.enabled:
             values = st.mirror.num_computed_tokens_np[live].tolist()
-            self.sink.emit_when(lambda: p.verdict is not None or p.event is None
-                                or p.event.query(), "mirror.check", step, self.rank,
+            self.sink.emit_when(lambda: p.verdict is not None or p.landed(),
+                                "mirror.check", step, self.rank,
                                 lambda: self._check_fields(p, values))
-        if event is None:
+        if not self._pin:
             self.poll(block=True)
+
+    def share(self, copy) -> None:
+        """The copy (:class:`~runtime.host_copy.PendingCopy`) enqueued right after a
+        ``snapshot(..., later=True)``: its landing stands for the snapshot's. No-op when no
+        snapshot waits for one (none was taken: no live slot, or on the CPU)."""
+        p, self._unshared = self._unshared, None
+        if p is not None:
+            p.copy, p.awaiting = copy, False
 
     def _check_fields(self, p: _Pending, values: list[int]) -> dict:
         """The ``mirror.check`` event's fields of ``p``, compared now if its copy landed but no poll
@@ -236,12 +278,13 @@ class AsyncMirrorCheck:
         if self._error is not None:
             err, self._error = self._error, None
             raise err
+        if self._unshared is not None:
+            raise RuntimeError("mirror check: snapshot(later=True) without share()")
         while self.pending:
             p = self.pending[0]
-            if p.event is not None:
-                if not block and until is None and not p.event.query():
-                    return
-                p.event.synchronize()
+            if not block and until is None and not p.landed():
+                return
+            p.wait()
             self.pending.pop(0)
             self._compare(p)
             if p is until:

@@ -117,6 +117,8 @@ class StageRunner:
         self._sampled: SampledPayload | None = None  # the payload this rank just sampled
         self.timing = StepTiming()
         self.running_step = -1   # the step being run (its consumes may be of skipped numbers)
+        self._snapped = -1       # the last step whose mirror snapshot result() took (last rank)
+        self._tokens_later = False   # apply_sampled left the token mirror's ids to result()
         self.spec = spec
         self.grammar = grammar
         self.verify_graphs = verify_graphs
@@ -150,11 +152,17 @@ class StageRunner:
         self.timing = StepTiming()
         self.running_step = out.step
 
+    def _validating(self, step: int) -> bool:
+        """Whether step ``step`` validates the mirrors (``validate_every``)."""
+        return bool(self.validate_every) and step % self.validate_every == 0
+
     def end_step(self, out: SchedulerOutput) -> None:
-        if self.validate_every and out.step % self.validate_every == 0:
+        if self._validating(out.step):
             if self.grammar is not None:
                 self.grammar.validate(self.state, out.step, self.g.rank)
-            if self.mirror_check is not None:
+            if self._snapped == out.step:
+                pass   # the last rank's snapshot went with its result copy (result)
+            elif self.mirror_check is not None:
                 self.mirror_check.snapshot(out.step)   # compared when its copy lands
             else:
                 self._validate(out.step)
@@ -238,8 +246,14 @@ class StageRunner:
         else:
             counts = p.buf[:, -2:].cpu().numpy()     # [num_rows, 2]: num_sampled, num_rejected
             sampled_np, rejected_np = counts[:, 0].copy(), counts[:, 1].copy()
+        # the last rank's own ids reach the host anyway (its result copy): the token mirror
+        # takes them from there (result) instead of copying them itself
+        later = (payload is self._sampled and self.mirror_check is not None
+                 and self.state.tokens is not None)
+        self._tokens_later = later
         self.state.apply_sampled(idx, p.token_ids, p.num_sampled, p.num_rejected,
-                                 idx_mapping.astype(np.int64), rejected_np, sampled_np)
+                                 idx_mapping.astype(np.int64), rejected_np, sampled_np,
+                                 tokens_later=later)
 
     def publish(self, out: SchedulerOutput, mask: np.ndarray | None,
                 payload: SampledPayload) -> None:
@@ -269,7 +283,16 @@ class StageRunner:
             z = np.zeros(0, dtype=np.int32)
             return PendingResult.completed(
                 StepResult(out.step, np.zeros((0, w), dtype=np.int64), z, z.copy()))
+        snap = self.mirror_check is not None and self._validating(out.step)
+        if snap:   # enqueued before the result copy, whose event then covers it (no own event)
+            self.mirror_check.snapshot(out.step, later=True)
+            self._snapped = out.step
         copy = self.host_copy.start(payload.buf)    # non_blocking into pinned memory + an event
+        if self._tokens_later:   # the ids the token mirror recorded in apply_sampled
+            self.state.tokens.attach(copy.host[:, :w])
+            self._tokens_later = False
+        if snap:
+            self.mirror_check.share(copy)
         return PendingResult(out.step, w, copy, self._logprobs, self.timing.busy_s,
                              self._prompt_lps)
 

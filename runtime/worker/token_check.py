@@ -35,6 +35,13 @@ from ppstate.errors import MirrorDivergence
 _MASK = (1 << 64) - 1
 
 
+class _Rows:
+    """Rows ``rows`` (``[R']``) of an attached host copy ``host`` ``[R, w]`` (the rows that write)."""
+
+    def __init__(self, host: torch.Tensor, rows: np.ndarray) -> None:
+        self.host, self.rows = host, rows
+
+
 def position_weights(n: int) -> np.ndarray:
     """``[n]`` uint64 odd weights ``V_0 .. V_{n-1}`` (splitmix64 of ``p + 2**32``, low bit set)."""
     out = np.empty(n, dtype=np.uint64)
@@ -65,15 +72,17 @@ class TokenMirror:
         self._w = position_weights(max_model_len)                    # [max_model_len] uint64
         self.weights = torch.from_numpy(self._w.view(np.int64).copy()).to(device)
         self.digest_np = np.zeros(max_num_reqs, dtype=np.uint64)       # [max_num_reqs]
-        self.pending: list[tuple] = []   # (tag, host ids [R, width], slots, pos, num, pinned)
+        self.pending: list[list] = []   # [tag, host ids [R, width], slots, pos, num, pinned]
         self._free: list[torch.Tensor] = []   # pinned [max_num_reqs, cols] buffers not in use
         self.tag = 0                     # snapshots started so far (a write's tag: the next one)
+        self._unattached: list | None = None   # a record(later=True) waiting for attach
 
     def resync(self, all_token_ids: torch.Tensor) -> None:
         """Start from the device's ids as they are (a device read; nothing may be pending)."""
         self.ids_np[:] = all_token_ids.cpu().numpy()
         self.digest_np[:] = (self.ids_np.view(np.uint64) * self._w).sum(axis=1, dtype=np.uint64)
         self.pending.clear()
+        self._unattached = None
 
     def admit(self, slot: int, ids: Sequence[int]) -> None:
         """The admission's write ``ids[slot, :len(ids)] = ids``."""
@@ -85,11 +94,18 @@ class TokenMirror:
         self.ids_np[slot, :m] = new
 
     def record(self, sampled: torch.Tensor, slots: np.ndarray, start: np.ndarray,
-               num: np.ndarray) -> None:
+               num: np.ndarray, later: bool = False) -> None:
         """The sampled post-update's writes: row ``r`` writes ``sampled[r, :num[r]]`` at positions
         ``start[r] ..`` (below ``max_model_len``) of slot ``slots[r]`` (``-1``: skipped). On
         CUDA the ids are copied now (non-blocking) into a pinned buffer reused once applied, and
-        applied by :meth:`drain`; the arrays are copied (the caller may reuse them)."""
+        applied by :meth:`drain`; the arrays are copied (the caller may reuse them).
+
+        Args:
+            later: CUDA only: make no copy; the caller hands over a pinned host copy of
+                ``sampled`` (``[R, >= 1]``, landed by the time the next snapshot's event has
+                completed) with :meth:`attach` before that snapshot is compared (the last rank:
+                the step's result copy, which it makes anyway).
+        """
         if slots.size and slots.min() >= 0 and num.min() > 0:   # every row writes (decode)
             rows = None
         else:
@@ -102,6 +118,11 @@ class TokenMirror:
             self._apply(sampled.numpy() if rows is None else sampled.numpy()[rows], slots, start,
                         num)
             return
+        if later:   # ids from the caller's copy (attach); rows kept to select them then
+            self.pending.append([self.tag, None, slots.astype(np.int64), start.astype(np.int64),
+                                 num.copy(), rows])
+            self._unattached = self.pending[-1]
+            return
         src = sampled
         if sampled.shape[1] > 1 and num.max() == 1:   # one id per row: copy column 0 only (#33)
             src = sampled = sampled[:, :1]
@@ -111,8 +132,19 @@ class TokenMirror:
         buf = self._pinned(src.shape[1])
         host = buf[:src.shape[0]]
         host.copy_(src, non_blocking=True)
-        self.pending.append((self.tag, host, slots.astype(np.int64), start.astype(np.int64),
-                             num.copy(), buf))
+        self.pending.append([self.tag, host, slots.astype(np.int64), start.astype(np.int64),
+                             num.copy(), buf])
+
+    def attach(self, host: torch.Tensor) -> None:
+        """The ids of the last ``record(..., later=True)``: ``host`` ``[R, >= 1]`` int64 pinned,
+        the sampled block as recorded (all its rows), valid once the copy enqueued before the
+        next snapshot's event has landed. No-op when nothing waits for ids."""
+        w = self._unattached
+        if w is None:
+            return
+        self._unattached = None
+        w[1] = host if w[5] is None else _Rows(host, w[5])
+        w[5] = None
 
     def _pinned(self, cols: int) -> torch.Tensor:
         """A pinned ``[max_num_reqs, cols]`` int64 buffer not in use: from the free list, or
@@ -130,14 +162,24 @@ class TokenMirror:
         if self.device.type == "cpu":
             self._apply(ids, *args)
         else:
-            self.pending.append((self.tag, ids, *args, None))
+            self.pending.append([self.tag, ids, *args, None])
 
     def drain(self, tag: int) -> None:
         """Apply the recorded writes of snapshots up to ``tag`` (their copies landed: each was
-        enqueued before that snapshot's event, which has completed)."""
+        enqueued before that snapshot's event, which has completed).
+
+        Raises:
+            RuntimeError: a ``record(..., later=True)`` whose ids were never attached.
+        """
         while self.pending and self.pending[0][0] <= tag:
             _, host, slots, start, num, buf = self.pending.pop(0)
-            self._apply(host if buf is None else host.numpy(), slots, start, num)
+            if host is None:
+                raise RuntimeError("token mirror: sampled ids recorded for later, never attached")
+            if isinstance(host, _Rows):
+                ids = host.host.numpy()[host.rows]
+            else:
+                ids = host.numpy() if isinstance(host, torch.Tensor) else host
+            self._apply(ids, slots, start, num)
             if buf is not None:
                 self._free.append(buf)   # its ids are in the host copy: reusable
 

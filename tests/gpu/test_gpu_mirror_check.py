@@ -103,3 +103,45 @@ def test_traced_checks_keep_their_place_and_record_the_verdict(device, tmp_path)
     assert [c["num_computed_tokens"] for c in checks[:3]] == [[2, 1, 3], [4, 2, 6], [6, 3, 9]]
     assert [c["ok"] for c in checks] == [True, True, True, False]
     assert checks[3]["message"] == str(info.value) and "num_computed_tokens" in checks[3]["message"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_check_riding_on_the_result_copy_catches_a_token_fault_within_one_step():
+    """The last rank's way (runner.result): the token mirror records its ids for later, the
+    snapshot records no event, then one result copy of the sampled ids is started, its host
+    buffer attached to the token mirror and its PendingCopy shared with the check. Clean steps
+    pass and make no copy / event of their own; a token id planted on the device is named within
+    one step, with both ids."""
+    from runtime.host_copy import HostCopy
+    st = _state("cuda")
+    tokens = st.track_tokens()
+    chk = AsyncMirrorCheck(st)
+    slots = np.array([1, 3, 6])
+    slots_t = torch.as_tensor(slots, device="cuda")
+    ones = torch.ones(3, dtype=torch.int64, device="cuda")
+    copies = HostCopy(torch.device("cuda"))
+
+    def step(n: int, planted: bool = False) -> None:
+        _step(st)
+        sampled = torch.tensor([[100 + n], [200 + n], [300 + n]], device="cuda")
+        st.apply_sampled(slots_t, sampled, ones, torch.zeros_like(ones), slots.astype(np.int64),
+                         np.zeros(3, dtype=np.int64), np.ones(3, dtype=np.int64),
+                         tokens_later=True)
+        if planted:
+            st.all_token_ids[3, 2] += 5           # device only: slot 3, position 2 (a prompt id)
+        chk.snapshot(n, later=True)
+        copy = copies.start(sampled)
+        tokens.attach(copy.host)
+        chk.share(copy)
+
+    for n in range(4):
+        step(n)
+    chk.poll(block=True)
+    assert chk.checked_steps == 4 and not tokens.pending and not tokens._free
+    assert tokens.ids_np[1, 6:10].tolist() == [100, 101, 102, 103]   # slot 1: 6 prompt ids
+    step(4, planted=True)
+    with pytest.raises(MirrorDivergence) as info:
+        step(5)                                   # step 4's check is compared here
+    e = info.value
+    assert (e.rank, e.step, e.slot, e.req_id, e.field) == (1, 4, 3, "r3", "all_token_ids[2]")
+    assert (e.cpu, e.device) == (2, 7)

@@ -46,3 +46,15 @@ def test_both_copies_wrong_caught_by_the_digest_on_cuda(cut):
 def test_fault_in_each_validated_field_on_cuda(cut, field, delta, named):
     err = plant_and_catch(start(cut(2), "cuda"), 0, (field, delta))
     assert err.field.startswith(named) and err.cpu != err.device, str(err)
+
+
+@pytest.mark.parametrize("field,delta,named", [
+    ("all_token_ids", 1, "all_token_ids["),
+    ("total_len", 1, "total_len"),
+    ("num_computed_tokens", 2, "num_computed_tokens"),
+])
+def test_fault_on_the_last_rank_on_cuda(cut, field, delta, named):
+    """The last rank's check rides on its result copy (snapshot before it, the token mirror's ids
+    taken from it, its event for the check's): still caught within one step, naming the field."""
+    err = plant_and_catch(start(cut(2), "cuda"), 1, (field, delta))
+    assert err.field.startswith(named) and err.cpu != err.device and err.rank == 1, str(err)
