@@ -4,7 +4,8 @@
 DIR is a run directory (``header.json`` + ``engine.jsonl`` + ``rank<N>.jsonl``) or a
 ``--trace-dir`` holding several: the newest run is replayed. Prints ``ok``, ``steps``, ``events``,
 ``first_divergence`` and ``invariant_violations`` (one JSON object with ``--json``); exits 0 when
-ok, 1 on a divergence or a violation, 2 when DIR holds no readable run or a flag is bad.
+ok, 1 on a divergence or a violation, 2 when DIR holds no readable run, a run replay cannot
+re-derive (a speculative run recorded without ``--trace-prompts``) or a flag is bad.
 
 Library use: :func:`replay` (``ppstate.replay.replayer``) returns a :class:`ReplayResult`.
 """
@@ -64,10 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--until: must be >= 0")
     try:
         run = load_run(ns.dir)
-    except (TraceError, OSError) as exc:
+        res = replay(run, until=ns.until)
+    except (TraceError, OSError) as exc:   # also UnreplayableTrace: refused before comparing
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    res = replay(run, until=ns.until)
     out = res.as_dict()
     if ns.explain is not None:
         from ppstate.replay.explain import explain, format_life

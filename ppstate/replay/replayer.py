@@ -17,11 +17,41 @@ from ppstate.codec import decode_output
 from ppstate.replay.compare import Divergence
 from ppstate.replay.engine import EngineReplay
 from ppstate.replay.rank import RankReplay, RankSetup
-from ppstate.trace.run import TraceRun, load_run
+from ppstate.trace.run import TraceError, TraceRun, load_run
 
 
 class ReplayFailure(AssertionError):
     """A replay found a divergence or an invariant violation (raised by ``assert_ok``)."""
+
+
+class UnreplayableTrace(TraceError):
+    """A readable run that replay cannot re-derive: it lacks inputs the recorded scheduler read
+    (the CLI's exit status 2, before any comparison)."""
+
+
+def refusal(run: TraceRun) -> str | None:
+    """Why replay cannot re-derive ``run``, or None.
+
+    A speculative run (``num_spec_tokens`` K > 0) with the scheduler's n-gram probe on
+    (``spec_probe_ngram`` n > 0) decides each decode row's drafts from the request's prompt ids
+    (:mod:`ppstate.speculative_probe`); arrivals recorded without them (no ``--trace-prompts``)
+    would give the replay scheduler stand-in prompts, other drafts and a false ``schedule``
+    divergence. Read from the header's ``scheduler`` and the arrivals, so traces written before
+    this check are judged the same way.
+    """
+    k = run.header.scheduler.get("num_spec_tokens", 0)
+    n = run.header.scheduler.get("spec_probe_ngram", 0)
+    if not (k and n):
+        return None
+    arrivals = [e for e in run.engine if e.get("kind") == "arrival"]
+    missing = sum(e.get("prompt_token_ids") is None for e in arrivals)
+    if not missing:
+        return None
+    return (f"{run.path}: cannot replay: recorded with --spec-tokens {k} and the n-gram probe on "
+            f"(--spec-probe-ngram {n}) but without --trace-prompts; the probe decides each "
+            f"step's drafts from the prompt token ids, which {missing} of the {len(arrivals)} "
+            f"arrivals lack, so replay would report a false divergence. Re-record with "
+            f"--trace-dir DIR --trace-prompts (or with --spec-probe-ngram 0)")
 
 
 @dataclass
@@ -93,8 +123,11 @@ def replay(path: str | Path | TraceRun, until: int | None = None) -> ReplayResul
 
     Raises:
         ppstate.trace.run.TraceError: the directory holds no readable run.
+        UnreplayableTrace: a run replay cannot re-derive (:func:`refusal` says why).
     """
     run = path if isinstance(path, TraceRun) else load_run(path)
+    if (why := refusal(run)) is not None:
+        raise UnreplayableTrace(why)
     outputs: dict[int, SchedulerOutput] = {}
     results: dict[int, dict] = {}
     for ev in run.engine:
