@@ -59,7 +59,7 @@ class ReplayResult:
     """Outcome of one replay (the CLI's JSON object).
 
     Attributes:
-        ok: no divergence and no invariant violation.
+        ok: no divergence, no invariant violation, and none recorded by the run's writer.
         steps: steps the scheduler replay re-derived (recorded ``schedule`` events matched).
         events: events read (all files of the run).
         first_divergence: the earliest divergence by (step, engine before ranks), or None.
@@ -67,6 +67,14 @@ class ReplayResult:
         run_dir: the run directory replayed; run_id, source: from its header.
         rank_steps: steps compared per rank file present.
         state: with ``until``: scheduler and PPHandler state after that step.
+        checked: what replay re-derived and compared, in words (the scheduler; each rank file
+            present, or why there is none).
+        recorded_violations: the violations the run's writer found itself (the simulator,
+            whose ranks are not in the trace; header ``recorded_violations``, up to ``until``),
+            each with ``refound``: whether replay's own checks found the same (invariant, step,
+            rank). None when the header records none (engine traces, older traces).
+        num_recorded_violations: the writer's count of them in all (it keeps the first ones).
+        repro: the header's command that re-runs the writer (the simulated ranks), or None.
     """
     ok: bool
     steps: int
@@ -78,13 +86,23 @@ class ReplayResult:
     source: str = ""
     rank_steps: dict[int, int] = field(default_factory=dict)
     state: dict[str, Any] | None = None
+    checked: str = ""
+    recorded_violations: list[dict] | None = None
+    num_recorded_violations: int | None = None
+    repro: str | None = None
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
         d["rank_steps"] = {str(k): v for k, v in self.rank_steps.items()}
-        if d["state"] is None:
-            del d["state"]
+        for key in ("state", "recorded_violations", "num_recorded_violations", "repro"):
+            if d[key] is None:
+                del d[key]
         return d
+
+    @property
+    def unrefound(self) -> list[dict]:
+        """Recorded violations that replay's own checks did not find again."""
+        return [v for v in self.recorded_violations or [] if not v["refound"]]
 
     def assert_invariants(self) -> None:
         """Raise :class:`ReplayFailure` when an invariant was violated (divergences ignored:
@@ -105,6 +123,8 @@ class ReplayResult:
                          f"recorded {d['recorded']} replayed {d['replayed']}")
         parts += [f"invariant {v['invariant']} at step {v['step']} rank {v['rank']}: {v['message']}"
                   for v in self.invariant_violations[:10]]
+        parts += [f"recorded by the {self.source}: invariant {v['invariant']} at step {v['step']} "
+                  f"rank {v['rank']}: {v['message']}" for v in self.unrefound[:10]]
         raise ReplayFailure(f"replay of {self.run_dir} failed:\n  " + "\n  ".join(parts))
 
 
@@ -159,12 +179,36 @@ def replay(path: str | Path | TraceRun, until: int | None = None) -> ReplayResul
         handlers[rank] = rr.handler
     first = min(divergences, key=Divergence.sort_key) if divergences else None
     violations = checker.violations
+    recorded = recorded_violations(run, violations, until)
     return ReplayResult(
-        ok=first is None and not violations, steps=engine.steps, events=run.num_events,
-        first_divergence=first.as_dict() if first else None, invariant_violations=violations,
-        run_dir=str(run.path), run_id=run.header.run_id, source=run.header.source,
-        rank_steps=rank_steps,
-        state=_state(engine, handlers) if until is not None else None)
+        ok=first is None and not violations and not recorded, steps=engine.steps,
+        events=run.num_events, first_divergence=first.as_dict() if first else None,
+        invariant_violations=violations, run_dir=str(run.path), run_id=run.header.run_id,
+        source=run.header.source, rank_steps=rank_steps,
+        state=_state(engine, handlers) if until is not None else None, checked=checked(run),
+        recorded_violations=recorded, num_recorded_violations=run.header.num_recorded_violations,
+        repro=run.header.repro)
+
+
+def checked(run: TraceRun) -> str:
+    """What replay re-derives and compares for ``run``, in words."""
+    ranks = sorted(run.ranks)
+    if ranks:
+        return (f"scheduler decisions (engine.jsonl) and ranks {', '.join(map(str, ranks))} "
+                f"(rank<N>.jsonl) of {run.header.pp_size}")
+    why = ("the simulated ranks are not recorded; the violations the simulator found are "
+           "listed as recorded" if run.header.source == "sim" else "no rank<N>.jsonl here")
+    return f"scheduler decisions (engine.jsonl) only: {why}"
+
+
+def recorded_violations(run: TraceRun, found: list[dict], until: int | None) -> list[dict] | None:
+    """The header's ``recorded_violations`` up to ``until``, each with ``refound``: whether
+    ``found`` (replay's own) holds the same (invariant, step, rank). None when not recorded."""
+    if run.header.recorded_violations is None:
+        return None
+    mine = {(v["invariant"], v["step"], v["rank"]) for v in found}
+    return [{**v, "refound": (v["invariant"], v["step"], v["rank"]) in mine}
+            for v in run.header.recorded_violations if until is None or v["step"] <= until]
 
 
 def _check_rest(run: TraceRun, engine: EngineReplay, checker: TraceOracle, d: Divergence,

@@ -16,16 +16,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ppstate.oracle.invariants import INVARIANT_NAMES, describe  # noqa: F401 (re-exported)
 from ppstate.replay.replayer import ReplayResult, replay as _replay
 from ppstate.replay.explain import explain as _explain
 from ppstate.trace.run import TraceRun, load_run
-
-#: titles of the invariants, numbered as in ``specs/invariants.md`` (DESIGN section 4 + KV)
-INVARIANT_NAMES = {
-    1: "collective matching", 2: "no stale application", 3: "exactly-once, in-order delivery",
-    4: "mirror agreement", 5: "cadence", 6: "liveness", 7: "budgets", 8: "KV completeness",
-    9: "KV blocks",
-}
 
 
 class InvariantViolation(AssertionError):
@@ -39,13 +33,6 @@ class InvariantViolation(AssertionError):
         self.divergence = divergence
         self.source = source
         super().__init__(format_failure(violations, source, divergence))
-
-
-def describe(v: dict) -> str:
-    """One line naming the invariant (number and title), the step and the rank of ``v``."""
-    n = v["invariant"]
-    where = f"step {v['step']}" + (f" rank {v['rank']}" if v.get("rank") is not None else "")
-    return f"invariant {n} ({INVARIANT_NAMES.get(n, '?')}) violated at {where}: {v['message']}"
 
 
 def format_failure(violations: list[dict], source: str, divergence: dict | None) -> str:
