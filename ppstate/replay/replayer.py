@@ -105,12 +105,14 @@ class ReplayResult:
         return [v for v in self.recorded_violations or [] if not v["refound"]]
 
     def assert_invariants(self) -> None:
-        """Raise :class:`ReplayFailure` when an invariant was violated (divergences ignored:
-        e.g. a trace recorded by an older version of the scheduler)."""
-        if self.invariant_violations:
+        """Raise :class:`ReplayFailure` when an invariant was violated, found by replay or
+        recorded by the run's writer (divergences ignored: e.g. a trace recorded by an older
+        version of the scheduler)."""
+        found = self.invariant_violations + self.unrefound   # + what the writer recorded
+        if found:
             raise ReplayFailure(f"replay of {self.run_dir}: " + "; ".join(
                 f"invariant {v['invariant']} at step {v['step']} rank {v['rank']}: {v['message']}"
-                for v in self.invariant_violations[:10]))
+                for v in found[:10]))
 
     def assert_ok(self) -> None:
         """Raise :class:`ReplayFailure` describing the first divergence / violations."""

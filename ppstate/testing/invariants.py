@@ -88,7 +88,9 @@ def _engine_run_dir(engine: Any) -> Path:
 
 
 def assert_invariants(target: Any, *, divergence_fails: bool = True) -> ReplayResult | None:
-    """Raise :class:`InvariantViolation` naming the first broken invariant and its step.
+    """Raise :class:`InvariantViolation` naming the first broken invariant and its step (for a
+    trace: replay's own findings and the violations its writer recorded that replay cannot
+    re-derive, e.g. a simulator trace's rank-side ones).
 
     Args:
         target: see the module docstring.
@@ -121,6 +123,8 @@ def assert_invariants(target: Any, *, divergence_fails: bool = True) -> ReplayRe
     else:
         raise TypeError(f"assert_invariants: cannot check a {type(target).__name__}")
     div = res.first_divergence if divergence_fails else None
-    if res.invariant_violations or div is not None:
-        raise InvariantViolation(res.invariant_violations, f"replay of {res.run_dir}", div)
+    found = res.invariant_violations + [  # and what the simulator recorded, not found again
+        {k: v for k, v in rec.items() if k != "refound"} for rec in res.unrefound]
+    if found or div is not None:
+        raise InvariantViolation(found, f"replay of {res.run_dir}", div)
     return res

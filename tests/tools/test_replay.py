@@ -176,6 +176,9 @@ def test_sim_violation_trace_replays_the_violation(tmp_path, monkeypatch, capsys
     got = {(v["invariant"], v["step"]) for v in res.invariant_violations if v["invariant"] == 5}
     assert want and got == want
     assert res.first_divergence["step"] <= min(s for _, s in want)
+    # the simulator's findings are in the trace; the scheduler-side ones replay found again
+    assert res.recorded_violations == [{**v, "refound": v["invariant"] == 5}
+                                       for v in sim["invariant_violations"]]
 
 
 def test_prefix_cache_hits_replay_without_prompt_ids(tmp_path):
