@@ -63,7 +63,8 @@ class ReplayResult:
         steps: steps the scheduler replay re-derived (recorded ``schedule`` events matched).
         events: events read (all files of the run).
         first_divergence: the earliest divergence by (step, engine before ranks), or None.
-        invariant_violations: ``{invariant, step, rank, message}`` per violation.
+        invariant_violations: ``{invariant, step, rank, message}`` per violation (plus
+            ``slot`` / ``req_id`` where the check knows them).
         run_dir: the run directory replayed; run_id, source: from its header.
         rank_steps: steps compared per rank file present.
         state: with ``until``: scheduler and PPHandler state after that step.

@@ -143,7 +143,8 @@ class SimPipeline:
         return self.sim.checker.closed.get(req_id)
 
     def violations(self) -> list[dict]:
-        """Invariant violations found so far (``{invariant, step, rank, message}``)."""
+        """Invariant violations found so far (``{invariant, step, rank, message}``, plus
+        ``slot`` / ``req_id`` where known)."""
         return [v.as_dict() for v in self.sim.checker.violations]
 
     def write_trace(self, trace_dir: str | Path) -> Path:
