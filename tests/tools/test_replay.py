@@ -276,3 +276,19 @@ def test_spec_trace_with_prompts_replays_clean(spec_recorded):
     steps = sum(e["kind"] == "schedule" for e in run.engine)
     assert res.steps == steps and res.rank_steps == {0: steps, 1: steps}
     assert all(e["prompt_token_ids"] is not None for e in run.engine if e["kind"] == "arrival")
+
+
+def test_engine_warns_when_its_spec_trace_will_not_replay(tmp_path, capsys):
+    from runtime.engine.trace import start_trace_run
+    cfg = EngineConfig(pp_size=2, num_spec_tokens=2, trace_dir=str(tmp_path))
+    start_trace_run(cfg)
+    assert capsys.readouterr().err == (
+        "warning: --spec-tokens 2 is traced without --trace-prompts: python -m ppstate.replay "
+        "will refuse this trace (the scheduler's n-gram probe, --spec-probe-ngram 3, reads the "
+        "prompt ids); add --trace-prompts to replay it\n")
+    for quiet in (cfg.model_copy(update={"trace_prompts": True}),
+                  EngineConfig(pp_size=2, num_spec_tokens=2, spec_probe_ngram=0,
+                               trace_dir=str(tmp_path)),
+                  EngineConfig(pp_size=2, trace_dir=str(tmp_path))):
+        start_trace_run(quiet)
+        assert capsys.readouterr().err == ""
