@@ -51,9 +51,7 @@ def _summary(res: ReplayResult) -> str:
         lines.append(f"  recorded: {_dumps(d['recorded'])}")
         lines.append(f"  replayed: {_dumps(d['replayed'])}")
         lines += [f"  before:   {_dumps(c)}" for c in d["context"]]
-    for v in res.invariant_violations:
-        lines.append(f"invariant {v['invariant']} violated at step {v['step']} rank {v['rank']}: "
-                     f"{v['message']}")
+    lines += [describe(v) for v in res.invariant_violations]   # found by replay itself
     lines += _recorded(res)
     if res.state is not None:
         lines.append(f"state after step {res.state['next_step'] - 1}: {json.dumps(res.state)}")
