@@ -201,7 +201,8 @@ class RunHeader(BaseModel):
             ones); None: the writer records none (the engine, traces written before them).
         num_recorded_violations: how many it found in all (``recorded_violations`` may hold
             fewer); None with ``recorded_violations``.
-        mutants: known-bad variants (``ppstate.mutants``) that were switched on.
+        mutants: known-bad variants (``ppstate.mutants``) that were switched on (simulator),
+            or None.
         repro: the command that re-runs the writer on the same inputs (the simulator's command
             line), or None.
     """
@@ -220,5 +221,10 @@ class RunHeader(BaseModel):
     files: list[str] = Field(default_factory=list)
     recorded_violations: list[dict[str, Any]] | None = None
     num_recorded_violations: int | None = None
-    mutants: list[str] = Field(default_factory=list)
+    mutants: list[str] | None = None
     repro: str | None = None
+
+
+#: header fields written only when set (not None): headers of writers that do not
+#: set them (the engine, the model checker) read exactly as before the fields existed
+OPTIONAL_HEADER_FIELDS = ("recorded_violations", "num_recorded_violations", "mutants", "repro")

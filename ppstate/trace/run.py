@@ -21,7 +21,7 @@ from typing import Any
 from ppstate.budget import SchedulerConfig
 from ppstate.errors import PPStateError
 from ppstate.events import read_jsonl
-from ppstate.trace.models import TRACE_FORMAT_VERSION, RunHeader
+from ppstate.trace.models import OPTIONAL_HEADER_FIELDS, TRACE_FORMAT_VERSION, RunHeader
 
 HEADER = "header.json"
 ENGINE_FILE = "engine.jsonl"
@@ -62,7 +62,9 @@ def write_header(run_dir: Path, source: str, sched: SchedulerConfig, config: dic
                        pp_size=sched.pp_size, scheduler=dataclasses.asdict(sched), config=config,
                        seed=seed, versions=versions or package_versions(),
                        trace_prompts=trace_prompts, files=files, **(extra or {}))
-    (run_dir / HEADER).write_text(header.model_dump_json(indent=2) + "\n", encoding="utf-8")
+    unset = {k for k in OPTIONAL_HEADER_FIELDS if getattr(header, k) is None}
+    (run_dir / HEADER).write_text(header.model_dump_json(indent=2, exclude=unset) + "\n",
+                                  encoding="utf-8")
     return header
 
 
