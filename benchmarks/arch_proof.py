@@ -99,6 +99,8 @@ def _copy_run(tmp: Path, dest: Path) -> None:
     if header.exists():  # fixed id and time: the replayer still reads the header
         data = json.loads(header.read_text())
         data.update(run_id="run-fixed", created_unix_s=0.0)
+        if data.get("repro"):   # the simulator's command line names the temporary trace dir
+            data["repro"] = data["repro"].replace(str(tmp), "TRACE_DIR")
         header.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 

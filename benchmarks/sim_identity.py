@@ -53,6 +53,8 @@ def write(out: Path) -> int:
                 header = json.loads((run / "header.json").read_text())
                 for volatile in ("run_id", "created_unix_s"):
                     header.pop(volatile, None)
+                if header.get("repro"):   # the command line names the temporary trace dir
+                    header["repro"] = header["repro"].replace(tmp, "TRACE_DIR")
                 (out / f"{stem}.header.json").write_text(json.dumps(header, sort_keys=True))
                 count += 3
     return count

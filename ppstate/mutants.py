@@ -65,6 +65,11 @@ def active(name: str) -> bool:
     return name in _active
 
 
+def active_names() -> list[str]:
+    """The mutants switched on now, sorted (recorded in a simulator trace's header)."""
+    return sorted(_active)
+
+
 def any_active() -> bool:
     """True while any mutant is switched on."""
     return bool(_active)

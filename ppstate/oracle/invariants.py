@@ -22,17 +22,43 @@ from ppstate.scheduler import Scheduler
 
 MAX_REPORTED = 50  # violations kept per run (the count keeps going)
 
+#: titles of the invariants, numbered as in ``specs/invariants.md`` (DESIGN section 4 + KV)
+INVARIANT_NAMES = {
+    1: "collective matching", 2: "no stale application", 3: "exactly-once, in-order delivery",
+    4: "mirror agreement", 5: "cadence", 6: "liveness", 7: "budgets", 8: "KV completeness",
+    9: "KV blocks",
+}
+
 
 @dataclass(frozen=True)
 class Violation:
-    """One broken invariant: its number (specs/invariants.md), where, and what happened."""
+    """One broken invariant: its number (specs/invariants.md), where, and what happened.
+
+    ``slot`` and ``req_id`` are set where the check knows them (None otherwise, and then left
+    out of :meth:`as_dict`, so reports of checks that do not set them read as before)."""
     invariant: int
     step: int
     rank: int | None
     message: str
+    slot: int | None = None
+    req_id: str | None = None
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        for key in ("slot", "req_id"):
+            if d[key] is None:
+                del d[key]
+        return d
+
+
+def describe(v: dict) -> str:
+    """One line of a violation dict: ``invariant N (title) violated at step S rank R [slot X]
+    [request ID]: message`` (rank, slot and request only where known)."""
+    n = v["invariant"]
+    where = f"step {v['step']}" + (f" rank {v['rank']}" if v.get("rank") is not None else "")
+    where += f" slot {v['slot']}" if v.get("slot") is not None else ""
+    where += f" request {v['req_id']}" if v.get("req_id") is not None else ""
+    return f"invariant {n} ({INVARIANT_NAMES.get(n, '?')}) violated at {where}: {v['message']}"
 
 
 class InvariantOracle:
@@ -66,11 +92,13 @@ class InvariantOracle:
         self._posts: dict[int, dict[int, bool]] = defaultdict(dict)
         self.post_log: dict[int, tuple[bool, ...]] = {}  # step -> posted, per rank
 
-    def violation(self, invariant: int, step: int, rank: int | None, message: str) -> None:
-        """Record a violation (the first MAX_REPORTED are kept)."""
+    def violation(self, invariant: int, step: int, rank: int | None, message: str,
+                  slot: int | None = None, req_id: str | None = None) -> None:
+        """Record a violation (the first MAX_REPORTED are kept); ``slot`` / ``req_id`` where
+        the check knows them."""
         self.num_violations += 1
         if len(self.violations) < MAX_REPORTED:
-            self.violations.append(Violation(invariant, step, rank, message))
+            self.violations.append(Violation(invariant, step, rank, message, slot, req_id))
 
     def true_sequence(self, req_id: str) -> np.ndarray:
         """``[prompt + expected outputs]`` token ids of ``req_id`` (what its KV cache holds)."""
@@ -120,7 +148,8 @@ class InvariantOracle:
             is_decode = int(out.start_positions[i]) >= prefill
             if is_decode and steps and steps[-1] >= admitted and s - steps[-1] < self.cadence:
                 self.violation(5, s, None, f"request {rid} decodes at step {s}, "
-                               f"{s - steps[-1]} steps after step {steps[-1]} (< {self.cadence})")
+                               f"{s - steps[-1]} steps after step {steps[-1]} (< {self.cadence})",
+                               slot=int(out.slots[i]), req_id=rid)
             if out.is_final_chunk[i]:
                 steps.append(s)
 
@@ -166,13 +195,14 @@ class InvariantOracle:
         """A deferred row of ``step`` for ``row_req`` is being applied to ``slot`` (invariant 2)."""
         if owner != row_req:
             self.violation(2, step, rank, f"deferred token of {row_req} (step {step}) applied to "
-                           f"slot {slot} now owned by {owner}")
+                           f"slot {slot} now owned by {owner}", slot=slot, req_id=row_req)
 
     def check_owner(self, rank: int, step: int, slot: int, want: str | None,
                     have: str | None) -> None:
         """Slot ownership before free (``want`` = freed request) or new (``want`` = None)."""
         if want != have:
-            self.violation(2, step, rank, f"slot {slot} owned by {have}, expected {want}")
+            self.violation(2, step, rank, f"slot {slot} owned by {have}, expected {want}",
+                           slot=slot)
 
     def check_inputs(self, rank: int, out: SchedulerOutput, owner: list[str | None],
                      history: list[list[int]]) -> None:
@@ -181,7 +211,7 @@ class InvariantOracle:
             slot = int(out.slots[i])
             if owner[slot] != rid:
                 self.violation(2, out.step, rank, f"row {rid} runs on slot {slot} owned by "
-                               f"{owner[slot]}")
+                               f"{owner[slot]}", slot=slot, req_id=rid)
                 continue
             admitted, prefill, kept = self._row_info(out.step, rid)
             if int(out.start_positions[i]) < prefill:
@@ -192,7 +222,7 @@ class InvariantOracle:
             if len(hist) != n_prev or not hist or hist[-1] != truth.get(n_prev - 1):
                 self.violation(3, out.step, rank, f"decode input of {rid}: device has "
                                f"{len(hist)} sampled ids ending {hist[-1:]}, last rank sampled "
-                               f"{n_prev} ending {truth.get(n_prev - 1)}")
+                               f"{n_prev} ending {truth.get(n_prev - 1)}", slot=slot, req_id=rid)
 
     def _outputs_before(self, rid: str, step: int, admitted: int, kept: int) -> int:
         """Outputs ``rid`` holds before step ``step`` in its admission at ``admitted`` (with
@@ -229,18 +259,20 @@ class InvariantOracle:
         for u in updates:
             rid, got = u.req_id, self.received[u.req_id]
             if rid in self.closed:
-                self.violation(3, step, None, f"{rid} got {u.token_ids} after {self.closed[rid]}")
+                self.violation(3, step, None, f"{rid} got {u.token_ids} after {self.closed[rid]}",
+                               req_id=rid)
                 continue
             got.extend(u.token_ids)
             exp: ExpectedOutput = self.expected[rid]
             if got != exp.tokens[:len(got)]:
                 self.violation(3, step, None, f"{rid} received tokens differ from the model's "
-                               f"at index {_first_diff(got, exp.tokens)}")
+                               f"at index {_first_diff(got, exp.tokens)}", req_id=rid)
             if u.finish_reason is not None:
                 self.closed[rid] = u.finish_reason
                 if u.finish_reason != exp.reason or len(got) != len(exp.tokens):
                     self.violation(3, step, None, f"{rid} finished {u.finish_reason} after "
-                                   f"{len(got)} tokens, expected {exp.reason} after {len(exp.tokens)}")
+                                   f"{len(got)} tokens, expected {exp.reason} after "
+                                   f"{len(exp.tokens)}", req_id=rid)
 
     def on_abort(self, req_id: str) -> None:
         self.closed[req_id] = "abort"

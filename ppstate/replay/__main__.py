@@ -2,6 +2,7 @@
 
 import sys
 
+from ppstate.cli_pipe import run_main
 from ppstate.replay.cli import main
 
-sys.exit(main())
+sys.exit(run_main(main))

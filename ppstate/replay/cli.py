@@ -4,7 +4,8 @@
 DIR is a run directory (``header.json`` + ``engine.jsonl`` + ``rank<N>.jsonl``) or a
 ``--trace-dir`` holding several: the newest run is replayed. Prints ``ok``, ``steps``, ``events``,
 ``first_divergence`` and ``invariant_violations`` (one JSON object with ``--json``); exits 0 when
-ok, 1 on a divergence or a violation, 2 when DIR holds no readable run or a flag is bad.
+ok, 1 on a divergence or a violation, 2 when DIR holds no readable run, a run replay cannot
+re-derive (a speculative run recorded without ``--trace-prompts``) or a flag is bad.
 
 Library use: :func:`replay` (``ppstate.replay.replayer``) returns a :class:`ReplayResult`.
 """
@@ -15,6 +16,7 @@ import argparse
 import json
 import sys
 
+from ppstate.oracle.invariants import describe
 from ppstate.replay.replayer import ReplayFailure, ReplayResult, replay
 from ppstate.trace.run import TraceError, load_run
 
@@ -41,19 +43,39 @@ def _dumps(obj) -> str:
 
 def _summary(res: ReplayResult) -> str:
     lines = [f"run {res.run_id} ({res.source}) at {res.run_dir}",
-             f"ok={res.ok} steps={res.steps} events={res.events} rank_steps={res.rank_steps}"]
+             f"ok={res.ok} steps={res.steps} events={res.events} rank_steps={res.rank_steps}",
+             f"checked: {res.checked}"]
     if res.first_divergence:
         d = res.first_divergence
         lines.append(f"first divergence: step {d['step']} rank {d['rank']} kind {d['kind']}")
         lines.append(f"  recorded: {_dumps(d['recorded'])}")
         lines.append(f"  replayed: {_dumps(d['replayed'])}")
         lines += [f"  before:   {_dumps(c)}" for c in d["context"]]
-    for v in res.invariant_violations:
-        lines.append(f"invariant {v['invariant']} violated at step {v['step']} rank {v['rank']}: "
-                     f"{v['message']}")
+    lines += [describe(v) for v in res.invariant_violations]   # found by replay itself
+    lines += _recorded(res)
     if res.state is not None:
         lines.append(f"state after step {res.state['next_step'] - 1}: {json.dumps(res.state)}")
     return "\n".join(lines)
+
+
+#: the writer of a run, by the header's ``source``
+WRITERS = {"sim": "simulator", "check": "model checker", "engine": "engine"}
+
+
+def _recorded(res: ReplayResult) -> list[str]:
+    """Text lines of the violations the run's writer recorded (none when it records none)."""
+    rec = res.recorded_violations
+    if not rec:
+        return []
+    total = max(res.num_recorded_violations or 0, len(rec))
+    writer = WRITERS.get(res.source, res.source)
+    lines = [f"recorded by the {writer}: {total} invariant violations"
+             + (f" (the first {len(rec)} kept)" if total > len(rec) else "")
+             + f", {sum(v['refound'] for v in rec)} of them also found by replay:"]
+    lines += [f"  {'re-found' if v['refound'] else 'recorded'}: {describe(v)}" for v in rec]
+    if res.repro:
+        lines.append(f"re-run the {writer} (its ranks) with: {res.repro}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,10 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--until: must be >= 0")
     try:
         run = load_run(ns.dir)
-    except (TraceError, OSError) as exc:
+        res = replay(run, until=ns.until)
+    except (TraceError, OSError) as exc:   # also UnreplayableTrace: refused before comparing
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    res = replay(run, until=ns.until)
     out = res.as_dict()
     if ns.explain is not None:
         from ppstate.replay.explain import explain, format_life

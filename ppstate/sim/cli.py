@@ -1,21 +1,27 @@
 """Command line of the simulator: ``python -m ppstate.sim ... --json`` (``ppstate/sim/__main__.py``).
 
-Prints one JSON object (or a short text summary without ``--json``) with steps, ticks, completed,
-aborted, output_tokens, throughput_tokens_per_tick, bubble_fraction and invariant_violations.
-On violations it prints the seed and the reproducing command to stderr, writes the run's trace
-(``--trace-dir``, default ``sim-traces/``; replay it with ``python -m ppstate.replay``) and exits
-with status 1. With ``--trace-dir`` every run is recorded.
+Prints one JSON object (or a text summary without ``--json``) with steps, ticks, completed,
+aborted, output_tokens, throughput_tokens_per_tick, bubble_fraction and invariant_violations; the
+text summary lists each violation on a line of its own (invariant number and title, step, rank,
+slot and request where known, message; the first 50 are kept). On violations it writes the run's
+trace (``--trace-dir``, default ``sim-traces/``), prints to stderr where, and the command that
+reproduces the run: the user's own flags (text stays text), whose re-run reports the same
+violations, and exits with status 1. ``python -m ppstate.replay`` of that trace re-derives the
+scheduler's decisions and lists the violations the simulator recorded in it (the simulated ranks
+are not in the trace). With ``--trace-dir`` every run is recorded.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from dataclasses import asdict
 
 from ppstate import mutants
 from ppstate.errors import PPStateError
+from ppstate.oracle.invariants import describe
 from ppstate.sim.simulator import run_sim
 from ppstate.sim.trace import DEFAULT_SIM_TRACE_DIR, record_sim
 from ppstate.sim.workload import SimConfig
@@ -110,28 +116,32 @@ def config_from_args(ns: argparse.Namespace) -> SimConfig:
 
 
 def run_cli(argv: list[str] | None = None) -> int:
-    """Parse ``argv``, run, print; returns 0 clean, 1 on violations, 2 on bad arguments."""
+    """Parse ``argv`` (default ``sys.argv[1:]``), run, print; returns 0 clean, 1 on violations,
+    2 on bad arguments."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     ns = build_parser().parse_args(argv)
     with mutants.enabled(*([ns.mutant] if ns.mutant else [])):
-        return _run(ns)
+        return _run(ns, "python -m ppstate.sim" + (" " + shlex.join(argv) if argv else ""))
 
 
-def _run(ns: argparse.Namespace) -> int:
+def _run(ns: argparse.Namespace, repro: str) -> int:
+    """Run the parsed flags ``ns``; ``repro`` is the user's own command line."""
     trace = None
     try:
         cfg = config_from_args(ns)
         if ns.trace_dir:
-            result, trace = record_sim(cfg, ns.trace_dir)
+            result, trace = record_sim(cfg, ns.trace_dir, repro)
         else:
             result = run_sim(cfg)
             if result.num_violations:  # deterministic: the same run again, recorded
-                result, trace = record_sim(cfg, DEFAULT_SIM_TRACE_DIR)
+                result, trace = record_sim(cfg, DEFAULT_SIM_TRACE_DIR, repro)
     except PPStateError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if trace is not None and result.num_violations:
-        print(f"trace written to {trace}; replay with: python -m ppstate.replay {trace}",
-              file=sys.stderr)
+        print(f"trace written to {trace} (python -m ppstate.replay {trace} re-derives its "
+              f"scheduler decisions and lists the violations recorded there; the simulated ranks "
+              f"are not in the trace: the command below re-runs them)", file=sys.stderr)
     if ns.json:
         summary = asdict(result)
         if summary["spec"] is None:   # runs without speculation print what they always did
@@ -144,8 +154,12 @@ def _run(ns: argparse.Namespace) -> int:
               f"throughput={result.throughput_tokens_per_tick:.4f} tok/tick "
               f"bubble={result.bubble_fraction:.3f} preemptions={result.preemptions} "
               f"prefix_hit_tokens={result.prefix_hit_tokens} violations={result.num_violations}")
+        for v in result.invariant_violations:
+            print(describe(v))
+        if result.num_violations > len(result.invariant_violations):
+            print(f"... {result.num_violations - len(result.invariant_violations)} more "
+                  f"(the first {len(result.invariant_violations)} are kept)")
     if result.num_violations:
-        repro = result.repro + (f" --mutant {ns.mutant}" if ns.mutant else "")
         print(f"invariant violations with seed {result.seed}; reproduce with:\n  {repro}",
               file=sys.stderr)
         return 1

@@ -65,7 +65,8 @@ class SimKV:
                                    f"({out.req_ids[i]}): rank table "
                                    f"{self.table[slot, :self.num_blocks[slot]].tolist()} differs "
                                    f"from the scheduler's (digest {int(got[i])} vs "
-                                   f"{int(out.block_digests[i])})")
+                                   f"{int(out.block_digests[i])})", slot=slot,
+                                   req_id=out.req_ids[i])
 
     def forward(self, out: SchedulerOutput, starts: np.ndarray | None = None,
                 inputs: np.ndarray | None = None, num_drafts: np.ndarray | None = None) -> None:
@@ -86,7 +87,8 @@ class SimKV:
         for i in short.tolist():
             self.checker.violation(9, out.step, self.rank, f"{out.req_ids[i]} computes up to "
                                    f"position {int(end[i])} but holds "
-                                   f"{int(self.num_blocks[slots[i]])} blocks")
+                                   f"{int(self.num_blocks[slots[i]])} blocks",
+                                   slot=int(slots[i]), req_id=out.req_ids[i])
         ok = np.ones(out.num_rows, dtype=bool)
         ok[short] = False
         truths = [self.checker.true_sequence(rid) for rid in out.req_ids]
@@ -117,7 +119,8 @@ class SimKV:
             i, p = int(np.concatenate(r_row)[k]), int(pos[k])
             self.checker.violation(9, out.step, self.rank, f"{out.req_ids[i]} reads {int(got[k])} "
                                    f"at position {p} (block {int(self.table[slots[i], p // self.bs])}"
-                                   f"), its token is {int(want[k])}")
+                                   f"), its token is {int(want[k])}", slot=int(slots[i]),
+                                   req_id=out.req_ids[i])
 
     def _index(self, slots: np.ndarray, pos: np.ndarray) -> np.ndarray:
         """Flat cell of each position; an id past the pool (a wrong table, already reported by

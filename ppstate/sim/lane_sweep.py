@@ -99,4 +99,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from ppstate.cli_pipe import run_main
+    raise SystemExit(run_main(main))

@@ -198,8 +198,10 @@ class SimRank:
         slots = out.slots.astype(np.int64)
         bad = np.nonzero(self.mirror.num_computed_tokens_np[slots] != self.num_computed[slots])[0]
         if bad.size:
+            i = int(bad[0])
             self.checker.violation(4, out.step, self.rank, f"mirror num_computed_tokens of slot "
-                                   f"{int(slots[bad[0]])} differs from the device")
+                                   f"{int(slots[i])} differs from the device",
+                                   slot=int(slots[i]), req_id=out.req_ids[i])
 
     def _check_owner(self, step: int, slot: int, want: str | None, have: str | None) -> None:
         self.checker.check_owner(self.rank, step, slot, want, have)

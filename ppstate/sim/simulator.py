@@ -253,8 +253,9 @@ def run_sim(cfg: SimConfig) -> SimResult:
     return Simulator(cfg).run()
 
 
-def repro_command(cfg: SimConfig) -> str:
-    """The CLI line that reproduces a run of ``cfg`` (random workloads only)."""
+def repro_command(cfg: SimConfig, json_out: bool = True) -> str:
+    """The CLI line that reproduces a run of ``cfg`` (random workloads only; every flag spelt
+    out, ``--json`` at the end unless ``json_out`` is False)."""
     sc = cfg.scheduler
     default_blocks = sc.max_num_seqs * -(-sc.max_model_len // sc.block_size)  # --kv-blocks unset
     return (f"python -m ppstate.sim --pp {sc.pp_size} --requests {cfg.num_requests} "
@@ -274,4 +275,4 @@ def repro_command(cfg: SimConfig) -> str:
             + (f" --empty-step-ticks {cfg.empty_step_ticks}" if cfg.empty_step_ticks >= 0 else "")
             + (" --adaptive-lanes" if sc.adaptive_lanes else "")
             + (f" --spec-tokens {sc.num_spec_tokens} --spec-acceptance {cfg.spec_acceptance}"
-               if sc.num_spec_tokens else "") + " --json")
+               if sc.num_spec_tokens else "") + (" --json" if json_out else ""))

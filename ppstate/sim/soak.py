@@ -123,4 +123,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ppstate.cli_pipe import run_main
+    sys.exit(run_main(main))

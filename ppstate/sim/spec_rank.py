@@ -70,7 +70,8 @@ class SimSpec:
         over = np.nonzero(self.num_drafts > self.k)[0]
         if over.size:
             r.checker.violation(7, out.step, r.rank, f"{out.req_ids[int(over[0])]} carries "
-                                f"{int(self.num_drafts[over[0]])} drafts > K = {self.k}")
+                                f"{int(self.num_drafts[over[0]])} drafts > K = {self.k}",
+                                slot=int(slots[over[0]]), req_id=out.req_ids[int(over[0])])
             self.num_drafts = np.minimum(self.num_drafts, self.k)
         if r.rank == 0 or r.is_last:
             self.drafts = self._propose(out)
@@ -106,7 +107,8 @@ class SimSpec:
             if nd and not np.array_equal(inputs[i, 1:nd + 1], self.drafts[i, :nd]):
                 r.checker.violation(3, out.step, r.rank, f"drafts of {out.req_ids[i]}: rank 0 "
                                     f"fed {inputs[i, 1:nd + 1].tolist()}, the last rank "
-                                    f"proposes {self.drafts[i, :nd].tolist()}")
+                                    f"proposes {self.drafts[i, :nd].tolist()}",
+                                    slot=int(slots[i]), req_id=out.req_ids[i])
         index = np.array([len(st.history[s]) for s in slots.tolist()], dtype=np.int64)
         payload = verify(inputs, self.num_drafts, self.drafts, st.sample_seed[slots], index,
                          r.eos_at[slots], rows, self.k + 1)
@@ -144,13 +146,15 @@ class SimSpec:
                 for j in range(len(hist) - n, len(hist)):
                     if hist[j] != truth.get(j):
                         chk.violation(3, step, r.rank, f"{rid}: output {j} is {hist[j]} on rank "
-                                      f"{r.rank}, the last rank sampled {truth.get(j)}")
+                                      f"{r.rank}, the last rank sampled {truth.get(j)}",
+                                      slot=slot, req_id=rid)
                         break
             computed, want = int(r.num_computed[slot]), int(self.base_len[slot]) + len(hist) - 1
             if computed != want:
                 chk.violation(8, step, r.rank, f"{rid}: {computed} KV positions computed after "
-                              f"step {step}, accepted tokens cover {want}")
+                              f"step {step}, accepted tokens cover {want}", slot=slot, req_id=rid)
             held = int(r.kv.num_blocks[slot])
             if not -(-want // bs) <= held <= -(-(want + slack) // bs):
                 chk.violation(9, step, r.rank, f"{rid}: holds {held} KV blocks for {want} "
-                              f"accepted positions (block size {bs}, surplus at most {slack})")
+                              f"accepted positions (block size {bs}, surplus at most {slack})",
+                              slot=slot, req_id=rid)

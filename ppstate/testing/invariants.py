@@ -16,16 +16,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ppstate.oracle.invariants import INVARIANT_NAMES, describe  # noqa: F401 (re-exported)
 from ppstate.replay.replayer import ReplayResult, replay as _replay
 from ppstate.replay.explain import explain as _explain
 from ppstate.trace.run import TraceRun, load_run
-
-#: titles of the invariants, numbered as in ``specs/invariants.md`` (DESIGN section 4 + KV)
-INVARIANT_NAMES = {
-    1: "collective matching", 2: "no stale application", 3: "exactly-once, in-order delivery",
-    4: "mirror agreement", 5: "cadence", 6: "liveness", 7: "budgets", 8: "KV completeness",
-    9: "KV blocks",
-}
 
 
 class InvariantViolation(AssertionError):
@@ -39,13 +33,6 @@ class InvariantViolation(AssertionError):
         self.divergence = divergence
         self.source = source
         super().__init__(format_failure(violations, source, divergence))
-
-
-def describe(v: dict) -> str:
-    """One line naming the invariant (number and title), the step and the rank of ``v``."""
-    n = v["invariant"]
-    where = f"step {v['step']}" + (f" rank {v['rank']}" if v.get("rank") is not None else "")
-    return f"invariant {n} ({INVARIANT_NAMES.get(n, '?')}) violated at {where}: {v['message']}"
 
 
 def format_failure(violations: list[dict], source: str, divergence: dict | None) -> str:
@@ -101,7 +88,9 @@ def _engine_run_dir(engine: Any) -> Path:
 
 
 def assert_invariants(target: Any, *, divergence_fails: bool = True) -> ReplayResult | None:
-    """Raise :class:`InvariantViolation` naming the first broken invariant and its step.
+    """Raise :class:`InvariantViolation` naming the first broken invariant and its step (for a
+    trace: replay's own findings and the violations its writer recorded that replay cannot
+    re-derive, e.g. a simulator trace's rank-side ones).
 
     Args:
         target: see the module docstring.
@@ -134,6 +123,8 @@ def assert_invariants(target: Any, *, divergence_fails: bool = True) -> ReplayRe
     else:
         raise TypeError(f"assert_invariants: cannot check a {type(target).__name__}")
     div = res.first_divergence if divergence_fails else None
-    if res.invariant_violations or div is not None:
-        raise InvariantViolation(res.invariant_violations, f"replay of {res.run_dir}", div)
+    found = res.invariant_violations + [  # and what the simulator recorded, not found again
+        {k: v for k, v in rec.items() if k != "refound"} for rec in res.unrefound]
+    if found or div is not None:
+        raise InvariantViolation(found, f"replay of {res.run_dir}", div)
     return res

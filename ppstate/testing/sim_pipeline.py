@@ -143,11 +143,15 @@ class SimPipeline:
         return self.sim.checker.closed.get(req_id)
 
     def violations(self) -> list[dict]:
-        """Invariant violations found so far (``{invariant, step, rank, message}``)."""
+        """Invariant violations found so far (``{invariant, step, rank, message}``, plus
+        ``slot`` / ``req_id`` where known)."""
         return [v.as_dict() for v in self.sim.checker.violations]
 
     def write_trace(self, trace_dir: str | Path) -> Path:
         """Write the run so far as a new run directory under ``trace_dir`` (source ``sim``);
-        ``python -m ppstate.replay`` / :func:`ppstate.testing.replay` read it."""
+        ``python -m ppstate.replay`` / :func:`ppstate.testing.replay` read it. The header
+        records the violations found so far (replay reports them as ``recorded_violations``)."""
+        extra = {"recorded_violations": self.violations(),
+                 "num_recorded_violations": self.sim.checker.num_violations}
         return write_run(trace_dir, "sim", self.sim.sched.config, dataclasses.asdict(self.config),
-                         list(self.sink.events), seed=self.config.seed)
+                         list(self.sink.events), seed=self.config.seed, extra=extra)

@@ -196,6 +196,15 @@ class RunHeader(BaseModel):
         versions: package versions of the writer (python, ppstate, numpy, torch, ...).
         trace_prompts: whether arrivals carry prompt token ids.
         files: trace files of the run (``engine.jsonl``, ``rank0.jsonl``, ...).
+        recorded_violations: a run whose writer checks invariants itself (the simulator): the
+            violations it found, ``{invariant, step, rank, message[, slot, req_id]}`` (its first
+            ones); None: the writer records none (the engine, traces written before them).
+        num_recorded_violations: how many it found in all (``recorded_violations`` may hold
+            fewer); None with ``recorded_violations``.
+        mutants: known-bad variants (``ppstate.mutants``) that were switched on (simulator),
+            or None.
+        repro: the command that re-runs the writer on the same inputs (the simulator's command
+            line), or None.
     """
     model_config = ConfigDict(extra="allow")
     format: Literal["ppstate-trace"] = "ppstate-trace"
@@ -210,3 +219,12 @@ class RunHeader(BaseModel):
     versions: dict[str, str] = Field(default_factory=dict)
     trace_prompts: bool = False
     files: list[str] = Field(default_factory=list)
+    recorded_violations: list[dict[str, Any]] | None = None
+    num_recorded_violations: int | None = None
+    mutants: list[str] | None = None
+    repro: str | None = None
+
+
+#: header fields written only when set (not None): headers of writers that do not
+#: set them (the engine, the model checker) read exactly as before the fields existed
+OPTIONAL_HEADER_FIELDS = ("recorded_violations", "num_recorded_violations", "mutants", "repro")

@@ -21,7 +21,7 @@ from typing import Any
 from ppstate.budget import SchedulerConfig
 from ppstate.errors import PPStateError
 from ppstate.events import read_jsonl
-from ppstate.trace.models import TRACE_FORMAT_VERSION, RunHeader
+from ppstate.trace.models import OPTIONAL_HEADER_FIELDS, TRACE_FORMAT_VERSION, RunHeader
 
 HEADER = "header.json"
 ENGINE_FILE = "engine.jsonl"
@@ -52,26 +52,31 @@ def package_versions(*names: str) -> dict[str, str]:
 
 def write_header(run_dir: Path, source: str, sched: SchedulerConfig, config: dict[str, Any],
                  seed: int | None = None, trace_prompts: bool = False,
-                 versions: dict[str, str] | None = None) -> RunHeader:
-    """Write ``header.json`` of a run (before any event file)."""
+                 versions: dict[str, str] | None = None,
+                 extra: dict[str, Any] | None = None) -> RunHeader:
+    """Write ``header.json`` of a run (before any event file); ``extra``: further
+    :class:`RunHeader` fields (``recorded_violations``, ``mutants``, ``repro``, ...)."""
     files = [ENGINE_FILE] + ([f"rank{r}.jsonl" for r in range(sched.pp_size)]
                              if source == "engine" else [])
     header = RunHeader(run_id=run_dir.name, source=source, created_unix_s=time.time(),
                        pp_size=sched.pp_size, scheduler=dataclasses.asdict(sched), config=config,
                        seed=seed, versions=versions or package_versions(),
-                       trace_prompts=trace_prompts, files=files)
-    (run_dir / HEADER).write_text(header.model_dump_json(indent=2) + "\n", encoding="utf-8")
+                       trace_prompts=trace_prompts, files=files, **(extra or {}))
+    unset = {k for k in OPTIONAL_HEADER_FIELDS if getattr(header, k) is None}
+    (run_dir / HEADER).write_text(header.model_dump_json(indent=2, exclude=unset) + "\n",
+                                  encoding="utf-8")
     return header
 
 
 def write_run(base: str | Path, source: str, sched: SchedulerConfig, config: dict[str, Any],
               engine_events: list[dict[str, Any]],
               rank_events: dict[int, list[dict[str, Any]]] | None = None,
-              seed: int | None = None) -> Path:
+              seed: int | None = None, extra: dict[str, Any] | None = None) -> Path:
     """Write a whole run produced in memory (simulator, model checker) as a new run directory
-    under ``base``: header, ``engine.jsonl`` and any ``rank<N>.jsonl``. Returns the directory."""
+    under ``base``: header (``extra``: further header fields), ``engine.jsonl`` and any
+    ``rank<N>.jsonl``. Returns the directory."""
     run_dir = new_run_dir(base)
-    write_header(run_dir, source, sched, config, seed=seed)
+    write_header(run_dir, source, sched, config, seed=seed, extra=extra)
     files = {ENGINE_FILE: engine_events, **{f"rank{r}.jsonl": ev
                                             for r, ev in (rank_events or {}).items()}}
     for name, events in files.items():

@@ -134,7 +134,9 @@ SUBCOMMANDS = {"gpu": "runtime.bench.gpu", "serve": "runtime.bench.serve",
 if __name__ == "__main__":
     import importlib
     import sys
+
+    from ppstate.cli_pipe import run_main
     if sys.argv[1:2] and sys.argv[1] in SUBCOMMANDS:
         sub = importlib.import_module(SUBCOMMANDS[sys.argv[1]])
-        raise SystemExit(sub.main(sys.argv[2:]))
-    raise SystemExit(main())
+        raise SystemExit(run_main(lambda: sub.main(sys.argv[2:])))
+    raise SystemExit(run_main(main))

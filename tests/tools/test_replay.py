@@ -176,6 +176,9 @@ def test_sim_violation_trace_replays_the_violation(tmp_path, monkeypatch, capsys
     got = {(v["invariant"], v["step"]) for v in res.invariant_violations if v["invariant"] == 5}
     assert want and got == want
     assert res.first_divergence["step"] <= min(s for _, s in want)
+    # the simulator's findings are in the trace; the scheduler-side ones replay found again
+    assert res.recorded_violations == [{**v, "refound": v["invariant"] == 5}
+                                       for v in sim["invariant_violations"]]
 
 
 def test_prefix_cache_hits_replay_without_prompt_ids(tmp_path):
@@ -212,3 +215,80 @@ def test_dropped_mirror_check_is_reported_by_the_cli_not_a_crash(recorded, tmp_p
     assert replay_main([str(run_dir), "--json"]) == 1
     d = json.loads(capsys.readouterr().out)["first_divergence"]
     assert (d["step"], d["rank"], d["replayed"]["kind"]) == (step, 0, "mirror.check")
+
+
+REPETITIVE = [33, 28, 216, 34, 28, 216, 35, 28, 216, 36, 28, 216, 37, 28, 216] * 3 + [33, 28, 216]
+
+
+@pytest.fixture(scope="module")
+def spec_recorded(tmp_path_factory):
+    """{trace_prompts: run directory} of two PP=2 runs with --spec-tokens 2 and the engine's
+    n-gram probe (3), one recorded without prompt ids and one with them."""
+    runs = {}
+    for prompts in (False, True):
+        base = tmp_path_factory.mktemp(f"spec-prompts-{prompts}")
+        eng = EngineThread(EngineConfig(pp_size=2, max_num_seqs=4, max_model_len=128,
+                                        max_prefill_chunk=32, max_num_batched_tokens=64,
+                                        num_spec_tokens=2, step_timeout_s=60.0,
+                                        trace_dir=str(base), trace_prompts=prompts))
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        try:
+            async def go():
+                await asyncio.gather(eng.collect("rep", REPETITIVE, params),
+                                     eng.collect("ord", [504, 3575, 282, 4649, 314], params))
+            eng.run(go())
+        finally:
+            eng.close()
+        runs[prompts] = find_run_dir(base)
+    return runs
+
+
+def test_spec_trace_without_prompts_is_refused_up_front(spec_recorded, capsys):
+    """The scheduler's n-gram probe reads the prompt ids: without them replay would report a
+    false ``schedule`` divergence, so it refuses the trace, naming the flag to re-record with."""
+    from ppstate.replay.replayer import UnreplayableTrace
+    run_dir = spec_recorded[False]
+    run = load_run(run_dir)
+    assert (run.header.scheduler["num_spec_tokens"], run.header.scheduler["spec_probe_ngram"],
+            run.header.trace_prompts) == (2, 3, False)
+    drafted = [e for e in run.engine if e["kind"] == "schedule"
+               and max(e["output"]["num_scheduled_tokens"], default=0) > 1
+               and not any(e["output"]["new_requests"])]
+    assert drafted   # the run did carry drafts: the case that used to diverge
+    want = (f"{run_dir}: cannot replay: recorded with --spec-tokens 2 and the n-gram probe on "
+            "(--spec-probe-ngram 3) but without --trace-prompts; the probe decides each step's "
+            "drafts from the prompt token ids, which 2 of the 2 arrivals lack, so replay would "
+            "report a false divergence. Re-record with --trace-dir DIR --trace-prompts (or with "
+            "--spec-probe-ngram 0)")
+    with pytest.raises(UnreplayableTrace) as exc:
+        replay(run_dir)
+    assert str(exc.value) == want
+    assert replay_main([str(run_dir)]) == 2
+    out = capsys.readouterr()
+    assert (out.out, out.err) == ("", f"error: {want}\n")
+
+
+def test_spec_trace_with_prompts_replays_clean(spec_recorded):
+    run_dir = spec_recorded[True]
+    res = replay(run_dir)
+    assert res.ok and res.first_divergence is None, res.first_divergence
+    run = load_run(run_dir)
+    steps = sum(e["kind"] == "schedule" for e in run.engine)
+    assert res.steps == steps and res.rank_steps == {0: steps, 1: steps}
+    assert all(e["prompt_token_ids"] is not None for e in run.engine if e["kind"] == "arrival")
+
+
+def test_engine_warns_when_its_spec_trace_will_not_replay(tmp_path, capsys):
+    from runtime.engine.trace import start_trace_run
+    cfg = EngineConfig(pp_size=2, num_spec_tokens=2, trace_dir=str(tmp_path))
+    start_trace_run(cfg)
+    assert capsys.readouterr().err == (
+        "warning: --spec-tokens 2 is traced without --trace-prompts: python -m ppstate.replay "
+        "will refuse this trace (the scheduler's n-gram probe, --spec-probe-ngram 3, reads the "
+        "prompt ids); add --trace-prompts to replay it\n")
+    for quiet in (cfg.model_copy(update={"trace_prompts": True}),
+                  EngineConfig(pp_size=2, num_spec_tokens=2, spec_probe_ngram=0,
+                               trace_dir=str(tmp_path)),
+                  EngineConfig(pp_size=2, trace_dir=str(tmp_path))):
+        start_trace_run(quiet)
+        assert capsys.readouterr().err == ""

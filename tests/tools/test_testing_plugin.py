@@ -67,12 +67,13 @@ def test_cadence_mutant_fails_naming_invariant_5_and_step(sim_pipeline, monkeypa
     pipe = sim_pipeline(pp_size=2, max_prefill_chunk=8, seed=3)
     pipe.add_request("a", 4, max_tokens=6)
     pipe.run_until_done()
-    first = {"invariant": 5, "step": 1, "rank": None,
+    first = {"invariant": 5, "step": 1, "rank": None, "slot": 0, "req_id": "a",
              "message": "request a decodes at step 1, 1 steps after step 0 (< 2)"}
     with pytest.raises(InvariantViolation) as live:
         assert_invariants(pipe)
     assert live.value.violation == first
-    assert "invariant 5 (cadence) violated at step 1: request a decodes" in str(live.value)
+    assert ("invariant 5 (cadence) violated at step 1 slot 0 request a: request a decodes"
+            in str(live.value))
     with pytest.raises(InvariantViolation) as recorded:  # the same run, replayed from its trace
         assert_invariants(pipe.write_trace(tmp_path))
     assert recorded.value.violation == first

@@ -1,0 +1,97 @@
+"""A simulator run that finds a violation says which, where, and how to see it again: the text
+report lists each violation, the printed command is the user's own (re-running it reports the
+same violations) and the trace it writes replays to ``ok=False`` with those violations listed
+(the simulated ranks are not in the trace; the simulator's findings are, in its header)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from ppstate.replay import main as replay_main
+from ppstate.replay.replayer import replay
+from ppstate.sim.cli import run_cli
+
+ROOT = Path(__file__).resolve().parents[2]
+ARGV = ["--pp", "2", "--requests", "4", "--seed", "0", "--spec-tokens", "2",
+        "--spec-acceptance", "0.5", "--mutant", "keep_rejected_draft"]
+SUMMARY = ("steps=28 ticks=563 completed=4 aborted=0 output_tokens=76 throughput=0.1350 tok/tick "
+           "bubble=0.194 preemptions=0 prefix_hit_tokens=0 violations=72")
+FIRST = {"invariant": 8, "step": 2, "rank": 0, "slot": 0, "req_id": "req-0",
+         "message": "req-0: 32 KV positions computed after step 2, accepted tokens cover 30"}
+FIRST_LINE = ("invariant 8 (KV completeness) violated at step 2 rank 0 slot 0 request req-0: "
+              "req-0: 32 KV positions computed after step 2, accepted tokens cover 30")
+
+
+def _sim(argv, monkeypatch, tmp_path, capsys):
+    monkeypatch.chdir(tmp_path)
+    rc = run_cli(argv)
+    out = capsys.readouterr()
+    return rc, out.out.splitlines(), out.err.splitlines()
+
+
+def test_text_report_lists_each_violation_and_repeats_the_users_flags(monkeypatch, tmp_path,
+                                                                        capsys):
+    rc, out, err = _sim(ARGV, monkeypatch, tmp_path, capsys)
+    assert rc == 1 and out[0] == SUMMARY and out[1] == FIRST_LINE
+    assert len(out) == 1 + 50 + 1 and out[-1] == "... 22 more (the first 50 are kept)"
+    assert all(line.startswith("invariant ") for line in out[1:51])
+    trace = next(Path(line.split()[3]) for line in err if line.startswith("trace written to "))
+    assert trace.parent == Path("sim-traces")
+    assert err[-2:] == ["invariant violations with seed 0; reproduce with:",
+                        "  python -m ppstate.sim " + shlex.join(ARGV)]   # no --json added
+
+
+def test_json_run_repeats_json(monkeypatch, tmp_path, capsys):
+    rc, out, err = _sim(ARGV + ["--json"], monkeypatch, tmp_path, capsys)
+    report = json.loads(out[0])
+    assert rc == 1 and report["invariant_violations"][0] == FIRST
+    assert report["num_violations"] == 72 and len(out) == 1
+    assert err[-1] == "  python -m ppstate.sim " + shlex.join(ARGV + ["--json"])
+
+
+def test_printed_command_reproduces_and_the_trace_replays_the_violation(monkeypatch, tmp_path,
+                                                                          capsys):
+    rc, out, err = _sim(ARGV, monkeypatch, tmp_path, capsys)
+    command = shlex.split(err[-1])
+    assert rc == 1 and command[:3] == ["python", "-m", "ppstate.sim"]
+    again = subprocess.run([sys.executable, *command[1:]], capture_output=True, text=True,
+                           cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert again.returncode == 1 and again.stdout.splitlines() == out   # same violations
+    assert again.stdout.splitlines()[1] == FIRST_LINE
+
+    trace = next(line.split()[3] for line in err if line.startswith("trace written to "))
+    assert replay_main([trace]) == 1
+    text = capsys.readouterr().out.splitlines()
+    assert text[1:4] == [
+        "ok=False steps=28 events=100 rank_steps={}",
+        "checked: scheduler decisions (engine.jsonl) only: the simulated ranks are not "
+        "recorded; the violations the simulator found are listed as recorded",
+        "recorded by the simulator: 72 invariant violations (the first 50 kept), 0 of them also "
+        "found by replay:"]
+    assert text[4] == "  recorded: " + FIRST_LINE
+    assert text[-1] == "re-run the simulator (its ranks) with: " + err[-1].strip()
+
+    res = replay(trace)
+    assert (res.ok, res.first_divergence, res.invariant_violations) == (False, None, [])
+    assert res.recorded_violations[0] == {**FIRST, "refound": False}
+    assert (len(res.recorded_violations), res.num_recorded_violations) == (50, 72)
+    assert res.repro == err[-1].strip()
+    assert replay_main([trace, "--json"]) == 1
+    d = json.loads(capsys.readouterr().out)
+    assert d["recorded_violations"][0] == {**FIRST, "refound": False} and d["ok"] is False
+
+
+def test_clean_sim_trace_replays_ok_and_says_what_it_checked(monkeypatch, tmp_path, capsys):
+    rc, out, _ = _sim(["--pp", "2", "--requests", "4", "--trace-dir", "tr"], monkeypatch,
+                      tmp_path, capsys)
+    assert rc == 0 and len(out) == 1 and out[0].endswith(" violations=0")
+    res = replay("tr")
+    assert res.ok and res.recorded_violations == [] and res.num_recorded_violations == 0
+    assert res.repro == "python -m ppstate.sim --pp 2 --requests 4 --trace-dir tr"
+    assert res.checked == ("scheduler decisions (engine.jsonl) only: the simulated ranks are not "
+                           "recorded; the violations the simulator found are listed as recorded")
