@@ -1,4 +1,5 @@
-"""``runtime.bench.spec --alternate``: engines served run by run in turn, best run kept (#33)."""
+"""``runtime.bench.spec --alternate``: engines served run by run in turn, the first one rotating
+per round, best run kept, every run and the median reported (#33)."""
 
 import asyncio
 
@@ -14,7 +15,7 @@ class _Engine:
 
 
 def test_engines_alternate_run_by_run_and_keep_their_best(monkeypatch):
-    log, rates = [], {0: [5.0, 7.0], 2: [9.0, 4.0]}
+    log, rates = [], {0: [5.0, 7.0, 6.5], 2: [9.0, 4.0, 3.0]}
 
     async def start(cfg):
         log.append(("start", cfg))
@@ -29,10 +30,14 @@ def test_engines_alternate_run_by_run_and_keep_their_best(monkeypatch):
 
     monkeypatch.setattr(spec.AsyncEngine, "start", start)
     monkeypatch.setattr(spec, "_serve", serve)
-    res = asyncio.run(spec.run_alternated({0: 0, 2: 2}, {"w": [[1, 2, 3]]}, 64, repeats=2,
+    res = asyncio.run(spec.run_alternated({0: 0, 2: 2}, {"w": [[1, 2, 3]]}, 64, repeats=3,
                                           temperature=1.0))
     assert log == [("start", 0), ("warm", 0), ("start", 2), ("warm", 2),
-                   ("run", 0, 1.0), ("run", 2, 1.0), ("run", 0, 1.0), ("run", 2, 1.0),
-                   ("shutdown", 0), ("shutdown", 2)]
-    assert res == {0: {"w": {"output_tokens_per_s": 7.0, "k": 0}},
-                   2: {"w": {"output_tokens_per_s": 9.0, "k": 2}}}
+                   ("run", 0, 1.0), ("run", 2, 1.0), ("run", 2, 1.0), ("run", 0, 1.0),
+                   ("run", 0, 1.0), ("run", 2, 1.0), ("shutdown", 0), ("shutdown", 2)]
+    assert res == {0: {"w": {"output_tokens_per_s": 7.0, "k": 0,
+                             "runs_tokens_per_s": [5.0, 7.0, 6.5], "runs_position": [0, 1, 0],
+                             "median_tokens_per_s": 6.5}},
+                   2: {"w": {"output_tokens_per_s": 9.0, "k": 2,
+                             "runs_tokens_per_s": [9.0, 4.0, 3.0], "runs_position": [1, 0, 1],
+                             "median_tokens_per_s": 4.0}}}
