@@ -41,3 +41,24 @@ def test_engines_alternate_run_by_run_and_keep_their_best(monkeypatch):
                    2: {"w": {"output_tokens_per_s": 9.0, "k": 2,
                              "runs_tokens_per_s": [9.0, 4.0, 3.0], "runs_position": [1, 0, 1],
                              "median_tokens_per_s": 4.0}}}
+
+
+def test_report_gives_ratio_of_medians_and_median_of_paired_ratios(monkeypatch, tmp_path):
+    import json
+
+    def run(k, rates):
+        return {"unfriendly": {"output_tokens_per_s": max(rates), "token_ids": [[1]],
+                               "runs_tokens_per_s": rates, "runs_position": [0, 1, 2],
+                               "median_tokens_per_s": sorted(rates)[1]}}
+
+    async def alternated(configs, batches, *a, **kw):
+        assert sorted(configs) == [0, 2]
+        return {0: run(0, [100.0, 200.0, 150.0]), 2: run(2, [90.0, 210.0, 120.0])}
+
+    monkeypatch.setattr(spec, "run_alternated", alternated)
+    out = tmp_path / "r.json"
+    assert spec.main(["--model", str(tmp_path), "--spec-list", "2", "--workloads", "unfriendly",
+                      "--alternate", "--out", str(out)]) == 0
+    k2 = json.loads(out.read_text())["workloads"]["unfriendly"]["k2"]
+    assert (k2["speedup"], k2["speedup_median"], k2["speedup_paired_median"]) == (
+        210.0 / 200.0, 120.0 / 150.0, 0.9)
