@@ -175,6 +175,37 @@ async def run_alternated(configs: dict, batches: dict[str, list[list[int]]], max
     return res
 
 
+def adjusted_speedups(runs: dict) -> dict:
+    """Each engine's tokens/s relative to the first one's with the round and the place in the
+    round factored out: the least-squares fit of ``log(rate) = round + engine + place`` over
+    every run of an alternated benchmark (rounds, engines and places crossed by the rotation).
+
+    Args:
+        runs: ``K -> (rates, places)``, ``[R]`` tokens/s and ``[R]`` place in the round of each
+            engine's runs, round by round (``runs_tokens_per_s``, ``runs_position``); the first
+            key is the reference (off).
+    Returns:
+        ``K -> exp(engine effect)`` for every key but the first.
+    """
+    import numpy as np
+    keys = list(runs)
+    n_rounds = len(runs[keys[0]][0])
+    n_places = 1 + max(max(p) for _, p in runs.values())
+    x, y = [], []
+    for e, k in enumerate(keys):
+        for r, (rate, place) in enumerate(zip(*runs[k])):
+            row = np.zeros(n_rounds + len(keys) - 1 + n_places - 1)
+            row[r] = 1.0
+            if e:
+                row[n_rounds + e - 1] = 1.0
+            if place:
+                row[n_rounds + len(keys) - 1 + place - 1] = 1.0
+            x.append(row)
+            y.append(np.log(rate))
+    coef = np.linalg.lstsq(np.array(x), np.array(y), rcond=None)[0]
+    return {k: float(np.exp(coef[n_rounds + e - 1])) for e, k in enumerate(keys) if e}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m runtime.bench.spec", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -195,8 +226,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="start every engine at once and alternate them run by run, the first "
                         "one rotating per round (off, K1, K2; K1, K2, off; ...), instead of one "
                         "engine after another; adds every run's tokens/s, the median, "
-                        "speedup_median and speedup_paired_median (median over rounds of the "
-                        "ratio within a round) to the JSON")
+                        "speedup_median, speedup_paired_median (median over rounds of the "
+                        "ratio within a round) and speedup_adjusted (round and place in the "
+                        "round factored out, adjusted_speedups) to the JSON")
     p.add_argument("--out", default="bench-results/spec_decode.json")
     add_engine_flags(p)
     args = p.parse_args(argv)
@@ -244,6 +276,11 @@ def main(argv: list[str] | None = None) -> int:
                                                     / off["median_tokens_per_s"])
                 entry[f"k{k}"]["speedup_paired_median"] = statistics.median(
                     a / b for a, b in zip(on["runs_tokens_per_s"], off["runs_tokens_per_s"]))
+        if args.alternate and args.repeats > 1:   # round and place in the round factored out
+            adj = adjusted_speedups({k: (runs[k][w]["runs_tokens_per_s"],
+                                         runs[k][w]["runs_position"]) for k in [0] + ks})
+            for k in ks:
+                entry[f"k{k}"]["speedup_adjusted"] = adj[k]
         for r in entry.values():
             r.pop("token_ids", None)
         report["workloads"][w] = entry

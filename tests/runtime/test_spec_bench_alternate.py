@@ -62,3 +62,20 @@ def test_report_gives_ratio_of_medians_and_median_of_paired_ratios(monkeypatch, 
     k2 = json.loads(out.read_text())["workloads"]["unfriendly"]["k2"]
     assert (k2["speedup"], k2["speedup_median"], k2["speedup_paired_median"]) == (
         210.0 / 200.0, 120.0 / 150.0, 0.9)
+
+
+def test_adjusted_speedups_factor_out_round_and_place():
+    """Rates made of a round factor x an engine factor x a place factor (the rotation of three
+    engines over three rounds): the fit gives back the engine factors relative to off."""
+    import math
+    rounds, engine, place = [300.0, 420.0, 360.0], {0: 1.0, 2: 0.9, 4: 1.1}, [0.95, 1.05, 1.0]
+    order = [0, 2, 4]
+    runs = {k: ([], []) for k in order}
+    for r in range(3):
+        turn = order[r:] + order[:r]
+        for p, k in enumerate(turn):
+            runs[k][0].append(rounds[r] * engine[k] * place[p])
+            runs[k][1].append(p)
+    adj = spec.adjusted_speedups(runs)
+    assert sorted(adj) == [2, 4]
+    assert math.isclose(adj[2], 0.9, rel_tol=1e-9) and math.isclose(adj[4], 1.1, rel_tol=1e-9)
