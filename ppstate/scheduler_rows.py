@@ -117,12 +117,14 @@ class RowBuilder:
         (at most one per ``block_size`` steps of a request), so that none can preempt. Otherwise
         runs of rows whose token fits a block the request holds are added in bulk, and each row
         that needs a block goes through :meth:`_room` (which may preempt) and :meth:`_row` in
-        its place in the order, exactly as a row-by-row loop would."""
+        its place in the order, exactly as a row-by-row loop would. With speculation the same
+        holds for a step in which the probe finds no proposal for any candidate (every row one
+        token, :meth:`_any_proposal`); otherwise rows are added one by one (:meth:`_spec_decodes`)."""
         cfg = self.config
         order = self._decode_candidates()                                  # [num_eligible]
         if not order.size:
             return
-        if cfg.num_spec_tokens:
+        if cfg.num_spec_tokens and self._any_proposal(order):
             self._spec_decodes(order)
             return
         a, kv, budget = self.arrays, self.kv, self.budget
@@ -180,6 +182,23 @@ class RowBuilder:
         a.next_eligible_step[slots] = self.step + self.cadence
         self.budget.tokens -= n
         self.budget.rows -= n
+
+    def _any_proposal(self, order: np.ndarray) -> bool:
+        """Whether any of the candidates ``order`` (``[n]`` slots) may get drafts in this step.
+        False only when the scheduler's probe finds no proposal for any of them (issue #33):
+        every row then gets one token, exactly as without speculation, so the rows are added
+        by the bulk path of a spec-off step (:meth:`_bulk_decodes`) instead of one by one.
+        Without a probe, True (rows get drafts wherever room and budget allow)."""
+        probe = self.probe
+        if probe is None:
+            return True
+        a, reqs, out = self.arrays, self.views.slot_req, self.views.out_tokens
+        for slot in order.tolist():
+            req = reqs[slot]
+            if probe.has_proposal(req, req.spec.prompt_token_ids,
+                                  out[slot, :a.num_output_tokens[slot]]):
+                return True
+        return False
 
     def _spec_decodes(self, order: np.ndarray) -> None:
         """Decode rows with speculative drafts (#14), one by one in ``order`` (``[n]`` slots)."""

@@ -60,13 +60,20 @@ class NgramProbe:
         idx = self._index.get(req)
         if idx is None:
             idx = self._index[req] = _Index()
-        lp = len(prompt)
-
-        def tok(i: int) -> int:
-            return int(prompt[i] if i < lp else outputs[i - lp])
+        lo = min(idx.indexed, total - n)      # the positions read: lo .. total - 1, as ints
+        seg = _ints(prompt, outputs, lo)
         # index every n-gram that ends before the last token: starts 0 .. total - 1 - n
         for s in range(idx.indexed, total - n):
-            idx.starts[tuple(tok(i) for i in range(s, s + n))] = s
+            idx.starts[tuple(seg[s - lo:s - lo + n])] = s
         idx.indexed = max(idx.indexed, total - n)
-        tail = tuple(tok(i) for i in range(total - n, total))
+        tail = tuple(seg[total - n - lo:])
         return tail in idx.starts
+
+
+def _ints(prompt, outputs, lo: int) -> list[int]:
+    """Tokens ``lo ..`` of ``prompt + outputs`` as Python ints (one slice of each sequence,
+    ``tolist`` for arrays: no per-token indexing, #33)."""
+    lp = len(prompt)
+    head = [int(t) for t in prompt[lo:]] if lo < lp else []
+    tail = outputs[max(0, lo - lp):]
+    return head + (tail.tolist() if hasattr(tail, "tolist") else [int(t) for t in tail])

@@ -3,7 +3,8 @@
 One engine per ``K`` in ``0`` (off) and ``--spec-list`` (same flags otherwise; ``--device cuda``
 runs the Triton fast path with its decode and verify CUDA graphs) serves the same greedy requests
 of each workload in turn (one engine after another; ``--alternate``: all engines started at
-once and served run by run in turn, so drift of the machine is not confounded with ``K``):
+once and served run by run in turn, the first of each round rotating, so drift of the machine
+and the place in a round are not confounded with ``K``):
 
 * ``friendly`` -- prompts that contain their answers: with a text tokenizer (the real SmolLM2
   GGUF) a code snippet to repeat with one name changed and a passage to quote; with a word-level
@@ -27,6 +28,7 @@ import asyncio
 import dataclasses
 import json
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -139,26 +141,69 @@ async def run_alternated(configs: dict, batches: dict[str, list[list[int]]], max
                          repeats: int = 1, concurrency: int | None = None,
                          temperature: float = 0.0) -> dict:
     """All engines (``configs``: ``K -> EngineConfig``) started at once and warmed up, then each
-    round serves every workload on each engine in turn (off, K1, K2, off, ...), ``repeats``
-    rounds, the best run per engine and workload kept: drift of the machine over the run is
-    shared by every ``K`` instead of being confounded with it. Returns ``K -> workload -> run``."""
+    round serves every workload on each engine in turn, ``repeats`` rounds, the engine that
+    goes first rotating from round to round (off, K1, K2; K1, K2, off; K2, off, K1; ...): drift
+    of the machine over the run, and any cost of a place in the round, are shared by every
+    ``K`` instead of being confounded with it. Returns ``K -> workload -> run``: the best run,
+    with ``runs_tokens_per_s`` (every run's tokens/s, round by round), ``runs_position`` (its
+    place in its round, 0 = first) and ``median_tokens_per_s`` added."""
     engines = {}
     try:
         for k, cfg in configs.items():
             engines[k] = await AsyncEngine.start(cfg)
             await _serve(engines[k], [next(iter(batches.values()))[0]], 8)
         res: dict = {k: {} for k in configs}
-        for _ in range(repeats):
+        runs: dict = {(k, name): [] for k in configs for name in batches}
+        order = list(engines)
+        for rnd in range(repeats):
+            turn = order[rnd % len(order):] + order[:rnd % len(order)]
             for name, batch in batches.items():
-                for k, engine in engines.items():
-                    r = await _serve(engine, batch, max_tokens, concurrency, temperature)
+                for pos, k in enumerate(turn):
+                    r = await _serve(engines[k], batch, max_tokens, concurrency, temperature)
+                    runs[k, name].append((r["output_tokens_per_s"], pos))
                     best = res[k].get(name)
                     if best is None or r["output_tokens_per_s"] > best["output_tokens_per_s"]:
                         res[k][name] = r
     finally:
         for engine in engines.values():
             await engine.shutdown()
+    for (k, name), got in runs.items():
+        rates = [g[0] for g in got]
+        res[k][name] = dict(res[k][name], runs_tokens_per_s=rates,
+                            runs_position=[g[1] for g in got],
+                            median_tokens_per_s=statistics.median(rates))
     return res
+
+
+def adjusted_speedups(runs: dict) -> dict:
+    """Each engine's tokens/s relative to the first one's with the round and the place in the
+    round factored out: the least-squares fit of ``log(rate) = round + engine + place`` over
+    every run of an alternated benchmark (rounds, engines and places crossed by the rotation).
+
+    Args:
+        runs: ``K -> (rates, places)``, ``[R]`` tokens/s and ``[R]`` place in the round of each
+            engine's runs, round by round (``runs_tokens_per_s``, ``runs_position``); the first
+            key is the reference (off).
+    Returns:
+        ``K -> exp(engine effect)`` for every key but the first.
+    """
+    import numpy as np
+    keys = list(runs)
+    n_rounds = len(runs[keys[0]][0])
+    n_places = 1 + max(max(p) for _, p in runs.values())
+    x, y = [], []
+    for e, k in enumerate(keys):
+        for r, (rate, place) in enumerate(zip(*runs[k])):
+            row = np.zeros(n_rounds + len(keys) - 1 + n_places - 1)
+            row[r] = 1.0
+            if e:
+                row[n_rounds + e - 1] = 1.0
+            if place:
+                row[n_rounds + len(keys) - 1 + place - 1] = 1.0
+            x.append(row)
+            y.append(np.log(rate))
+    coef = np.linalg.lstsq(np.array(x), np.array(y), rcond=None)[0]
+    return {k: float(np.exp(coef[n_rounds + e - 1])) for e, k in enumerate(keys) if e}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,8 +223,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="0: greedy (default); > 0: seeded sampling (request i seed i). On random "
                         "weights, 1.0 draws near-uniform tokens: a workload with no proposals")
     p.add_argument("--alternate", action="store_true",
-                   help="start every engine at once and alternate them run by run (off, K1, "
-                        "K2, off, ...) instead of one engine after another")
+                   help="start every engine at once and alternate them run by run, the first "
+                        "one rotating per round (off, K1, K2; K1, K2, off; ...), instead of one "
+                        "engine after another; adds every run's tokens/s, the median, "
+                        "speedup_median, speedup_paired_median (median over rounds of the "
+                        "ratio within a round) and speedup_adjusted (round and place in the "
+                        "round factored out, adjusted_speedups) to the JSON")
     p.add_argument("--out", default="bench-results/spec_decode.json")
     add_engine_flags(p)
     args = p.parse_args(argv)
@@ -221,6 +270,17 @@ def main(argv: list[str] | None = None) -> int:
             ok &= same
             entry[f"k{k}"] = dict(on, identical_tokens=same,
                                   speedup=on["output_tokens_per_s"] / off["output_tokens_per_s"])
+            if "median_tokens_per_s" in on:   # --alternate: the ratio of the medians, and
+                # the median over rounds of the ratio within a round (paired: drift cancels)
+                entry[f"k{k}"]["speedup_median"] = (on["median_tokens_per_s"]
+                                                    / off["median_tokens_per_s"])
+                entry[f"k{k}"]["speedup_paired_median"] = statistics.median(
+                    a / b for a, b in zip(on["runs_tokens_per_s"], off["runs_tokens_per_s"]))
+        if args.alternate and args.repeats > 1:   # round and place in the round factored out
+            adj = adjusted_speedups({k: (runs[k][w]["runs_tokens_per_s"],
+                                         runs[k][w]["runs_position"]) for k in [0] + ks})
+            for k in ks:
+                entry[f"k{k}"]["speedup_adjusted"] = adj[k]
         for r in entry.values():
             r.pop("token_ids", None)
         report["workloads"][w] = entry

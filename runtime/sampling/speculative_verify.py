@@ -48,16 +48,19 @@ class SpecRows:
         num_drafts: ``[R]`` int64 drafts per row (0 except on decode rows).
         drafts: ``[R, K]`` int64 proposals on the rank's device (zeros where not computed /
             not used).
-        decode: ``[R]`` bool, the rows whose slot finished its prefill before this step.
+        decode: ``[R]`` bool, the rows whose slot finished its prefill before this step (None
+            in a step of one-token rows only: no row has drafts, nothing reads it).
+        any_drafts: whether any row carries drafts (set from ``num_drafts`` when not given).
     """
     starts: np.ndarray
     num_drafts: np.ndarray
     drafts: torch.Tensor
     decode: np.ndarray | None = None
+    any_drafts: bool | None = None
 
-    @property
-    def any_drafts(self) -> bool:
-        return bool(self.num_drafts.any())
+    def __post_init__(self) -> None:
+        if self.any_drafts is None:
+            self.any_drafts = bool(self.num_drafts.any())
 
 
 def plan_rows(out, state, num_spec_tokens: int, ngram: int, with_drafts: bool,
@@ -81,7 +84,11 @@ def plan_rows(out, state, num_spec_tokens: int, ngram: int, with_drafts: bool,
     """
     m = state.mirror
     slots = out.slots.astype(np.int64)
-    starts = m.num_computed_tokens_np[slots].copy()
+    starts = m.num_computed_tokens_np[slots]                      # fancy index: a copy
+    q = out.num_scheduled_tokens
+    if not q.size or int(q.max()) <= 1:   # one-token rows only (a draft-free step, #33)
+        return SpecRows(starts, np.zeros(q.size, dtype=np.int64),
+                        _zero_drafts(zeros, out.num_rows, num_spec_tokens, state), None, False)
     decode = m.num_computed_prefill_tokens_np[slots] >= m.prefill_len_np[slots]
     num_drafts = np.where(decode, out.num_scheduled_tokens.astype(np.int64) - 1, 0)
     if int(num_drafts.max(initial=0)) > num_spec_tokens:
@@ -93,17 +100,27 @@ def plan_rows(out, state, num_spec_tokens: int, ngram: int, with_drafts: bool,
         r = slots.size
         drafts = propose_ngram_rows(state.all_token_ids, packed[:r], packed[r:],
                                     int(starts.max()) + 1, ngram, num_spec_tokens)
-    elif zeros is not None and zeros.shape[0] >= out.num_rows and zeros.device == dev:
-        drafts = zeros[:out.num_rows]
     else:
-        drafts = torch.zeros(out.num_rows, num_spec_tokens, dtype=torch.int64, device=dev)
+        drafts = _zero_drafts(zeros, out.num_rows, num_spec_tokens, state)
     return SpecRows(starts, num_drafts, drafts, decode)
+
+
+def _zero_drafts(zeros: torch.Tensor | None, num_rows: int, num_spec_tokens: int,
+                 state) -> torch.Tensor:
+    """``[num_rows, K]`` int64 zeros on the state's device: rows of ``zeros`` when it has
+    enough of them there (no allocation), else a new tensor."""
+    dev = state.all_token_ids.device
+    if zeros is not None and zeros.shape[0] >= num_rows and zeros.device == dev:
+        return zeros[:num_rows]
+    return torch.zeros(num_rows, num_spec_tokens, dtype=torch.int64, device=dev)
 
 
 def write_drafts(state, out, rows: SpecRows) -> None:
     """``all_token_ids[slot, start + 1 + j] = drafts[i, j]`` for every draft of every decode row
     ``i`` (one scatter on the device). The sampled post-update later overwrites them from
-    ``start + 1`` with the accepted tokens."""
+    ``start + 1`` with the accepted tokens. Nothing at all in a step without drafts."""
+    if not rows.any_drafts:
+        return
     row, j = draft_scatter(rows.num_drafts)
     if not row.size:
         return

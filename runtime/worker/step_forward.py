@@ -62,7 +62,8 @@ class ForwardPath:
         self.verify_in = None
         if self.spec is not None:  # speculative decoding (#14): own corrected starts, drafts
             starts = self.spec.prepare(out, self.state)
-            if self.verify_graphs is not None:   # a verify step a CUDA graph holds (#33)
+            if self.verify_graphs is not None and self.spec.rows.any_drafts:   # a verify step
+                # a CUDA graph holds (#33); a step without drafts is a plain decode step
                 self.verify_in = self.verify_graphs.inputs(
                     out.slots, starts, out.num_scheduled_tokens, self.spec.rows.decode,
                     self.state.block_table_np, self.state.block_size)

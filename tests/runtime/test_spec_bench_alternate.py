@@ -1,4 +1,5 @@
-"""``runtime.bench.spec --alternate``: engines served run by run in turn, best run kept (#33)."""
+"""``runtime.bench.spec --alternate``: engines served run by run in turn, the first one rotating
+per round, best run kept, every run and the median reported (#33)."""
 
 import asyncio
 
@@ -14,7 +15,7 @@ class _Engine:
 
 
 def test_engines_alternate_run_by_run_and_keep_their_best(monkeypatch):
-    log, rates = [], {0: [5.0, 7.0], 2: [9.0, 4.0]}
+    log, rates = [], {0: [5.0, 7.0, 6.5], 2: [9.0, 4.0, 3.0]}
 
     async def start(cfg):
         log.append(("start", cfg))
@@ -29,10 +30,52 @@ def test_engines_alternate_run_by_run_and_keep_their_best(monkeypatch):
 
     monkeypatch.setattr(spec.AsyncEngine, "start", start)
     monkeypatch.setattr(spec, "_serve", serve)
-    res = asyncio.run(spec.run_alternated({0: 0, 2: 2}, {"w": [[1, 2, 3]]}, 64, repeats=2,
+    res = asyncio.run(spec.run_alternated({0: 0, 2: 2}, {"w": [[1, 2, 3]]}, 64, repeats=3,
                                           temperature=1.0))
     assert log == [("start", 0), ("warm", 0), ("start", 2), ("warm", 2),
-                   ("run", 0, 1.0), ("run", 2, 1.0), ("run", 0, 1.0), ("run", 2, 1.0),
-                   ("shutdown", 0), ("shutdown", 2)]
-    assert res == {0: {"w": {"output_tokens_per_s": 7.0, "k": 0}},
-                   2: {"w": {"output_tokens_per_s": 9.0, "k": 2}}}
+                   ("run", 0, 1.0), ("run", 2, 1.0), ("run", 2, 1.0), ("run", 0, 1.0),
+                   ("run", 0, 1.0), ("run", 2, 1.0), ("shutdown", 0), ("shutdown", 2)]
+    assert res == {0: {"w": {"output_tokens_per_s": 7.0, "k": 0,
+                             "runs_tokens_per_s": [5.0, 7.0, 6.5], "runs_position": [0, 1, 0],
+                             "median_tokens_per_s": 6.5}},
+                   2: {"w": {"output_tokens_per_s": 9.0, "k": 2,
+                             "runs_tokens_per_s": [9.0, 4.0, 3.0], "runs_position": [1, 0, 1],
+                             "median_tokens_per_s": 4.0}}}
+
+
+def test_report_gives_ratio_of_medians_and_median_of_paired_ratios(monkeypatch, tmp_path):
+    import json
+
+    def run(k, rates):
+        return {"unfriendly": {"output_tokens_per_s": max(rates), "token_ids": [[1]],
+                               "runs_tokens_per_s": rates, "runs_position": [0, 1, 2],
+                               "median_tokens_per_s": sorted(rates)[1]}}
+
+    async def alternated(configs, batches, *a, **kw):
+        assert sorted(configs) == [0, 2]
+        return {0: run(0, [100.0, 200.0, 150.0]), 2: run(2, [90.0, 210.0, 120.0])}
+
+    monkeypatch.setattr(spec, "run_alternated", alternated)
+    out = tmp_path / "r.json"
+    assert spec.main(["--model", str(tmp_path), "--spec-list", "2", "--workloads", "unfriendly",
+                      "--alternate", "--out", str(out)]) == 0
+    k2 = json.loads(out.read_text())["workloads"]["unfriendly"]["k2"]
+    assert (k2["speedup"], k2["speedup_median"], k2["speedup_paired_median"]) == (
+        210.0 / 200.0, 120.0 / 150.0, 0.9)
+
+
+def test_adjusted_speedups_factor_out_round_and_place():
+    """Rates made of a round factor x an engine factor x a place factor (the rotation of three
+    engines over three rounds): the fit gives back the engine factors relative to off."""
+    import math
+    rounds, engine, place = [300.0, 420.0, 360.0], {0: 1.0, 2: 0.9, 4: 1.1}, [0.95, 1.05, 1.0]
+    order = [0, 2, 4]
+    runs = {k: ([], []) for k in order}
+    for r in range(3):
+        turn = order[r:] + order[:r]
+        for p, k in enumerate(turn):
+            runs[k][0].append(rounds[r] * engine[k] * place[p])
+            runs[k][1].append(p)
+    adj = spec.adjusted_speedups(runs)
+    assert sorted(adj) == [2, 4]
+    assert math.isclose(adj[2], 0.9, rel_tol=1e-9) and math.isclose(adj[4], 1.1, rel_tol=1e-9)

@@ -88,3 +88,29 @@ def test_draft_free_step_allocates_no_drafts_tensor():
     assert dec.rows.drafts.shape == (2, 4) and int(dec.rows.drafts.abs().sum()) == 0
     assert dec.rows.drafts.data_ptr() == first.data_ptr() == dec._zeros.data_ptr()
     assert dec._zeros.shape == (4, 4) and not dec.rows.any_drafts
+
+
+def test_one_token_step_plans_no_draft_layout(monkeypatch):
+    """A step of one-token rows on rank 0 / the last rank: starts from the rank's own counters
+    (here ahead of nothing, behind an optimistic scheduler), no drafts, no decode mask, and no
+    draft write at all (draft_scatter, the history scatter, the mirror record untouched)."""
+    from types import SimpleNamespace
+
+    from runtime.sampling import speculative_verify as sv
+    mirror = SimpleNamespace(num_computed_tokens_np=np.array([5, 9, 0, 0], dtype=np.int64),
+                             num_computed_prefill_tokens_np=np.array([4, 6, 0, 0], np.int64),
+                             prefill_len_np=np.array([4, 6, 0, 0], dtype=np.int64))
+    state = SimpleNamespace(mirror=mirror, all_token_ids=torch.zeros(4, 32, dtype=torch.int64),
+                            tokens=SimpleNamespace(record=lambda *a: pytest.fail("record")))
+    out = SimpleNamespace(slots=np.array([1, 0], dtype=np.int32), step=3, num_rows=2,
+                          num_scheduled_tokens=np.array([1, 1], dtype=np.int32),
+                          start_positions=np.array([10, 6], dtype=np.int32))   # optimistic
+    monkeypatch.setattr(sv, "draft_scatter", lambda *a: pytest.fail("draft_scatter"))
+    dec = sv.SpecDecoder(2, 3, is_first=True, is_last=True)
+    assert dec.prepare(out, state).tolist() == [9, 5]
+    rows = dec.rows
+    assert (rows.any_drafts, rows.decode, rows.num_drafts.tolist()) == (False, None, [0, 0])
+    assert int(state.all_token_ids.abs().sum()) == 0
+    mirror.num_computed_tokens_np[1] = 12               # the rank's counters, not a stale copy
+    assert dec.prepare(out, state).tolist() == [12, 5]
+    assert mirror.num_computed_tokens_np[1] == 12 and rows.starts.tolist() == [9, 5]
