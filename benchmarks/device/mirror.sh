@@ -2,9 +2,9 @@
 # Issue #27 (mirror validation: its cost) on one H200, about 3 minutes (timeouts sum to 415 s;
 # the most important parts first):
 # 1. a rank's validation per step at 128 and 256 decode rows, off / on / before (the check as of
-#    BEFORE_REV, default 4e816c2: runtime/worker/mirror_check.py and token_check.py read from git,
+#    BEFORE_REV, default 2bc6e7d: runtime/worker/mirror_check.py and token_check.py read from git,
 #    or from $BEFORE_DIR where the tree has no .git: extract them there beforehand with
-#    `git show 4e816c2:runtime/worker/mirror_check.py > DIR/mirror_check.py` and the same for
+#    `git show 2bc6e7d:runtime/worker/mirror_check.py > DIR/mirror_check.py` and the same for
 #    token_check.py) alternated in one run (python -m runtime.bench mirror);
 # 2. the CUDA tests: block ids shifted on rank 1 / rank 0 / the middle rank at PP=3, both table
 #    copies wrong, a fault in each validated field (also on the last rank, whose check rides on
@@ -27,7 +27,7 @@ mkdir -p "$out"
 log="$out/mirror-bench.log"
 python3 -c "import torch; print('cuda', torch.cuda.is_available(), torch.cuda.device_count())" | tee "$log"
 
-before=(--before-rev "${BEFORE_REV:-4e816c2}")
+before=(--before-rev "${BEFORE_REV:-2bc6e7d}")
 [ -n "${BEFORE_DIR:-}" ] && before+=(--before-dir "$BEFORE_DIR")
 timeout 50 python3 -m runtime.bench mirror --rows 128,256 --device cuda --steps 30 --rounds 9 \
   "${before[@]}" --json-out "$out/mirror-micro-gpu.json" >> "$log" 2>&1

@@ -10,7 +10,7 @@ the after-step check (on CUDA :class:`~runtime.worker.mirror_check.AsyncMirrorCh
 values copied to the device, compared there with the device tables, one flag copied back; on the
 CPU ``DeviceState.validate``).
 
-Off, on and the check as it was at ``--before-rev`` (default 4e816c2, main before the last rank's
+Off, on and the check as it was at ``--before-rev`` (default 2bc6e7d, main before the check moved the block digest onto the device; before that 4e816c2, main before the last rank's
 check rode on its result copy; :mod:`runtime.worker.mirror_check` and
 :mod:`runtime.worker.token_check` read from git at run time, :mod:`runtime.bench.git_source`, or
 from ``--before-dir`` where the machine has no ``.git``; same coverage; reported as ``before_*``)
@@ -48,7 +48,7 @@ from runtime.worker.device_state import DeviceState
 from runtime.worker.mirror_check import AsyncMirrorCheck
 
 BLOCK = 16
-BEFORE_REV = "4e816c2"
+BEFORE_REV = "2bc6e7d"
 
 
 def before_classes(rev: str, src_dir: str | None = None) -> tuple[type, type]:
@@ -130,7 +130,9 @@ class RankLoop:
                               self.tokens.astype(np.int32), np.ones(self.n, dtype=bool),
                               block_digests=self.digests.of(self.slots))
         t0 = self.clock()
-        if validate is True or validate == "before":
+        if validate is True and self.check is not None:
+            self.check.expect_digests(out)   # compared on the device by the step's snapshot
+        elif validate is True or validate == "before":
             st.check_block_digests(out)
         self.check_s += self.clock() - t0
         slots64 = self.slots.astype(np.int64)
