@@ -42,6 +42,7 @@ from ppstate.batch import NewRequest, SchedulerOutput
 from ppstate.block_digest import BlockDigests
 from ppstate.mirror import MIRROR_FIELDS
 from runtime.bench.git_source import SourceUnavailable, load_module
+from runtime.bench.mirror_profile import graph_gpu_us, profile_modes
 from runtime.bench.results import subcommand_line, write_result
 from runtime.host_copy import HostCopy
 from runtime.worker.device_state import DeviceState
@@ -249,10 +250,10 @@ def pieces(loop: RankLoop, calls: int = 300, repeats: int = 5) -> dict:
 
 
 def measure(rows: int, device: str, steps: int, rounds: int, prompt_len: int,
-            before_cls: tuple[type, type]) -> dict:
+            before_cls: tuple[type, type], profile: bool = False) -> dict:
     """Off / on / before alternated ``rounds`` times at ``rows`` rows (module docstring;
-    ``before_cls``: :func:`before_classes`)."""
-    max_model_len = prompt_len + (4 * rounds + 2) * steps + 2 * BLOCK
+    ``before_cls``: :func:`before_classes`; ``profile``: also :func:`profile_modes`)."""
+    max_model_len = prompt_len + (4 * rounds + 2 + 6 * profile) * steps + 2 * BLOCK
     loop = RankLoop(rows, torch.device(device), prompt_len, max_model_len, before_cls)
     loop.block(steps, True)                     # warm-up (allocations, first kernels)
     loop.block(steps, "before")
@@ -283,6 +284,11 @@ def measure(rows: int, device: str, steps: int, rounds: int, prompt_len: int,
            "post_step_us_off": 1e6 * statistics.median(inside_off),
            "steps_per_block": steps, "rounds": rounds}
     res["pieces_us"] = pieces(loop)
+    if device == "cuda":   # the device time of the check's graph alone, now and before
+        res["check_graph_gpu_us"] = graph_gpu_us(loop.check)
+        res["before_check_graph_gpu_us"] = graph_gpu_us(loop.before)
+    if profile:
+        res["profile"] = profile_modes(loop, steps)
     if counters:   # the check before issue #27 (mirror counters only), same run
         res["counters_only_us_per_step"] = 1e6 * (statistics.median(counters) -
                                                   statistics.median(off))
@@ -302,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--before-dir", default=None,
                    help="folder with mirror_check.py and token_check.py of --before-rev, "
                         "extracted beforehand (a machine without the repository's .git)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one block per mode call by call (cProfile; runtime/bench/"
+                        "mirror_profile.py): what on and before add to off, per step")
     p.add_argument("--json-out", default=None)
     return p
 
@@ -323,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
     results = []
     for n in rows:
-        r = measure(n, args.device, args.steps, args.rounds, args.prompt_len, before_cls)
+        r = measure(n, args.device, args.steps, args.rounds, args.prompt_len, before_cls,
+                    args.profile)
         results.append(r)
         before = (f", counters only {r['counters_only_us_per_step']:.1f} us"
                   if "counters_only_us_per_step" in r else "")
@@ -335,6 +345,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['before_check_us_per_step']:.1f} us before", flush=True)
         print("  each part alone (us per call): " +
               ", ".join(f"{k} {v:.1f}" for k, v in r["pieces_us"].items()), flush=True)
+        if r.get("check_graph_gpu_us") is not None:
+            print(f"  check graph on the device alone: {r['check_graph_gpu_us']:.1f} us now, "
+                  f"{r['before_check_graph_gpu_us'] or float('nan'):.1f} us before", flush=True)
+        for mode, prof in r.get("profile", {}).items():
+            if isinstance(prof, dict):
+                print(f"  profiled {mode}: {prof['total_us']:.0f} us own time per step (off "
+                      f"{r['profile']['off_total_us']:.0f}); most added: " +
+                      "; ".join(f"{c['call']} x{c['calls_per_step']:g} +{c['added_us']:.1f}"
+                                for c in prof["added"][:12]), flush=True)
     if args.json_out:
         write_result(args.json_out, "mirror-validation", {"results": results}, vars(args),
                      subcommand_line("mirror", argv))

@@ -86,7 +86,7 @@ class CheckGraph:
         recaptures the graphs when they grow."""
         if size <= self.capacity:
             return
-        dev, words = self.state.device, self.head + size
+        dev, words = self.state.device, self.head + size + (size & 1)   # even: int64 views
         self.capacity, self.graphs = size, None   # the graphs read the old buffers
         self.exp_host = torch.zeros(2, words, dtype=torch.int32, pin_memory=self._pin)
         self.exp_np = self.exp_host.numpy()
