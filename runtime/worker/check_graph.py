@@ -53,7 +53,8 @@ class CheckGraph:
 
     Attributes:
         exp_np: ``[2, 6n + capacity]`` int32 pinned expected values (numpy view).
-        aux_np: per buffer ``[3, n]`` int64 views of its first ``6n`` words.
+        aux_np: per buffer ``[3, n]`` int64 views of its first ``6n`` words; ``aux_rows``: the
+            same as three ``[n]`` row views.
         flag_np: ``[2]`` bool, each buffer's flag once landed.
         tok_np: ``[2, n]`` int64 token-row digests once landed.
     """
@@ -92,6 +93,7 @@ class CheckGraph:
         self.exp_np = self.exp_host.numpy()
         self.aux_np = [self.exp_np[k, :self.head].view(np.int64).reshape(AUX_ROWS, self.n)
                        for k in range(2)]
+        self.aux_rows = [tuple(a) for a in self.aux_np]   # (live, rows, digests) [n] views
         self.exp_dev = torch.zeros(2, words, dtype=torch.int32, device=dev)
         self.snap_dev = torch.empty(2, size, dtype=torch.int32, device=dev)
 

@@ -133,13 +133,14 @@ class AsyncMirrorCheck:
 
     def _write_aux(self, k: int, step: int) -> None:
         """Buffer ``k``'s int64 rows: the live mask and the step rows' expected digests."""
-        aux = self.dev.aux_np[k]
-        np.copyto(aux[0], self.state.live_np)
-        aux[1].fill(0)
+        live, rows, digests = self.dev.aux_rows[k]   # [n] int64 each (views)
+        np.copyto(live, self.state.live_np)
+        rows.fill(0)
         d, self._digests = self._digests, None
         if d is not None and d[0] == step and d[2] is not None and len(d[1]):
-            aux[1, d[1]] = 1
-            aux[2, d[1]] = d[2]
+            slots = d[1].astype(np.intp)   # put: the cheapest scatter
+            rows.put(slots, 1)
+            digests.put(slots, d[2])
 
     def snapshot(self, step: int, later: bool = False) -> None:
         """Start the check of ``step`` (call after the step's post-update was issued). Finishes
