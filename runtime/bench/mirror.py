@@ -2,18 +2,21 @@
 
 For each ``--rows`` count N, one rank's :class:`~runtime.worker.device_state.DeviceState` on
 ``--device`` holds N decoding requests (``--prompt-len`` tokens, blocks of 16, every slot live),
-and a step runs what the worker runs around the model for N decode rows: the block-table deltas of
-the rows that cross a block, the immediate and the sampled post-update (device kernels and CPU
-mirror). With validation on, the step also runs everything ``--validate-mirrors every`` adds: the
-block-id digest check of the step's rows against the scheduler's digests (before the forward) and
-the after-step check (on CUDA :class:`~runtime.worker.mirror_check.AsyncMirrorCheck`: the expected
-values copied to the device, compared there with the device tables, one flag copied back; on the
-CPU ``DeviceState.validate``).
+and a step runs what the worker runs around the model for N decode rows
+(:class:`~runtime.bench.rank_loop.RankLoop`): the block-table deltas of the rows that cross a
+block, the immediate and the sampled post-update (device kernels and CPU mirror). With
+validation on, the step also runs everything ``--validate-mirrors every`` adds: the block-id
+digests of the step's rows against the scheduler's (on CUDA with the after-step check, on the CPU
+before the forward) and the after-step check (on CUDA
+:class:`~runtime.worker.mirror_check.AsyncMirrorCheck`: the expected values copied to the device,
+compared there with the device tables, one flag copied back; on the CPU
+``DeviceState.validate``).
 
-Off, on and the check as it was at ``--before-rev`` (default 2bc6e7d, main before the check moved the block digest onto the device; before that 4e816c2, main before the last rank's
-check rode on its result copy; :mod:`runtime.worker.mirror_check` and
-:mod:`runtime.worker.token_check` read from git at run time, :mod:`runtime.bench.git_source`, or
-from ``--before-dir`` where the machine has no ``.git``; same coverage; reported as ``before_*``)
+Off, on and the check as it was at ``--before-rev`` (default 2bc6e7d: main before the digest
+moved onto the device; :mod:`runtime.worker.mirror_check` and :mod:`runtime.worker.token_check`
+read from git at run time, :mod:`runtime.bench.git_source`, or from ``--before-dir`` where the
+machine has no ``.git``; same coverage; reported as ``before_*``; on CUDA it rides on the result
+copy too when that revision can, ``share``, as on the last rank)
 alternate in one run (``--rounds`` triples of ``--steps`` steps; CUDA: wall time, synchronised at
 the end of each block; CPU: process CPU time, one torch thread). Every mode also does what the
 last rank does anyway: the copy of the step's sampled ids to the host (its result) and, after the
@@ -24,9 +27,12 @@ less exposed to the load of a shared machine; on CUDA it includes the wait for t
 step's copy), and each post-step part timed alone on the final state (``pieces_us``,
 :func:`pieces`: the digest, the result copy alone, the after-step check with it now and before);
 on the CPU (where only the token mirror differs from before) also the microseconds of the check
-as it was before issue #27 (the mirror counters only), in the same run. The share of a whole
-engine step is smaller by the model's time (the engine on / off ratio: ``runtime.bench pp
---overheads``). ``--json-out F`` writes the results (kind ``mirror-validation``).
+as it was before issue #27 (the mirror counters only), in the same run; on CUDA the device time
+of the check's graph alone, now and before (``check_graph_gpu_us``). ``--profile`` adds, per
+mode, the calls and own time per step that it adds to off, function by function
+(:mod:`runtime.bench.mirror_profile`, cProfile). The share of a whole engine step is smaller by
+the model's time (the engine on / off ratio: ``runtime.bench pp --overheads``). ``--json-out F``
+writes the results (kind ``mirror-validation``).
 """
 
 from __future__ import annotations

@@ -2,30 +2,28 @@
 host sync and no host comparison).
 
 After a step, :meth:`AsyncMirrorCheck.snapshot` writes the host copies of everything checked
-(:mod:`runtime.worker.state_check`: the mirrored counters, ``total_len``, the block-table columns in
-use, the sampling tables, the biased live slots' logit-bias rows), as they are at that moment,
-flat into pinned host memory, and enqueues on the device, in stream order after the step:
+(:mod:`runtime.worker.state_check`: the mirrored counters, ``total_len``, the block-table columns,
+the sampling tables, the biased live slots' logit-bias rows) as they are at that moment, with the
+live-slot mask and the scheduler's block-id digests of the step's rows (:meth:`expect_digests`),
+into pinned host memory, and enqueues the device work of :mod:`runtime.worker.check_graph` in
+stream order after the step: one copy of those expected values to the device, the step's
+snapshot of the device tables, and one flag (the snapshot against the expected values, the block
+counts against ``ceil(num_computed_tokens / block_size)``, the device table's digests against the
+scheduler's) copied back as one byte, with the token rows' digests
+(:mod:`runtime.worker.token_check`).
 
-1. one non-blocking copy of those expected values, and of the live-slot mask, to the device;
-2. one concatenation of the device tensors into a second device buffer (the step's snapshot);
-3. one element-wise comparison of the two, and the block counts' test on the live slots
-   (:func:`blocks_short_or_over`: ``held`` vs ``ceil(num_computed_tokens / block_size)``),
-   reduced to one flag;
-4. one non-blocking copy of that flag (one byte) to pinned host memory, and a CUDA event (one
-   per buffer, reused).
-
-The comparison of the common path is therefore one byte read when the event has completed
+The comparison of the common path is therefore one byte read when the copies have landed
 (:meth:`poll` checks it opportunistically; the next :meth:`snapshot` forces it), so a divergence
 is still reported at the latest while the next step finishes ("within one step"). Without
-logit-bias rows steps 1-4 (and the token rows' digests, :mod:`runtime.worker.token_check`) are one
-CUDA graph per buffer, and the host writes the expected values through views of its buffer made
-once: per step the host does five array copies, one graph launch, one event record and, for the
-previous step, one byte read and one comparison of the token digests. Only when the flag is set
-does the check copy the step's snapshot (which stays on the device, double-buffered, until then)
-and its expected values back and look field by field over the live slots
-(``state_check.compare``), then at the block counts, to raise
-:class:`~ppstate.errors.MirrorDivergence` naming rank, step, slot, request, field and both values,
-exactly as the synchronous check does.
+logit-bias rows the device work is one CUDA graph per buffer, and the host copies live in one
+array laid out as the graph's input (``DeviceState.host_flat``): per step the host makes one
+array copy and four small writes (the live mask, the step rows' digests), one graph launch, one
+event record (none on the last rank, below) and, for the previous step, one byte read and one
+comparison of the token digests. Only when the flag is set does
+:func:`~runtime.worker.mirror_naming.name_divergence` copy the step's snapshot (kept on the
+device, double-buffered) back and look field by field over the live slots, then at the block
+counts and the digests, to raise :class:`~ppstate.errors.MirrorDivergence` naming rank, step,
+slot, request, field and both values, as the synchronous check does.
 
 On the last rank (:meth:`~runtime.worker.runner.StageRunner.result`) the snapshot rides on the
 step's result copy, which the rank makes anyway: ``snapshot(step, later=True)`` enqueues the
