@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ppstate.errors import MirrorDivergence
-from runtime.bench.mirror import RankLoop
+from runtime.bench.rank_loop import RankLoop
 from runtime.worker.mirror_check import AsyncMirrorCheck
 
 FAULTS = [("num_computed_tokens", "num_computed_tokens"), ("max_seq_len", "max_seq_len"),
