@@ -41,6 +41,17 @@ class CpuMirror:
         self.values = np.zeros((len(MIRROR_FIELDS), max_num_reqs), dtype=np.int64)  # [F, max_num_reqs]
         self._derived()
 
+    def rebind(self, values: np.ndarray) -> None:
+        """Keep the counters in ``values`` from now on (``[len(MIRROR_FIELDS), max_num_reqs]``
+        int64, e.g. a view of a caller's buffer that must hold them), starting from the current
+        ones."""
+        if values.shape != self.values.shape or values.dtype != self.values.dtype:
+            raise ValueError(f"rebind: need {self.values.shape} {self.values.dtype}, "
+                             f"got {values.shape} {values.dtype}")
+        np.copyto(values, self.values)
+        self.values = values
+        self._derived()
+
     def _derived(self) -> None:
         """What is kept beside ``values`` and not pickled: the row views (a view costs a numpy
         call), the block-size constants of :meth:`validate_blocks`, and whether some slot may

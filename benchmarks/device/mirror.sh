@@ -2,9 +2,9 @@
 # Issue #27 (mirror validation: its cost) on one H200, about 3 minutes (timeouts sum to 415 s;
 # the most important parts first):
 # 1. a rank's validation per step at 128 and 256 decode rows, off / on / before (the check as of
-#    BEFORE_REV, default 4e816c2: runtime/worker/mirror_check.py and token_check.py read from git,
+#    BEFORE_REV, default 2bc6e7d: runtime/worker/mirror_check.py and token_check.py read from git,
 #    or from $BEFORE_DIR where the tree has no .git: extract them there beforehand with
-#    `git show 4e816c2:runtime/worker/mirror_check.py > DIR/mirror_check.py` and the same for
+#    `git show 2bc6e7d:runtime/worker/mirror_check.py > DIR/mirror_check.py` and the same for
 #    token_check.py) alternated in one run (python -m runtime.bench mirror);
 # 2. the CUDA tests: block ids shifted on rank 1 / rank 0 / the middle rank at PP=3, both table
 #    copies wrong, a fault in each validated field (also on the last rank, whose check rides on
@@ -19,6 +19,9 @@
 # 5. three speculative-decoding CUDA tests (the last rank's token mirror with drafts, PP=1 and 2).
 # Writes under $OUT (default ./device-out): mirror-tests.log, mirror-bench.log,
 # mirror-micro-{gpu,cpu}.json, pp-mirror.json, mirror-summary.json.
+# The micro bench also profiles one block per mode call by call (--profile) and times the check's
+# CUDA graph alone on the device. QUICK=1 skips 4 and 5; MICRO_ROUNDS, MICRO_TIMEOUT,
+# ENGINE_ROUNDS, ENGINE_TIMEOUT shorten 1 and 3 (defaults 9, 60 s, 24, 150 s).
 # Usage: [BEFORE_DIR=DIR] [BEFORE_REV=REV] benchmarks/device/mirror.sh [OUTDIR]
 set -u
 out=${1:-${OUT:-device-out}}
@@ -27,10 +30,10 @@ mkdir -p "$out"
 log="$out/mirror-bench.log"
 python3 -c "import torch; print('cuda', torch.cuda.is_available(), torch.cuda.device_count())" | tee "$log"
 
-before=(--before-rev "${BEFORE_REV:-4e816c2}")
+before=(--before-rev "${BEFORE_REV:-2bc6e7d}")
 [ -n "${BEFORE_DIR:-}" ] && before+=(--before-dir "$BEFORE_DIR")
-timeout 50 python3 -m runtime.bench mirror --rows 128,256 --device cuda --steps 30 --rounds 9 \
-  "${before[@]}" --json-out "$out/mirror-micro-gpu.json" >> "$log" 2>&1
+timeout ${MICRO_TIMEOUT:-60} python3 -m runtime.bench mirror --rows 128,256 --device cuda --steps 30 \
+  --rounds ${MICRO_ROUNDS:-9} --profile "${before[@]}" --json-out "$out/mirror-micro-gpu.json" >> "$log" 2>&1
 echo "micro rc=$?" | tee -a "$log"
 
 timeout 70 python3 -m pytest -p no:cacheprovider -q -rs --durations=15 \
@@ -43,14 +46,14 @@ tail -4 "$out/mirror-tests.log"
 folder=/tmp/smollm2-random
 [ -d $folder ] || timeout 30 python3 -m runtime.bench.model_folder --shape smollm2-135m \
   --out $folder >> "$log" 2>&1
-timeout 150 python3 -m runtime.bench pp --pp 1 --workload none --overheads \
-  --overheads-of mirror_validation --overheads-concurrency 128,256 --repeats 24 \
+timeout ${ENGINE_TIMEOUT:-150} python3 -m runtime.bench pp --pp 1 --workload none --overheads \
+  --overheads-of mirror_validation --overheads-concurrency 128,256 --repeats ${ENGINE_ROUNDS:-24} \
   --overheads-warmup 2 --num-requests 128 --max-num-seqs 256 --max-tokens 128 \
   --max-model-len 384 --max-num-batched-tokens 8192 --max-prefill-chunk 4096 \
   --model $folder --device cuda --dtype bfloat16 --json-out "$out/pp-mirror.json" \
   2>&1 | grep -v -i -E "warn|loading" >> "$log"
 echo "engine rc=${PIPESTATUS[0]}" | tee -a "$log"
-timeout 25 python3 -m runtime.bench mirror --rows 128,256 --device cpu --steps 30 --rounds 4 \
+[ -n "${QUICK:-}" ] || timeout 25 python3 -m runtime.bench mirror --rows 128,256 --device cpu --steps 30 --rounds 4 \
   "${before[@]}" --json-out "$out/mirror-micro-cpu.json" >> "$log" 2>&1
 
 python3 - "$out" <<'PY' | tee -a "$log"
@@ -66,7 +69,8 @@ for name in ("mirror-micro-gpu", "mirror-micro-cpu"):
                                              "before_validation_us_per_step", "before_over_off",
                                              "check_us_per_step", "before_check_us_per_step",
                                              "before_us_per_step_on", "post_step_us_off",
-                                             "pieces_us")
+                                             "pieces_us", "check_graph_gpu_us",
+                                             "before_check_graph_gpu_us")
                           if k in r}
                          for r in json.loads(f.read_text())["results"]["results"]]
 f = out / "pp-mirror.json"
@@ -78,6 +82,7 @@ if f.exists():
 (out / "mirror-summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 print(json.dumps(summary, indent=1)[:3000])
 PY
+[ -n "${QUICK:-}" ] && exit 0
 timeout 90 python3 -m pytest -p no:cacheprovider -q -x tests/gpu/test_gpu_spec_decode.py \
   -k "2-1-False or 3-2-True or planted" >> "$out/mirror-tests.log" 2>&1
 echo "spec pytest rc=$?" | tee -a "$log"

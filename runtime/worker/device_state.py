@@ -62,6 +62,9 @@ class DeviceState:
         self.live_np = np.zeros(max_num_reqs, dtype=bool)                       # [max_num_reqs]
         self.sampling_state = SamplingState(max_num_reqs, device)  # per-slot sampling parameters
         self.tokens: TokenMirror | None = None   # host copy of all_token_ids (track_tokens)
+        # the host copies above, moved into one array in the mirror check's flat layout
+        # [flat_size(max_num_reqs, cols)] int32 (state_check.bind_host_layout)
+        self.host_flat = state_check.bind_host_layout(self)
 
     def track_tokens(self) -> TokenMirror:
         """Keep an exact host copy of ``all_token_ids`` from now on (the mirror checks compare

@@ -2,30 +2,28 @@
 host sync and no host comparison).
 
 After a step, :meth:`AsyncMirrorCheck.snapshot` writes the host copies of everything checked
-(:mod:`runtime.worker.state_check`: the mirrored counters, ``total_len``, the block-table columns in
-use, the sampling tables, the biased live slots' logit-bias rows), as they are at that moment,
-flat into pinned host memory, and enqueues on the device, in stream order after the step:
+(:mod:`runtime.worker.state_check`: the mirrored counters, ``total_len``, the block-table columns,
+the sampling tables, the biased live slots' logit-bias rows) as they are at that moment, with the
+live-slot mask and the scheduler's block-id digests of the step's rows (:meth:`expect_digests`),
+into pinned host memory, and enqueues the device work of :mod:`runtime.worker.check_graph` in
+stream order after the step: one copy of those expected values to the device, the step's
+snapshot of the device tables, and one flag (the snapshot against the expected values, the block
+counts against ``ceil(num_computed_tokens / block_size)``, the device table's digests against the
+scheduler's) copied back as one byte, with the token rows' digests
+(:mod:`runtime.worker.token_check`).
 
-1. one non-blocking copy of those expected values, and of the live-slot mask, to the device;
-2. one concatenation of the device tensors into a second device buffer (the step's snapshot);
-3. one element-wise comparison of the two, and the block counts' test on the live slots
-   (:func:`blocks_short_or_over`: ``held`` vs ``ceil(num_computed_tokens / block_size)``),
-   reduced to one flag;
-4. one non-blocking copy of that flag (one byte) to pinned host memory, and a CUDA event (one
-   per buffer, reused).
-
-The comparison of the common path is therefore one byte read when the event has completed
+The comparison of the common path is therefore one byte read when the copies have landed
 (:meth:`poll` checks it opportunistically; the next :meth:`snapshot` forces it), so a divergence
 is still reported at the latest while the next step finishes ("within one step"). Without
-logit-bias rows steps 1-4 (and the token rows' digests, :mod:`runtime.worker.token_check`) are one
-CUDA graph per buffer, and the host writes the expected values through views of its buffer made
-once: per step the host does five array copies, one graph launch, one event record and, for the
-previous step, one byte read and one comparison of the token digests. Only when the flag is set
-does the check copy the step's snapshot (which stays on the device, double-buffered, until then)
-and its expected values back and look field by field over the live slots
-(``state_check.compare``), then at the block counts, to raise
-:class:`~ppstate.errors.MirrorDivergence` naming rank, step, slot, request, field and both values,
-exactly as the synchronous check does.
+logit-bias rows the device work is one CUDA graph per buffer, and the host copies live in one
+array laid out as the graph's input (``DeviceState.host_flat``): per step the host makes one
+array copy and four small writes (the live mask, the step rows' digests), one graph launch, one
+event record (none on the last rank, below) and, for the previous step, one byte read and one
+comparison of the token digests. Only when the flag is set does
+:func:`~runtime.worker.mirror_naming.name_divergence` copy the step's snapshot (kept on the
+device, double-buffered) back and look field by field over the live slots, then at the block
+counts and the digests, to raise :class:`~ppstate.errors.MirrorDivergence` naming rank, step,
+slot, request, field and both values, as the synchronous check does.
 
 On the last rank (:meth:`~runtime.worker.runner.StageRunner.result`) the snapshot rides on the
 step's result copy, which the rank makes anyway: ``snapshot(step, later=True)`` enqueues the
@@ -53,9 +51,9 @@ import torch
 
 from ppstate.errors import MirrorDivergence
 from ppstate.events import NULL_SINK, EventSink
-from ppstate.mirror import MIRROR_FIELDS, CpuMirror
-from runtime.host_copy import to_device
 from runtime.worker import state_check
+from runtime.worker.check_graph import CheckGraph
+from runtime.worker.mirror_naming import name_divergence
 
 
 def m_slots(state) -> int:
@@ -99,93 +97,48 @@ class AsyncMirrorCheck:
 
     Args:
         state: the rank's DeviceState (device tensors ``[max_num_reqs]`` int64, ``mirror``,
-            ``owner``, ``live_slots()``, ``block_size``).
+            ``owner``, ``live_slots()``, ``block_size``, ``host_flat``).
         sink: where ``mirror.check`` events go when it is enabled (tracing); rank: their rank.
     """
 
     def __init__(self, state, sink: EventSink = NULL_SINK, rank: int | None = None) -> None:
         self.state, self.sink, self.rank = state, sink, rank
         self._pin = state.device.type == "cuda"
-        self.capacity = 0
-        self._graphs: list | None = None   # CUDA: the device work of each buffer, one graph each
-        self._grow(state_check.flat_size(*state.block_table_np.shape))   # the most columns
-        self.flag_host = torch.zeros(2, dtype=torch.bool, pin_memory=self._pin)   # [2] per buffer
-        self.flag_np = self.flag_host.numpy()
-        n = m_slots(state)   # the token rows' digests (runtime/worker/token_check.py), [2, n]
-        self.tok_dev = torch.zeros(2, n, dtype=torch.int64, device=state.device)
-        self.tok_host = torch.zeros(2, n, dtype=torch.int64, pin_memory=self._pin)
-        self.tok_np = self.tok_host.numpy()
-        self._nct = MIRROR_FIELDS.index("num_computed_tokens")
-        self._nb = MIRROR_FIELDS.index("num_blocks")
-        self.live_host = torch.zeros(2, n, dtype=torch.bool, pin_memory=self._pin)   # [2, n]
-        self.live_np = self.live_host.numpy()       # the live mask of each buffer's snapshot
-        self.live_dev = torch.zeros(2, n, dtype=torch.bool, device=state.device)
+        self.dev = CheckGraph(state)   # buffers and device work
         self._events = [torch.cuda.Event(), torch.cuda.Event()] if self._pin else None
-        self._views: dict[tuple[int, int], tuple] = {}   # (buffer, size) -> unpack views, graph
         self.pending: list[_Pending] = []
         self._error: MirrorDivergence | None = None   # found while recording, raised next
         self._unshared: _Pending | None = None   # a snapshot(later=True) waiting for share()
+        self._digests: tuple | None = None   # (step, slots, block_digests) of expect_digests
         self.checked_steps = 0
-        self.use_graphs = self._pin
         self._graphed_tokens = None   # the TokenMirror whose digests the graphs compute
 
-    def _enqueue(self, k: int, size: int, cols: int, bl: np.ndarray) -> None:
-        """The device work of buffer ``k`` (stream order): expected values in, the snapshot, the
-        comparison reduced to one flag, the flag out."""
-        exp_d, snap = self.exp_dev[k, :size], self.snap_dev[k, :size]
-        exp_d.copy_(self.exp_host[k, :size], non_blocking=True)
-        self.live_dev[k].copy_(self.live_host[k], non_blocking=True)
-        st = self.state
-        state_check.device_flat(st, cols, to_device(bl, st.device) if bl.size else None, out=snap)
-        bad = blocks_short_or_over(st.fields[self._nb], st.fields[self._nct], st.block_size,
-                                   2 * (st.width - 1), self.live_dev[k])
-        flag = torch.logical_or(torch.ne(snap, exp_d).any(), bad)
-        self.flag_host[k:k + 1].copy_(flag.view(1), non_blocking=True)
-        if st.tokens is not None:   # compared on the host when the sampled ids have landed too
-            st.tokens.device_digest(st.all_token_ids, self.tok_dev[k])
-            self.tok_host[k].copy_(self.tok_dev[k], non_blocking=True)
+    @property
+    def use_graphs(self) -> bool:
+        """Whether the device work runs as captured CUDA graphs (off: op by op)."""
+        return self.dev.use_graphs
 
-    def _graph(self, k: int):
-        """Buffer ``k``'s device work over every block-table column and no logit-bias rows,
-        captured once as a CUDA graph (one launch per step instead of five); None when capture
-        fails (then the work is enqueued op by op)."""
-        if self._graphs is None:
-            cols = self.state.block_table_np.shape[1]
-            size = state_check.flat_size(m_slots(self.state), cols)
-            none = np.zeros(0, dtype=np.int64)
-            try:
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):            # warm-up outside the capture
-                    for b in range(2):
-                        self._enqueue(b, size, cols, none)
-                torch.cuda.current_stream().wait_stream(side)
-                graphs = []
-                for b in range(2):   # thread_local: other threads' CUDA calls stay legal
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, capture_error_mode="thread_local"):
-                        self._enqueue(b, size, cols, none)
-                    graphs.append(g)
-                torch.cuda.synchronize()
-                self._graphs = graphs
-            except Exception:   # capture not supported here: op by op from now on
-                self.use_graphs, self._graphs = False, None
-                torch.cuda.synchronize()
-                return None
-        return self._graphs[k]
+    @use_graphs.setter
+    def use_graphs(self, on: bool) -> None:
+        self.dev.use_graphs = on
 
-    def _grow(self, size: int) -> None:
-        """Buffers for a flat layout of ``size`` int32 words (only while nothing is pending):
-        expected values, pinned ``[2, size]`` and on the device; the device snapshot ``[2, size]``."""
-        if size <= self.capacity:
-            return
-        dev = self.state.device
-        self.capacity, self._graphs = size, None   # the graphs read the old buffers: recapture
-        self._views = {}
-        self.exp_host = torch.empty(2, size, dtype=torch.int32, pin_memory=self._pin)
-        self.exp_np = self.exp_host.numpy()
-        self.exp_dev = torch.empty(2, size, dtype=torch.int32, device=dev)
-        self.snap_dev = torch.empty(2, size, dtype=torch.int32, device=dev)
+    def expect_digests(self, out) -> None:
+        """The scheduler's block-id digests of step ``out.step``'s rows
+        (:attr:`~ppstate.batch.SchedulerOutput.block_digests`, None: none to compare), checked
+        on the device against the rank's table by that step's snapshot (instead of
+        ``DeviceState.check_block_digests`` on the host before the forward)."""
+        self._digests = (out.step, out.slots, out.block_digests)
+
+    def _write_aux(self, k: int, step: int) -> None:
+        """Buffer ``k``'s int64 rows: the live mask and the step rows' expected digests."""
+        live, rows, digests = self.dev.aux_rows[k]   # [n] int64 each (views)
+        np.copyto(live, self.state.live_np)
+        rows.fill(0)
+        d, self._digests = self._digests, None
+        if d is not None and d[0] == step and d[2] is not None and len(d[1]):
+            slots = d[1].astype(np.intp)   # put: the cheapest scatter
+            rows.put(slots, 1)
+            digests.put(slots, d[2])
 
     def snapshot(self, step: int, later: bool = False) -> None:
         """Start the check of ``step`` (call after the step's post-update was issued). Finishes
@@ -211,23 +164,20 @@ class AsyncMirrorCheck:
             return
         k = step % 2
         bl = state_check.biased(st, live)
+        dev = self.dev
         if st.tokens is not self._graphed_tokens:   # token check switched on / off: recapture
-            self._graphs, self._graphed_tokens = None, st.tokens
-        graph = self._graph(k) if self.use_graphs and not bl.size else None
-        cols = st.block_table_np.shape[1] if graph is not None else state_check.used_cols(st, live)
+            dev.graphs, self._graphed_tokens = None, st.tokens
+        graph = dev.graph(k) if dev.use_graphs and not bl.size else None
+        cols = dev.cols if graph is not None else state_check.used_cols(st, live)
         size = state_check.flat_size(m_slots(st), cols, bl.size, state_check.bias_width(st))
-        self._grow(size)
-        np.copyto(self.live_np[k], st.live_np)
-        if graph is not None:   # the graph's layout: the views of its buffer, made once
-            views = self._views.get((k, size))
-            if views is None:
-                views = self._views[(k, size)] = state_check.unpack(
-                    self.exp_np[k, :size], m_slots(st), cols)
-            state_check.fill_host(st, cols, views)
+        dev.grow(size)
+        self._write_aux(k, step)
+        if graph is not None:   # the host copies live in the graph's layout: one copy
+            np.copyto(dev.expected(k, size), st.host_flat)
             graph.replay()
         else:
-            state_check.host_flat(st, cols, self.exp_np[k, :size], bl)
-            self._enqueue(k, size, cols, bl)
+            state_check.host_flat(st, cols, dev.expected(k, size), bl)
+            dev.enqueue(k, size, cols, bl)
         event = None
         if self._pin and not later:   # buffer k's previous snapshot was compared (poll above)
             event = self._events[k]
@@ -295,49 +245,14 @@ class AsyncMirrorCheck:
         its token digests. Only a set flag unpacks the layout and looks field by field."""
         self.checked_steps += 1
         try:
-            if self.flag_np[p.buf]:   # the device saw a difference: name the first (field, slot)
-                self._name(p)
+            if self.dev.flag_np[p.buf]:   # the device saw a difference: name it
+                name_divergence(self.state, self.dev, p)
             tokens = self.state.tokens
             if tokens is not None and p.tag >= 0:
                 tokens.drain(p.tag)
-                tokens.check(self.tok_np[p.buf], p.live, p.step, self.state.mirror.rank, p.owners,
+                tokens.check(self.dev.tok_np[p.buf], p.live, p.step, self.state.mirror.rank, p.owners,
                              lambda s: self.state.all_token_ids[s].cpu().numpy())
         except MirrorDivergence as exc:
             p.verdict = (False, str(exc))
             raise
         p.verdict = (True, None)
-
-    def _name(self, p: _Pending) -> None:
-        """Slow path of a set flag: the first divergent (field, live slot) of ``p``'s snapshot,
-        else the first live slot whose block count breaks invariant 9 (a set flag with neither
-        came from a slot that is not live: nothing to report)."""
-        n = m_slots(self.state)
-        exp_flat = self.exp_np[p.buf, :p.size]
-        state_check.compare(self.snap_dev[p.buf, :p.size].cpu().numpy(), exp_flat, n, p.cols,
-                            p.live, p.step, self.state.mirror.rank, p.owners, p.biased,
-                            state_check.bias_width(self.state))
-        exp = state_check.unpack(exp_flat, n, p.cols)[0]                  # [F, max_num_reqs]
-        bs, slack = self.state.block_size, 2 * (self.state.width - 1)  # spec drafts' blocks
-        held, computed = exp[self._nb, p.live], exp[self._nct, p.live]   # [num_live] each
-        if not ((held >= -(-computed // bs)).all()
-                and (held <= -(-(computed + slack) // bs)).all()):
-            self._raise_blocks(p, exp)
-
-    def _raise_blocks(self, p: _Pending, exp: np.ndarray) -> None:
-        """The first slot of ``p`` whose block count breaks invariant 9, as
-        ``CpuMirror.validate_blocks`` names it (``exp``: the counters ``[F, max_num_reqs]``)."""
-        expected = CpuMirror(exp.shape[1], rank=self.state.mirror.rank)
-        for i, f in enumerate(MIRROR_FIELDS):
-            np.copyto(expected.array(f), exp[i])
-        expected.validate_blocks(self.state.block_size, p.live, p.step, owners=p.owners,
-                                 spec_slack=2 * (self.state.width - 1))
-
-
-def blocks_short_or_over(held: torch.Tensor, computed: torch.Tensor, block_size: int, slack: int,
-                         live: torch.Tensor) -> torch.Tensor:
-    """Invariant 9 on the device: whether a ``live`` slot holds fewer blocks than its computed
-    tokens need, or more than they need with ``slack`` draft tokens (``held``, ``computed``,
-    ``live``: ``[max_num_reqs]``; ``ceil(c / bs) <= h <= ceil((c + slack) / bs)`` is ``0 <= h * bs
-    - c < bs + slack``). Returns a 0-d bool tensor (enqueued, no host wait)."""
-    room = held * block_size - computed                                   # [max_num_reqs]
-    return torch.logical_and(live, (room < 0) | (room >= block_size + slack)).any()

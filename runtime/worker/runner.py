@@ -177,7 +177,10 @@ class StageRunner:
         self.state.apply_block_updates(out.block_table_slots, out.block_table_cols,
                                        out.block_table_ids)
         if self.validate_every and out.step % self.validate_every == 0:
-            self.state.check_block_digests(out)   # the ids the forward reads: the scheduler's
+            if self.mirror_check is not None:   # checked on the device with the step's snapshot
+                self.mirror_check.expect_digests(out)
+            else:   # the ids the forward reads against the scheduler's, before it
+                self.state.check_block_digests(out)
         if self.grammar is not None:
             self.grammar.admit(out)
 

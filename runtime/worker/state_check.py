@@ -65,6 +65,25 @@ def biased(state, live: np.ndarray) -> np.ndarray:
     return state.sampling_state.logit_bias.biased_live(live)
 
 
+def bind_host_layout(state) -> np.ndarray:
+    """Move ``state``'s host copies into one ``[flat_size(n, cols)]`` int32 array laid out as
+    the flat layout over every block-table column, and return it: ``mirror.values``,
+    ``total_len_np``, ``sampling_state.i64_np``, ``block_table_np`` and ``sampling_state.f32_np``
+    (its bits) become views of it (their values kept), so the asynchronous check copies the
+    whole expected layout with one ``np.copyto`` per step (the writers update them in place)."""
+    n, k = state.block_table_np.shape
+    flat = np.zeros(flat_size(n, k), dtype=np.int32)
+    counters, t, i64, bt, f32, _, _ = unpack(flat, n, k)
+    ss = state.sampling_state
+    state.mirror.rebind(counters)
+    for name, obj, view in (("total_len_np", state, t), ("i64_np", ss, i64),
+                            ("block_table_np", state, bt),
+                            ("f32_np", ss, f32.view(np.float32))):
+        np.copyto(view, getattr(obj, name))
+        setattr(obj, name, view)
+    return flat
+
+
 def device_parts(state, k: int, biased_t: torch.Tensor | None = None) -> list[torch.Tensor]:
     """The device tensors of the flat layout, each as flat int32 (``biased_t``: ``[B]`` slots on
     the device whose logit-bias rows are appended)."""

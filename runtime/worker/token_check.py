@@ -205,10 +205,11 @@ class TokenMirror:
     def _apply_one(self, new: np.ndarray, slots: np.ndarray, start: np.ndarray) -> None:
         """One id per row (``new``, ``slots``, ``start`` ``[R]`` int64; positions below
         ``max_model_len``): a decode step without drafts, whatever the payload's width."""
-        old = self.ids_np[slots, start]
-        with np.errstate(over="ignore"):   # the digest wraps mod 2**64 on purpose
-            self.digest_np[slots] += (new - old).view(np.uint64) * self._w[start]
-        self.ids_np[slots, start] = new
+        flat = self.ids_np.reshape(-1)   # a view: take / put on flat indices are the cheapest
+        idx = slots * self.max_model_len + start                                 # [R]
+        terms = (new - flat.take(idx)).view(np.uint64) * self._w.take(start)    # wraps mod 2**64
+        self.digest_np.put(slots, self.digest_np.take(slots) + terms)
+        flat.put(idx, new)
 
     def device_digest(self, all_token_ids: torch.Tensor, out: torch.Tensor) -> None:
         """``out`` ``[max_num_reqs]`` int64 = each device row's digest (enqueued)."""

@@ -1,9 +1,9 @@
 """On CUDA: rank-local faults in a step's per-slot state caught within one step (issue #27).
 
 The CPU test's faults (tests/runtime/test_mirror_state_faults.py) with every rank's state on the
-GPU: the block-id digest is checked on the host before the forward; the device fields go through
-the asynchronous check (compared on the device, one flag copied back), whose snapshot of the
-first step after the fault names that step; it is raised while the following step finishes.
+GPU: the device fields and the block-id digests go through the asynchronous check (compared on
+the device with the step's snapshot, one flag copied back), whose snapshot of the first step
+after the fault names that step; it is raised while the following step finishes.
 Skipped without CUDA. Without the default model's GGUF (a device machine), random weights of
 its shape.
 """

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ppstate.errors import MirrorDivergence
-from runtime.bench.mirror import RankLoop
+from runtime.bench.rank_loop import RankLoop
 from runtime.worker.mirror_check import AsyncMirrorCheck
 
 FAULTS = [("num_computed_tokens", "num_computed_tokens"), ("max_seq_len", "max_seq_len"),
@@ -139,3 +139,73 @@ def test_token_ids_checked_against_the_host_copy(dev, where):
     with pytest.raises(MirrorDivergence) as sync:
         st.validate(4)
     assert (sync.value.field, sync.value.cpu, sync.value.device) == (e.field, cpu, device)
+
+
+def test_host_copies_live_in_the_flat_layout():
+    """The host copies the check compares are views of ``DeviceState.host_flat``, which is the
+    flat layout over every block-table column (so one copy per step carries them all)."""
+    from runtime.worker import state_check
+    loop = RankLoop(4, torch.device("cpu"), prompt_len=32, max_model_len=100)
+    st = loop.state
+    st.total_len_np[1] += 3
+    st.block_table_np[2, 1] = 77
+    st.mirror.num_blocks_np[3] += 5
+    st.sampling_state.f32_np[0, 1] = 0.5
+    cols = st.block_table_np.shape[1]
+    assert st.host_flat.tobytes() == state_check.host_flat(st, cols).tobytes()
+    counters, t, _, bt, f32, _, _ = state_check.unpack(st.host_flat, 4, cols)
+    assert (t[1], bt[2, 1], f32.view(np.float32)[0, 1]) == (35, 77, 0.5)
+    assert counters[4, 3] == st.mirror.num_blocks_np[3] == st.num_blocks[3].item() + 5
+
+
+class _FakeGraph:
+    """Stands in for a captured graph on the CPU: replays the buffer's work op by op over the
+    graph's layout (every column, no logit-bias rows)."""
+
+    def __init__(self, dev, k: int) -> None:
+        self.dev, self.k = dev, k
+
+    def replay(self) -> None:
+        from runtime.worker import state_check
+        size = state_check.flat_size(self.dev.n, self.dev.cols)
+        self.dev.enqueue(self.k, size, self.dev.cols, np.zeros(0, dtype=np.int64))
+
+
+def _scheduled(loop, step: int):
+    from ppstate.batch import SchedulerOutput
+    n = loop.n
+    return SchedulerOutput(step, (), loop.slots, np.ones(n, dtype=np.int32),
+                           loop.tokens.astype(np.int32), np.ones(n, dtype=bool),
+                           block_digests=loop.digests.of(loop.slots))
+
+
+@pytest.mark.parametrize("graph_layout", [False, True])
+def test_both_table_copies_wrong_caught_by_the_digest_in_the_snapshot(graph_layout):
+    """Host and device tables shifted alike agree with each other; the digest of the device
+    table, compared with the scheduler's in the step's snapshot, names the slot (``cpu``: the
+    rank's digest, ``device``: the scheduler's); without the scheduler's digests it passes."""
+    from ppstate.block_digest import row_digests
+    loop = RankLoop(8, torch.device("cpu"), prompt_len=32, max_model_len=300)
+    check = AsyncMirrorCheck(loop.state, rank=0)
+    if graph_layout:
+        check._graphed_tokens = loop.state.tokens
+        check.dev.graphs = [_FakeGraph(check.dev, 0), _FakeGraph(check.dev, 1)]
+        check.dev.use_graphs = True
+    st = loop.state
+    for _ in range(3):
+        loop.step(False)
+        check.expect_digests(_scheduled(loop, loop.step_no - 1))
+        check.snapshot(loop.step_no - 1)
+    loop.step(False)
+    st.block_table_np[5, 0] += 1
+    st.block_table[5, 0] += 1
+    check.snapshot(loop.step_no - 1)           # no digests expected: the copies agree
+    assert check.checked_steps == 4
+    loop.step(False)
+    check.expect_digests(_scheduled(loop, loop.step_no - 1))
+    with pytest.raises(MirrorDivergence) as exc:
+        check.snapshot(loop.step_no - 1)
+    e = exc.value
+    assert (e.field, e.slot, e.req_id, e.step) == ("block_ids (digest vs scheduler)", 5, "r5", 4)
+    assert e.device == loop.digests.values[5] != e.cpu
+    assert e.cpu == row_digests(st.block_table_np, st.mirror.num_blocks_np, np.array([5]))[0]
