@@ -1,7 +1,9 @@
 """Triton body of the mirror check's fused flag (:mod:`runtime.worker.kernels.mirror_check_kernel`).
 
 A plain function wrapped lazily by :func:`get_kernel` (``triton.jit`` or Triton's interpreter):
-Triton decides interpret-vs-compile when the wrapper runs, as in ``_triton_post_update``.
+Triton decides interpret-vs-compile when the wrapper runs, as in ``_triton_post_update``. Reductions
+call ``tl.reduce`` with the standard combine functions (``tl.max`` / ``tl.sum`` / ``tl.zeros``
+are jit functions the interpreter cannot call, as in ``_triton_attention``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ def _mirror_check_kernel(
     n, cols, block_size, slack,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
 ):
-    bad = tl.zeros([BLOCK], dtype=tl.int32)
+    bad = tl.full([BLOCK], 0, tl.int32)
     for start in range(0, size, BLOCK):                    # the flat layout, word by word
         offs = start + tl.arange(0, BLOCK)
         m = offs < size
@@ -41,19 +43,20 @@ def _mirror_check_kernel(
         want = tl.load(aux_ptr + 2 * n + rows, mask=rm, other=0)
         room = held * block_size - comp
         bad_count = (live != 0) & ((room < 0) | (room >= block_size + slack))
-        acc = tl.zeros([ROWS], dtype=tl.int64)
+        acc = tl.full([ROWS], 0, tl.int64)
         for c0 in range(0, cols, COLS):
             cs = c0 + tl.arange(0, COLS)
             cm = cs < cols
             t = tl.load(table_ptr + rows[:, None] * table_stride + cs[None, :],
                         mask=rm[:, None] & cm[None, :], other=0).to(tl.int64)
             w = tl.load(w_ptr + cs, mask=cm, other=0)
-            acc = acc + tl.sum(t * w[None, :], axis=1)
+            acc = acc + tl.reduce(t * w[None, :], 1, tl.standard._sum_combine)
         dig = acc + held * w0                              # wraps mod 2**64 like torch
         tl.store(dig_ptr + rows, dig, mask=rm)
         bad_dig = (dig != want) & (step != 0) & rm
-        bad = bad | tl.max((bad_count | bad_dig).to(tl.int32), axis=0)
-    tl.store(flag_ptr, tl.max(bad, axis=0).to(tl.uint8))
+        bad = bad | tl.reduce((bad_count | bad_dig).to(tl.int32), 0,
+                               tl.standard._elementwise_max)
+    tl.store(flag_ptr, tl.reduce(bad, 0, tl.standard._elementwise_max).to(tl.uint8))
 
 
 @functools.cache
