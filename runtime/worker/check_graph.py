@@ -17,7 +17,8 @@ The device work of buffer ``k``, in stream order after the step (:meth:`CheckGra
    from the expected values, when a live slot's block count breaks invariant 9
    (:func:`blocks_short_or_over`), or when a step row's block-table digest, computed on the
    device from the device table (:func:`table_digests`, into ``dig_dev[k]``), differs from the
-   scheduler's;
+   scheduler's (``kernel="fused"``, ``--mirror-check-kernel fused``: all of 3 in one Triton
+   kernel, :mod:`runtime.worker.kernels.mirror_check_kernel`, same flag and digests);
 4. with a token mirror, the ``all_token_ids`` rows' digests, copied back (``tok_host[k]``).
 
 Without logit-bias rows and over every block-table column this is captured once per buffer as
