@@ -138,7 +138,8 @@ class RankLoop:
         copy = self.copies.start(self.sampled)
         if self._rides(validate):
             st.tokens.attach(copy.host)
-            (self._now(validate) or self.before).share(copy)
+            now = self._now(validate)
+            (now if now is not None else self.before).share(copy)
         return copy
 
     def _now(self, validate: bool | str):
