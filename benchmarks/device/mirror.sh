@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #27 (mirror validation: its cost) on one H200, about 5 minutes (timeouts sum to 645 s, 530 s with QUICK=1;
+# Issue #27 (mirror validation: its cost) on one H200, about 5 minutes (timeouts sum to 665 s, 550 s with QUICK=1;
 # the most important parts first):
 # 1. a rank's validation per step at 128 and 256 decode rows, off / on / fused / before (fused: the
 #    check's flag from one Triton kernel, --mirror-check-kernel fused; the check as of
@@ -25,7 +25,7 @@
 # mirror-micro-{gpu,cpu}.json, pp-mirror.json, mirror-summary.json.
 # The micro bench also profiles one block per mode call by call (--profile) and times the check's
 # CUDA graph alone on the device. QUICK=1 skips 4 and 5; MICRO_ROUNDS, MICRO_TIMEOUT,
-# ENGINE_ROUNDS, ENGINE_TIMEOUT shorten 1 and 3 (defaults 9, 80 s, 24, 300 s; the engine part runs
+# ENGINE_ROUNDS, ENGINE_TIMEOUT shorten 1 and 3 (defaults 9, 100 s, 24, 300 s; the engine part runs
 # two pairs).
 # Usage: [BEFORE_DIR=DIR] [BEFORE_REV=REV] benchmarks/device/mirror.sh [OUTDIR]
 set -u
@@ -37,7 +37,7 @@ python3 -c "import torch; print('cuda', torch.cuda.is_available(), torch.cuda.de
 
 before=(--before-rev "${BEFORE_REV:-2bc6e7d}")
 [ -n "${BEFORE_DIR:-}" ] && before+=(--before-dir "$BEFORE_DIR")
-timeout ${MICRO_TIMEOUT:-80} python3 -m runtime.bench mirror --rows 128,256 --device cuda --steps 30 \
+timeout ${MICRO_TIMEOUT:-100} python3 -m runtime.bench mirror --rows 128,256 --device cuda --steps 30 \
   --rounds ${MICRO_ROUNDS:-9} --profile "${before[@]}" --json-out "$out/mirror-micro-gpu.json" >> "$log" 2>&1
 echo "micro rc=$?" | tee -a "$log"
 
