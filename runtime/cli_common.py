@@ -103,6 +103,7 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--max-prefill-chunk", "scheduler.max_prefill_chunk", "prefill tokens of one request per "
          "step at most"),
     Flag("--validate-mirrors", "validate_mirrors"),
+    Flag("--mirror-check-kernel", "mirror_check_kernel"),
     Flag("--device", "device"),
     Flag("--dtype", "dtype"),
     Flag("--torch-threads", "torch_threads"),

@@ -59,6 +59,10 @@ class EngineConfig(BaseModel):
                                       "renders tools and tool calls, docs/structured.md)")
     validate_mirrors: str = Field(default="every", description="compare the CPU mirrors with "
                                   "device state every step, every N steps, or off")
+    mirror_check_kernel: Literal["graph", "fused"] = Field(
+        default="graph", description="CUDA ranks: how the after-step mirror check sets its flag "
+        "inside its CUDA graph; graph = about twenty torch kernels, fused = one Triton kernel "
+        "(same flag; not yet measured on the GPU, docs/mirror_audit.md)")
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto: cuda "
                                                    "when torch sees a CUDA device, else cpu")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(

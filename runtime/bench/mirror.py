@@ -28,7 +28,10 @@ step's copy), and each post-step part timed alone on the final state (``pieces_u
 :func:`pieces`: the digest, the result copy alone, the after-step check with it now and before);
 on the CPU (where only the token mirror differs from before) also the microseconds of the check
 as it was before issue #27 (the mirror counters only), in the same run; on CUDA the device time
-of the check's graph alone, now and before (``check_graph_gpu_us``). ``--profile`` adds, per
+of the check's graph alone, now and before (``check_graph_gpu_us``). On CUDA a fourth mode,
+``fused`` (``--mirror-check-kernel fused``: the check's flag from one Triton kernel), alternates
+with them (``fused_*``: its validation microseconds, ``fused_over_off``, ``fused_over_on`` =
+fused / graph, ``fused_check_graph_gpu_us``, ``pieces_us.after_step_fused``). ``--profile`` adds, per
 mode, the calls and own time per step that it adds to off, function by function
 (:mod:`runtime.bench.mirror_profile`, cProfile). The share of a whole engine step is smaller by
 the model's time (the engine on / off ratio: ``runtime.bench pp --overheads``). ``--json-out F``
@@ -80,6 +83,8 @@ def pieces(loop: RankLoop, calls: int = 300, repeats: int = 5) -> dict:
            "result_copy": (False, lambda: loop.tail(False, step)),
            "after_step_now": (True, lambda: loop.tail(True, step)),
            "after_step_before": ("before", lambda: loop.tail("before", step))}
+    if loop.fused is not None:
+        fns["after_step_fused"] = ("fused", lambda: loop.tail("fused", step))
     best = {k: float("inf") for k in fns}
     for _ in range(repeats):
         for k, (mode, f) in fns.items():
@@ -96,12 +101,15 @@ def measure(rows: int, device: str, steps: int, rounds: int, prompt_len: int,
             before_cls: tuple[type, type], profile: bool = False) -> dict:
     """Off / on / before alternated ``rounds`` times at ``rows`` rows (module docstring;
     ``before_cls``: :func:`before_classes`; ``profile``: also :func:`profile_modes`)."""
-    max_model_len = prompt_len + (4 * rounds + 2 + 6 * profile) * steps + 2 * BLOCK
+    max_model_len = prompt_len + (4 * rounds + 3 + 8 * profile) * steps + 2 * BLOCK
     loop = RankLoop(rows, torch.device(device), prompt_len, max_model_len, before_cls)
     loop.block(steps, True)                     # warm-up (allocations, first kernels)
     loop.block(steps, "before")
+    cuda = device == "cuda"
+    if cuda:
+        loop.block(steps, "fused")             # warm-up: the Triton kernel's compile
     off, on, before, counters, inside_on, inside_before = [], [], [], [], [], []
-    inside_off = []
+    inside_off, fused, inside_fused = [], [], []
     for _ in range(rounds):
         off.append(loop.block(steps, False))
         inside_off.append(loop.inside_s)
@@ -109,7 +117,10 @@ def measure(rows: int, device: str, steps: int, rounds: int, prompt_len: int,
         inside_on.append(loop.inside_s)
         before.append(loop.block(steps, "before"))
         inside_before.append(loop.inside_s)
-        if device == "cpu":
+        if cuda:   # --mirror-check-kernel fused
+            fused.append(loop.block(steps, "fused"))
+            inside_fused.append(loop.inside_s)
+        else:
             counters.append(loop.block(steps, "counters"))
     ratios = [b / a for a, b in zip(off, on)]
     res = {"rows": rows, "device": device, "us_per_step_off": 1e6 * statistics.median(off),
@@ -126,12 +137,21 @@ def measure(rows: int, device: str, steps: int, rounds: int, prompt_len: int,
                                               statistics.median(inside_off)),
            "post_step_us_off": 1e6 * statistics.median(inside_off),
            "steps_per_block": steps, "rounds": rounds}
+    if fused:
+        med = statistics.median
+        res.update(fused_us_per_step_on=1e6 * med(fused),
+                   fused_validation_us_per_step=1e6 * (med(fused) - med(off)),
+                   fused_over_off=med([b / a for a, b in zip(off, fused)]),
+                   fused_over_on=med([b / a for a, b in zip(on, fused)]),
+                   fused_check_us_per_step=1e6 * (med(inside_fused) - med(inside_off)))
     res["pieces_us"] = pieces(loop)
-    if device == "cuda":   # the device time of the check's graph alone, now and before
+    if cuda:   # the device time of the check's graph alone: now (graph, fused) and before
         res["check_graph_gpu_us"] = graph_gpu_us(loop.check)
+        res["fused_check_graph_gpu_us"] = graph_gpu_us(loop.fused)
         res["before_check_graph_gpu_us"] = graph_gpu_us(loop.before)
     if profile:
-        res["profile"] = profile_modes(loop, steps)
+        res["profile"] = profile_modes(loop, steps, (False, True, "before", "fused") if cuda
+                                       else (False, True, "before"))
     if counters:   # the check before issue #27 (mirror counters only), same run
         res["counters_only_us_per_step"] = 1e6 * (statistics.median(counters) -
                                                   statistics.median(off))
@@ -188,8 +208,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['before_check_us_per_step']:.1f} us before", flush=True)
         print("  each part alone (us per call): " +
               ", ".join(f"{k} {v:.1f}" for k, v in r["pieces_us"].items()), flush=True)
+        if "fused_validation_us_per_step" in r:
+            print(f"  fused kernel: validation {r['fused_validation_us_per_step']:.1f} us, "
+                  f"fused/off {r['fused_over_off']:.3f}, fused/graph {r['fused_over_on']:.3f}, "
+                  f"inside the calls {r['fused_check_us_per_step']:.1f} us", flush=True)
         if r.get("check_graph_gpu_us") is not None:
             print(f"  check graph on the device alone: {r['check_graph_gpu_us']:.1f} us now, "
+                  f"{r['fused_check_graph_gpu_us'] or float('nan'):.1f} us fused, "
                   f"{r['before_check_graph_gpu_us'] or float('nan'):.1f} us before", flush=True)
         for mode, prof in r.get("profile", {}).items():
             if isinstance(prof, dict):

@@ -204,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-adaptive", action="store_true", help="sweep without adaptive lanes")
     p.add_argument("--overheads", action="store_true", help="tracing / mirror validation cost")
     p.add_argument("--overheads-of", default="trace,mirror_validation",
-                   help="comma list of what --overheads measures: trace, mirror_validation")
+                   help="comma list of what --overheads measures: trace, mirror_validation, "
+                        "mirror_check_fused (fused vs graph check kernel, both validating)")
     p.add_argument("--overheads-concurrency", default=None,
                    help="comma list of concurrencies for --overheads (default: --num-requests)")
     p.add_argument("--overheads-warmup", type=int, default=1,
@@ -227,8 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         points = [int(x) for x in args.sweep.split(",")] if args.sweep else []
     except ValueError:
         p.error(f"--sweep must be a comma list of integers, got {args.sweep!r}")
-    if set(args.overheads_of.split(",")) - {"trace", "mirror_validation"}:
-        p.error("--overheads-of takes a comma list of trace, mirror_validation")
+    if set(args.overheads_of.split(",")) - {"trace", "mirror_validation", "mirror_check_fused"}:
+        p.error("--overheads-of takes a comma list of trace, mirror_validation, "
+                "mirror_check_fused")
     try:
         if args.overheads_concurrency and min(
                 int(x) for x in args.overheads_concurrency.split(",")) < 1:

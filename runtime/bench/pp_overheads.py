@@ -12,6 +12,9 @@ per step (the engine's counter: the forward's host time) and the worker processe
 step (user + system of every rank process, from ``/proc``: everything a worker does, the
 validation included).
 
+``mirror_check_fused`` compares two validating engines: ``on`` sets the check's flag with the
+fused Triton kernel (``--mirror-check-kernel fused``), ``off`` with the torch graph (the default).
+
 Reported per point and feature: the on / off ratio of each of the three, round by round (median,
 min, max, all: :func:`runtime.bench.engine_runs.ratio_summary`), and their medians per engine.
 """
@@ -108,7 +111,11 @@ def overheads(base: EngineConfig, args, prompts) -> dict:
     out = {}
     with tempfile.TemporaryDirectory(prefix="bench-trace-") as tmp:
         pairs = {"trace": ({"trace_dir": None}, {"trace_dir": tmp}),
-                 "mirror_validation": ({"validate_mirrors": "off"}, {"validate_mirrors": "every"})}
+                 "mirror_validation": ({"validate_mirrors": "off"}, {"validate_mirrors": "every"}),
+                 # "on" = the fused check kernel, "off" = the graph one, both validating
+                 "mirror_check_fused": ({"validate_mirrors": "every"},
+                                        {"validate_mirrors": "every",
+                                         "mirror_check_kernel": "fused"})}
         for what in (w.strip() for w in args.overheads_of.split(",")):
             off, on = pairs[what]
             rows = asyncio.run(_pair({"off": base.replace(**off), "on": base.replace(**on)},

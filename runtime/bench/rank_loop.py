@@ -45,6 +45,8 @@ class RankLoop:
                                    self.slots.astype(np.int64), self.tokens.copy())
         cuda = device.type == "cuda"
         self.check = AsyncMirrorCheck(self.state) if cuda else None
+        # mode "fused": the same check with the flag from one Triton kernel (CUDA only)
+        self.fused = AsyncMirrorCheck(self.state, kernel="fused") if cuda else None
         self.before = self.before_tokens = None   # "before" blocks only
         if before is not None:
             self.before = before[0](self.state) if cuda else None
@@ -81,16 +83,18 @@ class RankLoop:
         False, True (everything), ``"before"`` (everything, as at the before revision:
         :func:`before_classes`) or ``"counters"`` (CPU: only the mirror counters'
         check, as before issue #27: the stacked read, ``CpuMirror.validate`` and
-        ``validate_blocks``)."""
+        ``validate_blocks``) or ``"fused"`` (CUDA: everything, the check's flag from the fused
+        kernel, ``--mirror-check-kernel fused``)."""
         self._grow(self.tokens + 1)
         st = self.state
         out = SchedulerOutput(self.step_no, (), self.slots, np.ones(self.n, dtype=np.int32),
                               self.tokens.astype(np.int32), np.ones(self.n, dtype=bool),
                               block_digests=self.digests.of(self.slots))
         t0 = self.clock()
-        if validate is True and self.check is not None:
-            self.check.expect_digests(out)   # compared on the device by the step's snapshot
-        elif validate is True or validate == "before":
+        now = self._now(validate)
+        if now is not None:
+            now.expect_digests(out)   # compared on the device by the step's snapshot
+        elif validate in (True, "before", "fused"):
             st.check_block_digests(out)
         self.check_s += self.clock() - t0
         slots64 = self.slots.astype(np.int64)
@@ -130,24 +134,30 @@ class RankLoop:
         elif validate == "before":   # a revision from before the check rode on the copy
             self.before.snapshot(step)
         elif validate:
-            self.check.snapshot(step, later=True)
+            self._now(validate).snapshot(step, later=True)
         copy = self.copies.start(self.sampled)
         if self._rides(validate):
             st.tokens.attach(copy.host)
-            (self.check if validate is True else self.before).share(copy)
+            now = self._now(validate)
+            (now if now is not None else self.before).share(copy)
         return copy
+
+    def _now(self, validate: bool | str):
+        """The current check of mode ``validate`` (True: ``graph``, ``"fused"``: the fused
+        kernel's), None for the other modes and on the CPU."""
+        return self.check if validate is True else self.fused if validate == "fused" else None
 
     def _rides(self, validate: bool | str) -> bool:
         """Whether mode ``validate``'s check rides on the result copy (the last rank's way: no
         own token copy or event; CUDA, now, and before where its revision can)."""
-        return ((validate is True and self.check is not None)
+        return (self._now(validate) is not None
                 or (validate == "before" and self.before_rides))
 
     def use(self, validate: bool | str) -> None:
         """Install the token mirror of mode ``validate`` (none when off), from the device's ids."""
         st = self.state
         st.tokens = None
-        if validate is True:
+        if validate is True or validate == "fused":
             st.tokens = self.token_mirror
         elif validate == "before":
             if self.before_tokens is None:
@@ -158,7 +168,7 @@ class RankLoop:
 
     def finish(self) -> None:
         """Compare what is still pending (CUDA) and wait for the last result copy."""
-        for check in (self.check, self.before):
+        for check in (self.check, self.fused, self.before):
             if check is not None:
                 check.poll(block=True)
         if self.held_copy is not None:

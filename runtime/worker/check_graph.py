@@ -17,7 +17,8 @@ The device work of buffer ``k``, in stream order after the step (:meth:`CheckGra
    from the expected values, when a live slot's block count breaks invariant 9
    (:func:`blocks_short_or_over`), or when a step row's block-table digest, computed on the
    device from the device table (:func:`table_digests`, into ``dig_dev[k]``), differs from the
-   scheduler's;
+   scheduler's (``kernel="fused"``, ``--mirror-check-kernel fused``: all of 3 in one Triton
+   kernel, :mod:`runtime.worker.kernels.mirror_check_kernel`, same flag and digests);
 4. with a token mirror, the ``all_token_ids`` rows' digests, copied back (``tok_host[k]``).
 
 Without logit-bias rows and over every block-table column this is captured once per buffer as
@@ -40,8 +41,10 @@ from ppstate.block_digest import column_weights
 from ppstate.mirror import MIRROR_FIELDS
 from runtime.host_copy import to_device
 from runtime.worker import state_check
+from runtime.worker.kernels.mirror_check_kernel import fused_check
 
 AUX_ROWS = 3   # int64 rows before the flat layout: live mask, step-row mask, expected digests
+KERNELS = ("graph", "fused")   # how the flag is computed (--mirror-check-kernel)
 
 
 class CheckGraph:
@@ -50,6 +53,9 @@ class CheckGraph:
     Args:
         state: the rank's DeviceState (``fields``, ``block_table`` ``[n, cols]``,
             ``block_size``, ``width``, ``tokens``, ``all_token_ids``).
+        kernel: ``"graph"``: the flag from about twenty torch kernels; ``"fused"``: from one
+            Triton kernel (:func:`~runtime.worker.kernels.mirror_check_kernel.fused_check`),
+            the same flag and digests.
 
     Attributes:
         exp_np: ``[2, 6n + capacity]`` int32 pinned expected values (numpy view).
@@ -59,8 +65,10 @@ class CheckGraph:
         tok_np: ``[2, n]`` int64 token-row digests once landed.
     """
 
-    def __init__(self, state) -> None:
-        self.state = state
+    def __init__(self, state, kernel: str = "graph") -> None:
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        self.state, self.kernel = state, kernel
         self.n = n = state.block_table_np.shape[0]
         self.cols = state.block_table_np.shape[1]
         self.head = 2 * AUX_ROWS * n                  # int32 words before the flat layout
@@ -72,6 +80,7 @@ class CheckGraph:
         self.grow(state_check.flat_size(n, self.cols))   # the most columns
         self.flag_host = torch.zeros(2, dtype=torch.bool, pin_memory=pin)   # [2] per buffer
         self.flag_np = self.flag_host.numpy()
+        self.flag_dev = torch.zeros(2, dtype=torch.bool, device=dev)     # fused: the kernel's
         self.tok_dev = torch.zeros(2, n, dtype=torch.int64, device=dev)
         self.tok_host = torch.zeros(2, n, dtype=torch.int64, pin_memory=pin)
         self.tok_np = self.tok_host.numpy()
@@ -110,6 +119,21 @@ class CheckGraph:
         aux = exp_d[:self.head].view(torch.int64).view(AUX_ROWS, n)
         snap = self.snap_dev[k, :size]
         state_check.device_flat(st, cols, to_device(bl, st.device) if bl.size else None, out=snap)
+        if self.kernel == "fused":
+            fused_check(snap, exp_d[self.head:], st.fields[self._nb], st.fields[self._nct], aux,
+                        st.block_table, self.dig_w, self.dig_w0, self.dig_dev[k],
+                        self.flag_dev[k:k + 1], st.block_size, 2 * (st.width - 1))
+            self.flag_host[k:k + 1].copy_(self.flag_dev[k:k + 1], non_blocking=True)
+        else:
+            self._torch_flag(k, snap, exp_d, aux)
+        if st.tokens is not None:   # compared on the host when the sampled ids have landed too
+            st.tokens.device_digest(st.all_token_ids, self.tok_dev[k])
+            self.tok_host[k].copy_(self.tok_dev[k], non_blocking=True)
+
+    def _torch_flag(self, k: int, snap: torch.Tensor, exp_d: torch.Tensor,
+                    aux: torch.Tensor) -> None:
+        """Mode ``graph``: buffer ``k``'s flag (and digests) from torch kernels."""
+        st = self.state
         torch.add(table_digests(st.block_table, self.dig_w), st.fields[self._nb],
                   alpha=self.dig_w0, out=self.dig_dev[k])
         bad = blocks_short_or_over(st.fields[self._nb], st.fields[self._nct], st.block_size,
@@ -117,9 +141,6 @@ class CheckGraph:
         bad_digest = ((self.dig_dev[k] != aux[2]) & (aux[1] != 0)).any()
         flag = torch.ne(snap, exp_d[self.head:]).any() | bad | bad_digest
         self.flag_host[k:k + 1].copy_(flag.view(1), non_blocking=True)
-        if st.tokens is not None:   # compared on the host when the sampled ids have landed too
-            st.tokens.device_digest(st.all_token_ids, self.tok_dev[k])
-            self.tok_host[k].copy_(self.tok_dev[k], non_blocking=True)
 
     def graph(self, k: int):
         """Buffer ``k``'s device work over every block-table column and no logit-bias rows,

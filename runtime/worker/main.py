@@ -107,7 +107,8 @@ class _Worker:
         self.runner = StageRunner(self.groups, stage, state, cfg.scheduler.mode == "overlapped",
                                   cfg.validate_every, sink, fast=fast, graphs=graphs,
                                   progress=self.progress, spec=spec, grammar=grammar,
-                                  verify_graphs=verify_graphs)
+                                  verify_graphs=verify_graphs,
+                                  check_kernel=cfg.mirror_check_kernel)
         self.sink = sink
 
     def _load_stage(self, cfg: EngineConfig, device: torch.device, dtype: torch.dtype):

@@ -99,12 +99,15 @@ class AsyncMirrorCheck:
         state: the rank's DeviceState (device tensors ``[max_num_reqs]`` int64, ``mirror``,
             ``owner``, ``live_slots()``, ``block_size``, ``host_flat``).
         sink: where ``mirror.check`` events go when it is enabled (tracing); rank: their rank.
+        kernel: how the device sets the flag, ``"graph"`` (torch kernels) or ``"fused"`` (one
+            Triton kernel); ``--mirror-check-kernel``, :class:`~runtime.worker.check_graph.CheckGraph`.
     """
 
-    def __init__(self, state, sink: EventSink = NULL_SINK, rank: int | None = None) -> None:
+    def __init__(self, state, sink: EventSink = NULL_SINK, rank: int | None = None,
+                 kernel: str = "graph") -> None:
         self.state, self.sink, self.rank = state, sink, rank
         self._pin = state.device.type == "cuda"
-        self.dev = CheckGraph(state)   # buffers and device work
+        self.dev = CheckGraph(state, kernel)   # buffers and device work
         self._events = [torch.cuda.Event(), torch.cuda.Event()] if self._pin else None
         self.pending: list[_Pending] = []
         self._error: MirrorDivergence | None = None   # found while recording, raised next

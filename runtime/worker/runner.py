@@ -89,17 +89,19 @@ class StageRunner:
             (:class:`~runtime.worker.grammar_hooks.GrammarHooks`), or None.
         verify_graphs: captured speculative verify steps of ``fast``
             (:class:`~runtime.worker.verify_graphs.VerifyGraphs`), or None (eager).
+        check_kernel: ``--mirror-check-kernel`` (``graph`` / ``fused``) of the CUDA mirror check.
     """
 
     def __init__(self, groups: PPGroups, stage: StageModel, state: DeviceState, overlapped: bool,
                  validate_every: int, sink: EventSink = NULL_SINK,
                  fast: PagedStage | None = None, graphs: DecodeGraphs | None = None,
                  progress: Progress | None = None, spec: SpecDecoder | None = None,
-                 grammar: GrammarHooks | None = None, verify_graphs=None) -> None:
+                 grammar: GrammarHooks | None = None, verify_graphs=None,
+                 check_kernel: str = "graph") -> None:
         self.g, self.stage, self.state = groups, stage, state
         self.progress = progress if progress is not None else Progress(groups.rank, hook=None)
         self.fast, self.graphs = fast, graphs
-        self.mirror_check = (AsyncMirrorCheck(state, sink, groups.rank)
+        self.mirror_check = (AsyncMirrorCheck(state, sink, groups.rank, check_kernel)
                              if state.device.type == "cuda" else None)
         if validate_every:   # the token ids a step reads, against an exact host copy
             state.track_tokens()

@@ -5,7 +5,8 @@ GPU: the device fields and the block-id digests go through the asynchronous chec
 the device with the step's snapshot, one flag copied back), whose snapshot of the first step
 after the fault names that step; it is raised while the following step finishes.
 Skipped without CUDA. Without the default model's GGUF (a device machine), random weights of
-its shape.
+its shape. The both-copies-wrong, each-field and last-rank tests run with both
+``--mirror-check-kernel`` values (``graph``: torch kernels; ``fused``: one Triton kernel).
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ def test_shifted_block_ids_caught_on_cuda(cut, pp, rank):
     assert err.field in ("block_ids (digest vs scheduler)", "block_table[0]"), str(err)
 
 
-def test_both_copies_wrong_caught_by_the_digest_on_cuda(cut):
-    err = plant_and_catch(start(cut(2), "cuda"), 1, ("block_table_np", 1), ("block_table", 1),
+@pytest.mark.parametrize("kernel", ["graph", "fused"])
+def test_both_copies_wrong_caught_by_the_digest_on_cuda(cut, kernel):
+    err = plant_and_catch(start(cut(2), "cuda", kernel), 1, ("block_table_np", 1), ("block_table", 1),
                           reads=True)
     assert err.field == "block_ids (digest vs scheduler)"
 
@@ -43,8 +45,9 @@ def test_both_copies_wrong_caught_by_the_digest_on_cuda(cut):
     ("num_computed_tokens", 2, "num_computed_tokens"),
     ("all_token_ids", 1, "all_token_ids["),
 ])
-def test_fault_in_each_validated_field_on_cuda(cut, field, delta, named):
-    err = plant_and_catch(start(cut(2), "cuda"), 0, (field, delta))
+@pytest.mark.parametrize("kernel", ["graph", "fused"])
+def test_fault_in_each_validated_field_on_cuda(cut, field, delta, named, kernel):
+    err = plant_and_catch(start(cut(2), "cuda", kernel), 0, (field, delta))
     assert err.field.startswith(named) and err.cpu != err.device, str(err)
 
 
@@ -53,8 +56,28 @@ def test_fault_in_each_validated_field_on_cuda(cut, field, delta, named):
     ("total_len", 1, "total_len"),
     ("num_computed_tokens", 2, "num_computed_tokens"),
 ])
-def test_fault_on_the_last_rank_on_cuda(cut, field, delta, named):
+@pytest.mark.parametrize("kernel", ["graph", "fused"])
+def test_fault_on_the_last_rank_on_cuda(cut, field, delta, named, kernel):
     """The last rank's check rides on its result copy (snapshot before it, the token mirror's ids
     taken from it, its event for the check's): still caught within one step, naming the field."""
-    err = plant_and_catch(start(cut(2), "cuda"), 1, (field, delta))
+    err = plant_and_catch(start(cut(2), "cuda", kernel), 1, (field, delta))
     assert err.field.startswith(named) and err.cpu != err.device and err.rank == 1, str(err)
+
+
+def test_fused_check_sets_the_same_flag_as_the_graph_on_random_layouts():
+    """The fused kernel compiled for CUDA against the torch flag (the interpreter test's cases,
+    tests/runtime/test_mirror_check_kernel.py, at 256 slots and 40 columns)."""
+    from mirror_check_cases import EXPECT, FAULTS, _case, _plant, _torch_flag
+
+    from runtime.worker.kernels.mirror_check_kernel import fused_check
+    for fault in FAULTS:
+        for slot in (0, 130, 255):
+            case = [x.cuda() if isinstance(x, torch.Tensor) else x for x in _case(3, 256, 40, 9000)]
+            if fault != "none":
+                _plant(case, fault, slot)
+            ref, ref_dig = _torch_flag(*case)
+            dig = torch.full((256,), -1, dtype=torch.int64, device="cuda")
+            flag = torch.ones(1, dtype=torch.bool, device="cuda")
+            fused_check(*case, dig, flag, 16, 2)
+            assert (bool(flag[0]), ref) == (EXPECT[fault], EXPECT[fault]), (fault, slot)
+            assert torch.equal(dig, ref_dig), (fault, slot)

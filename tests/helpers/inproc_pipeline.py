@@ -107,7 +107,8 @@ class InprocPipeline:
     def __init__(self, stages, max_num_seqs: int, max_model_len: int = 256,
                  max_prefill_chunk: int = 32, max_num_batched_tokens: int = 256,
                  eos_token_id: int = 2, num_spec_tokens: int = 0, spec_ngram: int = 3,
-                 mode: str = "overlapped", device: str = "cpu") -> None:
+                 mode: str = "overlapped", device: str = "cpu",
+                 check_kernel: str = "graph") -> None:
         self.pp = len(stages)
         self.sched = Scheduler(SchedulerConfig(
             pp_size=self.pp, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -124,7 +125,8 @@ class InprocPipeline:
             StageRunner(LocalGroups(r, self.pp, wire, torch.device(device)), st,
                         DeviceState(max_num_seqs, max_model_len, 1 + num_spec_tokens,
                                     torch.device(device), r),
-                        overlapped=mode == "overlapped", validate_every=1, spec=spec(r))
+                        overlapped=mode == "overlapped", validate_every=1, spec=spec(r),
+                        check_kernel=check_kernel)
             for r, st in enumerate(stages)]
         self.queues: list[deque[SchedulerOutput]] = [deque() for _ in range(self.pp)]
         self.tokens: dict[str, list[int]] = {}

@@ -54,11 +54,12 @@ def weights_or_random(request) -> tuple:
                      for n in stage_tensor_names(small, (0, 3))}
 
 
-def start(stages: list, device: str = "cpu") -> InprocPipeline:
+def start(stages: list, device: str = "cpu", check_kernel: str = "graph") -> InprocPipeline:
     """A pipeline over ``stages`` running a seeded "victim" and a greedy "other" request, ticked
-    until the victim has 4 tokens (prefill in chunks of 8, then decodes)."""
+    until the victim has 4 tokens (prefill in chunks of 8, then decodes); ``check_kernel``: the
+    CUDA check's ``--mirror-check-kernel``."""
     pipe = InprocPipeline(stages, max_num_seqs=2, max_model_len=96, max_prefill_chunk=8,
-                          device=device)
+                          device=device, check_kernel=check_kernel)
     pipe.add("victim", PROMPT, SamplingParams(max_tokens=40, temperature=0.7, top_k=20, seed=3,
                                               ignore_eos=True))
     pipe.add("other", PROMPT[:9], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))

@@ -28,10 +28,12 @@ def _plant(state, field: str) -> None:
     getattr(obj, field.split(".")[-1])[5] += 1
 
 
+@pytest.mark.parametrize("kernel", ["graph", "fused"])
 @pytest.mark.parametrize("field,named", FAULTS)
-def test_fault_named_by_async_and_sync_check(field, named):
+def test_fault_named_by_async_and_sync_check(field, named, kernel):
+    """``kernel="fused"``: the flag from the fused Triton kernel (the interpreter on the CPU)."""
     loop = RankLoop(8, torch.device("cpu"), prompt_len=32, max_model_len=300)
-    check = AsyncMirrorCheck(loop.state, rank=0)
+    check = AsyncMirrorCheck(loop.state, rank=0, kernel=kernel)
     for _ in range(3):                       # healthy steps pass
         loop.step(False)
         check.snapshot(loop.step_no - 1)
@@ -179,14 +181,15 @@ def _scheduled(loop, step: int):
                            block_digests=loop.digests.of(loop.slots))
 
 
-@pytest.mark.parametrize("graph_layout", [False, True])
-def test_both_table_copies_wrong_caught_by_the_digest_in_the_snapshot(graph_layout):
+@pytest.mark.parametrize("graph_layout,kernel", [(False, "graph"), (True, "graph"),
+                                                 (True, "fused")])
+def test_both_table_copies_wrong_caught_by_the_digest_in_the_snapshot(graph_layout, kernel):
     """Host and device tables shifted alike agree with each other; the digest of the device
     table, compared with the scheduler's in the step's snapshot, names the slot (``cpu``: the
     rank's digest, ``device``: the scheduler's); without the scheduler's digests it passes."""
     from ppstate.block_digest import row_digests
     loop = RankLoop(8, torch.device("cpu"), prompt_len=32, max_model_len=300)
-    check = AsyncMirrorCheck(loop.state, rank=0)
+    check = AsyncMirrorCheck(loop.state, rank=0, kernel=kernel)
     if graph_layout:
         check._graphed_tokens = loop.state.tokens
         check.dev.graphs = [_FakeGraph(check.dev, 0), _FakeGraph(check.dev, 1)]
