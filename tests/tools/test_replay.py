@@ -246,8 +246,9 @@ def spec_recorded(tmp_path_factory):
     with its own event loop, worker processes and trace directory) start and run side by side:
     their starts overlap (CI time)."""
     with ThreadPoolExecutor(2) as pool:
-        runs = {prompts: pool.submit(_record_spec, tmp_path_factory.mktemp(f"spec-prompts-{prompts}"),
-                                     prompts) for prompts in (False, True)}
+        runs = {prompts: pool.submit(_record_spec,
+                                     tmp_path_factory.mktemp(f"spec-prompts-{prompts}"), prompts)
+                for prompts in (False, True)}
         return {prompts: f.result() for prompts, f in runs.items()}
 
 
