@@ -34,6 +34,24 @@ def _gguf_parsed_once():
         gguf.GGUFReader, gguf.get_tensor_name_map = saved
 
 
+@contextlib.contextmanager
+def one_thread():
+    """Run torch on one intra-op thread inside the block, restoring the previous count after.
+
+    The reference decodes one token per forward (tiny GEMVs): with the default two threads on a
+    2-core machine whose other processes (an engine's ranks, other tests) are busy, OpenMP's
+    spinning made each step ~3-4x slower than one thread (measured in tests/helpers, 16 steps of
+    a 30-token prompt: 13.8-19.1 s on 2 threads vs 3.3-5.3 s on 1, alternated). The ranks
+    themselves compute on one thread, so this is also the configuration they run.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @functools.lru_cache(maxsize=1)
 def hf_model():
     """(model, tokenizer) from transformers, fp32, eval mode; loaded once per process."""
@@ -59,7 +77,7 @@ def greedy_reference(prompt_ids: tuple[int, ...], max_new_tokens: int) -> tuple[
     model, _ = hf_model()
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
     cache, out = DynamicCache(), []
-    with torch.no_grad():
+    with torch.no_grad(), one_thread():
         for _ in range(max_new_tokens):
             logits = model(input_ids=ids, attention_mask=None, past_key_values=cache,
                            use_cache=True).logits
@@ -73,7 +91,7 @@ def greedy_generate_reference(prompt_ids: tuple[int, ...], max_new_tokens: int) 
     """The same continuation through ``model.generate`` (explicit all-ones attention mask)."""
     model, _ = hf_model()
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
-    with torch.no_grad():
+    with torch.no_grad(), one_thread():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                              pad_token_id=0, eos_token_id=None)
@@ -123,7 +141,7 @@ def seeded_reference(prompt_ids: tuple[int, ...], max_new_tokens: int, temperatu
     model, _ = hf_model()
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
     cache, out = DynamicCache(), []
-    with torch.no_grad():
+    with torch.no_grad(), one_thread():
         for i in range(max_new_tokens):
             logits = model(input_ids=ids, attention_mask=None, past_key_values=cache,
                            use_cache=True).logits[0, -1].float().numpy()

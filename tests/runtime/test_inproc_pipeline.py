@@ -10,13 +10,21 @@ from __future__ import annotations
 import pytest
 
 from inproc_pipeline import InprocPipeline
-from reference import greedy_reference, seeded_reference
+from reference import greedy_reference, one_thread, seeded_reference
 from runtime.sampling_params import SamplingParams
 
 PROMPT_A = [504, 3458, 282, 4649, 314, 1167, 30, 216, 9400, 2067]
 PROMPT_B = [1205, 253, 1345, 11, 7630, 28, 457, 3520, 1099, 355, 28, 634, 19234]
 B_TOKENS = 8
 MAX_TICKS = 200     # a few dozen ticks suffice; the bound turns a hang into a failure
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """The stages compute in this process on one torch thread, as a rank does (the default two
+    crawl on a busy 2-core machine: reference.one_thread)."""
+    with one_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import asyncio
 import json
 import random
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -220,27 +221,35 @@ def test_dropped_mirror_check_is_reported_by_the_cli_not_a_crash(recorded, tmp_p
 REPETITIVE = [33, 28, 216, 34, 28, 216, 35, 28, 216, 36, 28, 216, 37, 28, 216] * 3 + [33, 28, 216]
 
 
+def _record_spec(base: Path, prompts: bool) -> Path:
+    """Run directory of one PP=2 run with --spec-tokens 2 and the n-gram probe (3), recorded
+    under ``base`` with or without prompt ids."""
+    eng = EngineThread(EngineConfig(pp_size=2, max_num_seqs=4, max_model_len=128,
+                                    max_prefill_chunk=32, max_num_batched_tokens=64,
+                                    num_spec_tokens=2, step_timeout_s=60.0,
+                                    trace_dir=str(base), trace_prompts=prompts))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    try:
+        async def go():
+            await asyncio.gather(eng.collect("rep", REPETITIVE, params),
+                                 eng.collect("ord", [504, 3575, 282, 4649, 314], params))
+        eng.run(go())
+    finally:
+        eng.close()
+    return find_run_dir(base)
+
+
 @pytest.fixture(scope="module")
 def spec_recorded(tmp_path_factory):
     """{trace_prompts: run directory} of two PP=2 runs with --spec-tokens 2 and the engine's
-    n-gram probe (3), one recorded without prompt ids and one with them."""
-    runs = {}
-    for prompts in (False, True):
-        base = tmp_path_factory.mktemp(f"spec-prompts-{prompts}")
-        eng = EngineThread(EngineConfig(pp_size=2, max_num_seqs=4, max_model_len=128,
-                                        max_prefill_chunk=32, max_num_batched_tokens=64,
-                                        num_spec_tokens=2, step_timeout_s=60.0,
-                                        trace_dir=str(base), trace_prompts=prompts))
-        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-        try:
-            async def go():
-                await asyncio.gather(eng.collect("rep", REPETITIVE, params),
-                                     eng.collect("ord", [504, 3575, 282, 4649, 314], params))
-            eng.run(go())
-        finally:
-            eng.close()
-        runs[prompts] = find_run_dir(base)
-    return runs
+    n-gram probe (3), one recorded without prompt ids and one with them. The two engines (each
+    with its own event loop, worker processes and trace directory) start and run side by side:
+    their starts overlap (CI time)."""
+    with ThreadPoolExecutor(2) as pool:
+        runs = {prompts: pool.submit(_record_spec,
+                                     tmp_path_factory.mktemp(f"spec-prompts-{prompts}"), prompts)
+                for prompts in (False, True)}
+        return {prompts: f.result() for prompts, f in runs.items()}
 
 
 def test_spec_trace_without_prompts_is_refused_up_front(spec_recorded, capsys):
