@@ -1,0 +1,54 @@
+"""How the engine starts a rank process: forked from a forkserver that has torch imported.
+
+A freshly spawned interpreter spends ~2-3 s importing torch and the worker's modules before it
+reads a weight (``python -X importtime -c "import runtime.worker.main"``: torch ~2.3 s of ~3 s on
+a 2-core CPU machine), and every engine start pays that once per rank. With the ``forkserver``
+start method, one server process imports :data:`PRELOAD` once (the first time a rank starts in
+this process); every rank after that is a fork of it and starts with those modules loaded.
+
+A fork of the forkserver differs from a spawned interpreter in what it inherits, so
+:func:`rank_entry` restores what a spawned rank had:
+
+- the environment: the forkserver keeps the environment it was started with, so the engine sends
+  its current ``os.environ`` with every rank (a test's ``monkeypatch.setenv`` before an engine
+  starts reaches that engine's ranks, as under spawn);
+- SIGINT: ignored in every rank (Ctrl-C reaches the engine, which shuts the ranks down in order).
+
+Multiprocessing itself carries the working directory, ``sys.path`` and the process name, and reports
+each rank's exit status (``Process.exitcode``; ``-9`` for SIGKILL) through the forkserver. The
+forkserver exits when the engine process does; a rank whose engine is gone then sees its parent
+change and exits (:meth:`runtime.worker.main._Worker.serve`).
+
+CUDA is never initialised in the forkserver (importing torch does not), so a rank may pick any
+device. Where ``forkserver`` does not exist (not on Linux/macOS), ranks are spawned as before.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+from multiprocessing.context import BaseContext
+
+#: imported once by the forkserver; the ranks forked from it inherit them. Third-party modules
+#: only: the project's own modules are imported by each rank from the source it sees at start.
+PRELOAD = ("torch", "numpy", "zmq", "msgspec", "pydantic", "yaml", "transitions")
+
+
+def rank_context() -> BaseContext:
+    """The multiprocessing context for rank processes: ``forkserver`` preloading :data:`PRELOAD`
+    where the platform has it, else ``spawn``."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
+def rank_entry(target, args, environ: dict[str, str]) -> None:
+    """Body of a rank process: the engine's environment and SIGINT ignored, then ``target(args)``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if dict(os.environ) != environ:
+        os.environ.clear()
+        os.environ.update(environ)
+    target(args)
