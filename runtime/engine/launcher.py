@@ -31,7 +31,7 @@ from ppstate.batch import SchedulerOutput, StepResult
 from runtime import transport as tp
 from runtime.config import EngineConfig
 from runtime.engine.plan import PipelinePlan, WorkerArgs
-from runtime.engine.rank_process import rank_context, rank_entry
+from runtime.engine.rank_process import engine_cpus, rank_context, rank_entry
 from runtime.engine.torchrun import HEARTBEAT_S
 
 
@@ -94,8 +94,8 @@ class WorkerPool:
             args = WorkerArgs(rank, self.config.model_dump(), tuple(self.plan.layer_ranges[rank // self.config.tp_size]),
                               str(self.plan.model_path), init, step_addrs[rank].replace("*", "127.0.0.1"),
                               result_addr.replace("*", "127.0.0.1"))
-            proc = ctx.Process(target=rank_entry, args=(_worker_entry, args, dict(os.environ)),
-                               name=f"ppstate-rank{rank}", daemon=True)
+            proc = ctx.Process(target=rank_entry, name=f"ppstate-rank{rank}", daemon=True,
+                               args=(_worker_entry, args, dict(os.environ), engine_cpus()))
             _start_ignoring_sigint(proc)
             self.procs.append(proc)
         await self._wait_ready(ready_timeout_s)

@@ -12,7 +12,16 @@ A fork of the forkserver differs from a spawned interpreter in what it inherits,
 - the environment: the forkserver keeps the environment it was started with, so the engine sends
   its current ``os.environ`` with every rank (a test's ``monkeypatch.setenv`` before an engine
   starts reaches that engine's ranks, as under spawn);
+- the CPU affinity: the forkserver keeps the affinity it was started with, so the engine sends its
+  current one (a rank pins itself afterwards under ``--cpu-pin``);
 - SIGINT: ignored in every rank (Ctrl-C reaches the engine, which shuts the ranks down in order).
+
+What the preloaded modules read from the environment while being imported (torch's import-time
+variables, libgomp's ``OMP_NUM_THREADS``) comes from the environment of the engine's first rank
+start; every rank sets its thread count itself (``torch.set_num_threads``), and CUDA variables
+(``CUDA_VISIBLE_DEVICES``, ``PYTORCH_CUDA_ALLOC_CONF``) are read when CUDA initialises, in the rank.
+The forkserver holds no project module and no engine configuration: an engine with another
+configuration started later in the same process gets ranks as fresh as the first engine's.
 
 Multiprocessing itself carries the working directory, ``sys.path`` and the process name, and reports
 each rank's exit status (``Process.exitcode``; ``-9`` for SIGKILL) through the forkserver. The
@@ -45,10 +54,23 @@ def rank_context() -> BaseContext:
     return ctx
 
 
-def rank_entry(target, args, environ: dict[str, str]) -> None:
-    """Body of a rank process: the engine's environment and SIGINT ignored, then ``target(args)``."""
+def rank_entry(target, args, environ: dict[str, str], cpus: set[int] | None = None) -> None:
+    """Body of a rank process: SIGINT ignored, the engine's environment ``environ`` and CPU
+    affinity ``cpus`` (None: leave it), then ``target(args)``.
+
+    Raises:
+        OSError: ``cpus`` names no CPU this process may use.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if dict(os.environ) != environ:
         os.environ.clear()
         os.environ.update(environ)
+    if cpus is not None and os.sched_getaffinity(0) != cpus:
+        os.sched_setaffinity(0, cpus)
     target(args)
+
+
+def engine_cpus() -> set[int] | None:
+    """This process's CPU affinity, to pass to :func:`rank_entry` (None where the platform has no
+    ``sched_getaffinity``)."""
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None

@@ -1,28 +1,33 @@
 """Rank processes forked from the forkserver (runtime/engine/rank_process.py) start like spawned
-ones: they see the engine's environment at the time they start (not the forkserver's), ignore
-SIGINT, and report how they ended through ``Process.exitcode``."""
+ones: they see the engine's environment, working directory and CPU affinity at the time they start
+(not the forkserver's), ignore SIGINT, find torch imported but neither CUDA initialised nor any of
+the project's modules loaded, and report how they ended through ``Process.exitcode``."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import signal
+import sys
 
 import pytest
 
-from runtime.engine.rank_process import PRELOAD, rank_context, rank_entry
+from runtime.engine.rank_process import PRELOAD, engine_cpus, rank_context, rank_entry
 
-pytestmark = pytest.mark.skipif("forkserver" not in __import__("multiprocessing")
-                                .get_all_start_methods(), reason="no forkserver here")
+pytestmark = pytest.mark.skipif("forkserver" not in mp.get_all_start_methods(),
+                                reason="no forkserver here")
 
 VAR = "PPSTATE_TEST_RANK_PROCESS"
 
 
 def report(conn) -> None:
-    """Send what a rank would see: the variable, the SIGINT disposition, whether torch (preloaded)
-    is already imported before this function imports anything."""
-    import sys
-    conn.send((os.environ.get(VAR), signal.getsignal(signal.SIGINT) == signal.SIG_IGN,
-               "torch" in sys.modules, os.getcwd()))
+    """Send what a rank sees before it imports anything itself."""
+    mods = sys.modules
+    conn.send({"var": os.environ.get(VAR), "sigint_ignored": signal.getsignal(signal.SIGINT) == signal.SIG_IGN,
+               "torch": "torch" in mods, "cuda": "torch" in mods and mods["torch"].cuda.is_initialized(),
+               "project": sorted(m for m in mods if m.split(".")[0] in ("ppstate", "runtime")
+                                 and m not in ("runtime", "runtime.engine", "runtime.engine.rank_process")),
+               "cwd": os.getcwd(), "cpus": sorted(os.sched_getaffinity(0))})
     conn.close()
 
 
@@ -30,29 +35,51 @@ def kill_self(_args) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _run(ctx, target, args):
-    p = ctx.Process(target=rank_entry, args=(target, args, dict(os.environ)), daemon=True)
+def exit_3(_args) -> None:
+    sys.exit(3)
+
+
+def start(target, args, cpus=None) -> mp.Process:
+    p = rank_context().Process(target=rank_entry, args=(target, args, dict(os.environ), cpus), daemon=True)
     p.start()
     return p
 
 
-def test_rank_sees_the_environment_at_its_start_and_ignores_sigint(monkeypatch, tmp_path):
+def seen_by_a_rank(cpus=None) -> dict:
+    recv, send = rank_context().Pipe(duplex=False)
+    p = start(report, send, cpus)
+    send.close()
+    assert recv.poll(120)
+    out = recv.recv()
+    p.join(60)
+    assert p.exitcode == 0
+    return out
+
+
+def test_context_is_a_forkserver_preloading_third_party_modules_only():
     ctx = rank_context()
-    assert ctx.get_start_method() == "forkserver" and "torch" in PRELOAD
-    first = _run(ctx, kill_self, None)      # the forkserver now runs, with the old environment
+    assert ctx.get_start_method() == "forkserver"
+    assert "torch" in PRELOAD and not [m for m in PRELOAD if m.split(".")[0] in ("ppstate", "runtime")]
+
+
+def test_each_rank_sees_the_engine_state_at_its_own_start(monkeypatch, tmp_path):
+    """Two ranks started after the forkserver runs, with different environments: each sees its own
+    (nothing of the first stays in the forkserver)."""
+    first = start(kill_self, None)          # the forkserver now runs, with this environment
     first.join(60)
     monkeypatch.setenv(VAR, "after-the-forkserver-started")
     monkeypatch.chdir(tmp_path)
-    recv, send = ctx.Pipe(duplex=False)
-    p = _run(ctx, report, send)
-    send.close()
-    assert recv.poll(60)
-    assert recv.recv() == ("after-the-forkserver-started", True, True, str(tmp_path))
-    p.join(60)
-    assert p.exitcode == 0
+    one = sorted(engine_cpus())[:1]
+    assert seen_by_a_rank({one[0]}) == {
+        "var": "after-the-forkserver-started", "sigint_ignored": True, "torch": True, "cuda": False,
+        "project": [], "cwd": str(tmp_path), "cpus": one}
+    monkeypatch.setenv(VAR, "second")
+    second = seen_by_a_rank(engine_cpus())
+    assert (second["var"], second["cpus"]) == ("second", sorted(engine_cpus()))
 
 
-def test_exit_status_of_a_killed_rank_is_reported():
-    p = _run(rank_context(), kill_self, None)
-    p.join(60)
-    assert p.exitcode == -signal.SIGKILL
+def test_exit_status_of_a_rank_is_reported():
+    killed, exited = start(kill_self, None), start(exit_3, None)
+    killed.join(60)
+    exited.join(60)
+    assert (killed.exitcode, exited.exitcode) == (-signal.SIGKILL, 3)
