@@ -350,9 +350,8 @@ def test_metrics_parse_and_hold_series(server):
 
 
 # ---- last: SIGTERM with a stream open stops this module's server -----------------------------
-def descendants(pid: int) -> list[int]:
-    """Pids of ``pid``'s children, their children and so on (from /proc): the rank processes
-    are children of the server's forkserver (runtime/engine/rank_process.py)."""
+def parents() -> dict[int, int]:
+    """Parent pid of every process (from /proc)."""
     parent_of = {}
     for d in os.listdir("/proc"):
         if d.isdigit():
@@ -361,6 +360,13 @@ def descendants(pid: int) -> list[int]:
             except OSError:
                 continue
             parent_of[int(d)] = int(stat.rsplit(")", 1)[1].split()[1])
+    return parent_of
+
+
+def descendants(pid: int) -> list[int]:
+    """Pids of ``pid``'s children, their children and so on: the rank processes are children of
+    the server's forkserver (runtime/engine/rank_process.py)."""
+    parent_of = parents()
     out, frontier = [], {pid}
     while frontier:
         frontier = {c for c, p in parent_of.items() if p in frontier}
@@ -398,8 +404,12 @@ def test_sigterm_with_an_open_stream_ends_it_and_leaves_nothing(served):
     proc, url = served.proc, served.url
     workers = descendants(proc.pid)
     ipc = bound_ipc_paths(proc.pid)
-    # the 2 ranks, their forkserver (and multiprocessing's resource tracker); results + 2 step sockets
-    assert len([w for w in workers if alive(w)]) >= 3 and len(ipc) == 3
+    parent_of = parents()
+    ranks = [w for w in workers if parent_of.get(w) not in (None, proc.pid)]  # the forkserver's children
+    forkservers = {parent_of[w] for w in ranks}
+    # 2 ranks, forked from one forkserver (a child of the server); results + 2 step sockets
+    assert len(ranks) == 2 and all(alive(w) for w in ranks) and len(forkservers) == 1
+    assert parent_of[forkservers.pop()] == proc.pid and len(ipc) == 3
     events: list[str] = []
     two = threading.Event()
 
