@@ -17,16 +17,27 @@ A fork of the forkserver differs from a spawned interpreter in what it inherits,
 - SIGINT: ignored in every rank (Ctrl-C reaches the engine, which shuts the ranks down in order).
 
 What the preloaded modules read from the environment while being imported (torch's import-time
-variables, libgomp's ``OMP_NUM_THREADS``) comes from the environment of the engine's first rank
-start; every rank sets its thread count itself (``torch.set_num_threads``), and CUDA variables
+variables, libgomp's ``OMP_NUM_THREADS``) comes from the environment at the first rank start in
+this process; every rank sets its thread count itself (``torch.set_num_threads``), and CUDA variables
 (``CUDA_VISIBLE_DEVICES``, ``PYTORCH_CUDA_ALLOC_CONF``) are read when CUDA initialises, in the rank.
 The forkserver holds no project module and no engine configuration: an engine with another
 configuration started later in the same process gets ranks as fresh as the first engine's.
 
 Multiprocessing itself carries the working directory, ``sys.path`` and the process name, and reports
-each rank's exit status (``Process.exitcode``; ``-9`` for SIGKILL) through the forkserver. The
-forkserver exits when the engine process does; a rank whose engine is gone then sees its parent
-change and exits (:meth:`runtime.worker.main._Worker.serve`).
+each rank's exit status (``Process.exitcode``; ``-9`` for SIGKILL) through the forkserver.
+
+Engine death: the forkserver exits once every holder of its keep-alive pipe has closed it, and
+multiprocessing hands a copy to every forked child (so that a child may start processes too). A
+rank closes its copy first thing (:func:`_release_forkserver`), so the forkserver lives exactly as
+long as the engine process; a rank whose engine is gone then sees its parent change and exits
+(:meth:`runtime.worker.main._Worker.serve`), as a spawned rank did.
+
+A forked rank ends with ``os._exit`` after its target returns (multiprocessing's fork-based
+children do), without the interpreter's finalisation (engine shutdown at PP=2 on a loaded 2-core
+machine: 0.6-1.0 s with forked ranks, 3.8-5.2 s with spawned ones, the grace period being 5 s;
+benchmarks/results/engine-start-cpu-2026-12-03.json). The rank's own
+clean-up is in :func:`runtime.worker.main.run_worker`'s ``finally`` (sockets, zmq context, trace
+sink); it registers no ``atexit`` handler.
 
 CUDA is never initialised in the forkserver (importing torch does not), so a rank may pick any
 device. Where ``forkserver`` does not exist (not on Linux/macOS), ranks are spawned as before.
@@ -62,6 +73,7 @@ def rank_entry(target, args, environ: dict[str, str], cpus: set[int] | None = No
         OSError: ``cpus`` names no CPU this process may use.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _release_forkserver()
     if dict(os.environ) != environ:
         os.environ.clear()
         os.environ.update(environ)
@@ -74,3 +86,15 @@ def engine_cpus() -> set[int] | None:
     """This process's CPU affinity, to pass to :func:`rank_entry` (None where the platform has no
     ``sched_getaffinity``)."""
     return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+
+
+def _release_forkserver() -> None:
+    """Close this process's copy of the forkserver's keep-alive pipe (the write end every forked
+    child inherits; ``multiprocessing.forkserver``'s private ``_forkserver_alive_fd``), so that
+    the forkserver exits with the engine. No-op in a spawned process (no copy)."""
+    from multiprocessing import forkserver
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        server._forkserver_alive_fd = None
+        os.close(fd)

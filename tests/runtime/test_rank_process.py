@@ -8,7 +8,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -83,3 +86,50 @@ def test_exit_status_of_a_rank_is_reported():
     killed.join(60)
     exited.join(60)
     assert (killed.exitcode, exited.exitcode) == (-signal.SIGKILL, 3)
+
+
+def wait_orphaned(path: str) -> None:
+    """Write this pid to ``path``, then wait until this process's parent (the forkserver) is gone."""
+    parent = os.getppid()
+    Path(path).write_text(str(os.getpid()))
+    while os.getppid() == parent:
+        time.sleep(0.05)
+
+
+ENGINE = """
+import sys, time
+sys.path.insert(0, sys.argv[2])
+from runtime.engine.rank_process import rank_context, rank_entry
+from test_rank_process import wait_orphaned
+rank_context().Process(target=rank_entry, args=(wait_orphaned, sys.argv[1], {}), daemon=True).start()
+time.sleep(600)
+"""
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_rank_outlives_a_killed_engine_by_little(tmp_path):
+    """SIGKILL to the engine process: its forkserver exits, so the rank sees its parent change
+    (what runtime.worker.main._Worker.serve checks each second) and ends."""
+    pid_file = tmp_path / "rank.pid"
+    engine = subprocess.Popen([sys.executable, "-c", ENGINE, str(pid_file), str(Path(__file__).parent)])
+    try:
+        for _ in range(1200):
+            if pid_file.exists() and pid_file.read_text():
+                break
+            time.sleep(0.1)
+        rank = int(pid_file.read_text())
+        assert running(rank)
+    finally:
+        engine.kill()
+        engine.wait(30)
+    for _ in range(200):
+        if not running(rank):
+            break
+        time.sleep(0.1)
+    assert not running(rank)
