@@ -7,7 +7,7 @@ All messages are msgspec/msgpack (:mod:`runtime.transport`); nothing is unpickle
 
 ``launcher="spawn"``: every rank is started here (forked from a forkserver that has torch imported,
 :mod:`runtime.engine.rank_process`); sockets are ipc, the rendezvous a free local port.
-``launcher="torchrun"``: only rank 0 is spawned here (``env://`` rendezvous); ranks > 0 are the
+``launcher="torchrun"``: only rank 0 is started here (``env://`` rendezvous); ranks > 0 are the
 other torchrun processes (:mod:`runtime.engine.torchrun`), so the sockets are TCP on every interface at
 ``engine_port`` (results) and ``engine_port + 1 + rank`` (steps), and the pool pings every rank
 each :data:`runtime.engine.torchrun.HEARTBEAT_S` seconds so that orphaned workers can exit.
