@@ -5,8 +5,9 @@ Engine -> rank r: a PUSH socket per rank carrying step and control messages.
 Ranks -> engine: one PULL socket carrying ready, result and error messages.
 All messages are msgspec/msgpack (:mod:`runtime.transport`); nothing is unpickled.
 
-``launcher="spawn"``: every rank is spawned here; sockets are ipc, the rendezvous a free local port.
-``launcher="torchrun"``: only rank 0 is spawned here (``env://`` rendezvous); ranks > 0 are the
+``launcher="spawn"``: every rank is started here (forked from a forkserver that has torch imported,
+:mod:`runtime.engine.rank_process`); sockets are ipc, the rendezvous a free local port.
+``launcher="torchrun"``: only rank 0 is started here (``env://`` rendezvous); ranks > 0 are the
 other torchrun processes (:mod:`runtime.engine.torchrun`), so the sockets are TCP on every interface at
 ``engine_port`` (results) and ``engine_port + 1 + rank`` (steps), and the pool pings every rank
 each :data:`runtime.engine.torchrun.HEARTBEAT_S` seconds so that orphaned workers can exit.
@@ -30,6 +31,7 @@ from ppstate.batch import SchedulerOutput, StepResult
 from runtime import transport as tp
 from runtime.config import EngineConfig
 from runtime.engine.plan import PipelinePlan, WorkerArgs
+from runtime.engine.rank_process import engine_cpus, rank_context, rank_entry
 from runtime.engine.torchrun import HEARTBEAT_S
 
 
@@ -87,13 +89,13 @@ class WorkerPool:
             self._push.append(tp.make_push(self.sync_ctx, a, bind=True, linger_ms=0))
         if self.torchrun:
             self._heartbeat = asyncio.ensure_future(self._ping_loop())
-        spawn = mp.get_context("spawn")
+        ctx = rank_context()
         for rank in self.local_ranks:  # a local rank connects to a "*" bind via the loopback
             args = WorkerArgs(rank, self.config.model_dump(), tuple(self.plan.layer_ranges[rank // self.config.tp_size]),
                               str(self.plan.model_path), init, step_addrs[rank].replace("*", "127.0.0.1"),
                               result_addr.replace("*", "127.0.0.1"))
-            proc = spawn.Process(target=_worker_entry, args=(args,), name=f"ppstate-rank{rank}",
-                                 daemon=True)
+            proc = ctx.Process(target=rank_entry, name=f"ppstate-rank{rank}", daemon=True,
+                               args=(_worker_entry, args, dict(os.environ), engine_cpus()))
             _start_ignoring_sigint(proc)
             self.procs.append(proc)
         await self._wait_ready(ready_timeout_s)
@@ -231,8 +233,10 @@ class WorkerPool:
 
 
 def _start_ignoring_sigint(proc: mp.Process) -> None:
-    """Start ``proc`` with SIGINT ignored (inherited across exec): Ctrl-C reaches the engine,
-    which shuts the workers down in order, instead of every worker raising KeyboardInterrupt."""
+    """Start ``proc`` with SIGINT ignored in this process meanwhile, so that the forkserver (or
+    a spawned interpreter) started for it inherits SIG_IGN; the rank itself ignores SIGINT too
+    (:func:`~runtime.engine.rank_process.rank_entry`): Ctrl-C reaches the engine, which shuts
+    the workers down in order, instead of every worker raising KeyboardInterrupt."""
     if threading.current_thread() is not threading.main_thread():
         proc.start()
         return

@@ -350,17 +350,27 @@ def test_metrics_parse_and_hold_series(server):
 
 
 # ---- last: SIGTERM with a stream open stops this module's server -----------------------------
-def children(pid: int) -> list[int]:
-    """Pids whose parent is ``pid`` (from /proc)."""
-    out = []
+def parents() -> dict[int, int]:
+    """Parent pid of every process (from /proc)."""
+    parent_of = {}
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
                 stat = Path(f"/proc/{d}/stat").read_text()
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(d))
+            parent_of[int(d)] = int(stat.rsplit(")", 1)[1].split()[1])
+    return parent_of
+
+
+def descendants(pid: int) -> list[int]:
+    """Pids of ``pid``'s children, their children and so on: the rank processes are children of
+    the server's forkserver (runtime/engine/rank_process.py)."""
+    parent_of = parents()
+    out, frontier = [], {pid}
+    while frontier:
+        frontier = {c for c, p in parent_of.items() if p in frontier}
+        out += sorted(frontier)
     return out
 
 
@@ -392,9 +402,14 @@ def alive(pid: int) -> bool:
 def test_sigterm_with_an_open_stream_ends_it_and_leaves_nothing(served):
     """Runs last in this module: it stops the server."""
     proc, url = served.proc, served.url
-    workers = children(proc.pid)
+    workers = descendants(proc.pid)
     ipc = bound_ipc_paths(proc.pid)
-    assert len([w for w in workers if alive(w)]) >= 2 and len(ipc) == 3  # results + 2 step sockets
+    parent_of = parents()
+    ranks = [w for w in workers if parent_of.get(w) not in (None, proc.pid)]  # the forkserver's children
+    forkservers = {parent_of[w] for w in ranks}
+    # 2 ranks, forked from one forkserver (a child of the server); results + 2 step sockets
+    assert len(ranks) == 2 and all(alive(w) for w in ranks) and len(forkservers) == 1
+    assert parent_of[forkservers.pop()] == proc.pid and len(ipc) == 3
     events: list[str] = []
     two = threading.Event()
 

@@ -1,0 +1,100 @@
+"""How the engine starts a rank process: forked from a forkserver that has torch imported.
+
+A freshly spawned interpreter spends ~2-3 s importing torch and the worker's modules before it
+reads a weight (``python -X importtime -c "import runtime.worker.main"``: torch ~2.3 s of ~3 s on
+a 2-core CPU machine), and every engine start pays that once per rank. With the ``forkserver``
+start method, one server process imports :data:`PRELOAD` once (the first time a rank starts in
+this process); every rank after that is a fork of it and starts with those modules loaded.
+
+A fork of the forkserver differs from a spawned interpreter in what it inherits, so
+:func:`rank_entry` restores what a spawned rank had:
+
+- the environment: the forkserver keeps the environment it was started with, so the engine sends
+  its current ``os.environ`` with every rank (a test's ``monkeypatch.setenv`` before an engine
+  starts reaches that engine's ranks, as under spawn);
+- the CPU affinity: the forkserver keeps the affinity it was started with, so the engine sends its
+  current one (a rank pins itself afterwards under ``--cpu-pin``);
+- SIGINT: ignored in every rank (Ctrl-C reaches the engine, which shuts the ranks down in order).
+
+What the preloaded modules read from the environment while being imported (torch's import-time
+variables, libgomp's ``OMP_NUM_THREADS``) comes from the environment at the first rank start in
+this process; every rank sets its thread count itself (``torch.set_num_threads``), and CUDA variables
+(``CUDA_VISIBLE_DEVICES``, ``PYTORCH_CUDA_ALLOC_CONF``) are read when CUDA initialises, in the rank.
+The forkserver holds no project module and no engine configuration: an engine with another
+configuration started later in the same process gets ranks as fresh as the first engine's.
+
+Multiprocessing itself carries the working directory, ``sys.path`` and the process name, and reports
+each rank's exit status (``Process.exitcode``; ``-9`` for SIGKILL) through the forkserver.
+
+Engine death: the forkserver exits once every holder of its keep-alive pipe has closed it, and
+multiprocessing hands a copy to every forked child (so that a child may start processes too). A
+rank closes its copy first thing (:func:`_release_forkserver`), so the forkserver lives exactly as
+long as the engine process; a rank whose engine is gone then sees its parent change and exits
+(:meth:`runtime.worker.main._Worker.serve`), as a spawned rank did.
+
+A forked rank ends with ``os._exit`` after its target returns (multiprocessing's fork-based
+children do), without the interpreter's finalisation (engine shutdown at PP=2 on a loaded 2-core
+machine: 0.6-1.0 s with forked ranks, 3.8-5.2 s with spawned ones, the grace period being 5 s;
+benchmarks/results/engine-start-cpu-2026-12-03.json). The rank's own
+clean-up is in :func:`runtime.worker.main.run_worker`'s ``finally`` (sockets, zmq context, trace
+sink); it registers no ``atexit`` handler.
+
+CUDA is never initialised in the forkserver (importing torch does not), so a rank may pick any
+device. Where ``forkserver`` does not exist (not on Linux/macOS), ranks are spawned as before.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+from multiprocessing.context import BaseContext
+
+#: imported once by the forkserver; the ranks forked from it inherit them. Third-party modules
+#: only: the project's own modules are imported by each rank from the source it sees at start.
+PRELOAD = ("torch", "numpy", "zmq", "msgspec", "pydantic", "yaml", "transitions")
+
+
+def rank_context() -> BaseContext:
+    """The multiprocessing context for rank processes: ``forkserver`` preloading :data:`PRELOAD`
+    where the platform has it, else ``spawn``."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
+def rank_entry(target, args, environ: dict[str, str], cpus: set[int] | None = None) -> None:
+    """Body of a rank process: SIGINT ignored, the engine's environment ``environ`` and CPU
+    affinity ``cpus`` (None: leave it), then ``target(args)``.
+
+    Raises:
+        OSError: ``cpus`` names no CPU this process may use.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _release_forkserver()
+    if dict(os.environ) != environ:
+        os.environ.clear()
+        os.environ.update(environ)
+    if cpus is not None and os.sched_getaffinity(0) != cpus:
+        os.sched_setaffinity(0, cpus)
+    target(args)
+
+
+def engine_cpus() -> set[int] | None:
+    """This process's CPU affinity, to pass to :func:`rank_entry` (None where the platform has no
+    ``sched_getaffinity``)."""
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+
+
+def _release_forkserver() -> None:
+    """Close this process's copy of the forkserver's keep-alive pipe (the write end every forked
+    child inherits; ``multiprocessing.forkserver``'s private ``_forkserver_alive_fd``), so that
+    the forkserver exits with the engine. No-op in a spawned process (no copy)."""
+    from multiprocessing import forkserver
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        server._forkserver_alive_fd = None
+        os.close(fd)

@@ -1,0 +1,138 @@
+"""Rank processes forked from the forkserver (runtime/engine/rank_process.py) start like spawned
+ones: they see the engine's environment, working directory and CPU affinity at the time they start
+(not the forkserver's), ignore SIGINT, find torch imported but neither CUDA initialised nor any of
+the project's modules loaded, and report how they ended through ``Process.exitcode``."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from runtime.engine.rank_process import PRELOAD, engine_cpus, rank_context, rank_entry
+
+pytestmark = pytest.mark.skipif("forkserver" not in mp.get_all_start_methods(),
+                                reason="no forkserver here")
+
+VAR = "PPSTATE_TEST_RANK_PROCESS"
+
+
+def report(conn) -> None:
+    """Send what a rank sees before it imports anything itself."""
+    mods = sys.modules
+    conn.send({"var": os.environ.get(VAR), "sigint_ignored": signal.getsignal(signal.SIGINT) == signal.SIG_IGN,
+               "torch": "torch" in mods, "cuda": "torch" in mods and mods["torch"].cuda.is_initialized(),
+               "project": sorted(m for m in mods if m.split(".")[0] in ("ppstate", "runtime")
+                                 and m not in ("runtime", "runtime.engine", "runtime.engine.rank_process")),
+               "cwd": os.getcwd(), "cpus": sorted(os.sched_getaffinity(0))})
+    conn.close()
+
+
+def kill_self(_args) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def exit_3(_args) -> None:
+    sys.exit(3)
+
+
+def start(target, args, cpus=None) -> mp.Process:
+    p = rank_context().Process(target=rank_entry, args=(target, args, dict(os.environ), cpus), daemon=True)
+    p.start()
+    return p
+
+
+def seen_by_a_rank(cpus=None) -> dict:
+    recv, send = rank_context().Pipe(duplex=False)
+    p = start(report, send, cpus)
+    send.close()
+    assert recv.poll(120)
+    out = recv.recv()
+    p.join(60)
+    assert p.exitcode == 0
+    return out
+
+
+def test_context_is_a_forkserver_preloading_third_party_modules_only():
+    ctx = rank_context()
+    assert ctx.get_start_method() == "forkserver"
+    assert "torch" in PRELOAD and not [m for m in PRELOAD if m.split(".")[0] in ("ppstate", "runtime")]
+
+
+def test_each_rank_sees_the_engine_state_at_its_own_start(monkeypatch, tmp_path):
+    """Two ranks started after the forkserver runs, with different environments: each sees its own
+    (nothing of the first stays in the forkserver)."""
+    first = start(kill_self, None)          # the forkserver now runs, with this environment
+    first.join(60)
+    monkeypatch.setenv(VAR, "after-the-forkserver-started")
+    monkeypatch.chdir(tmp_path)
+    one = sorted(engine_cpus())[:1]
+    assert seen_by_a_rank({one[0]}) == {
+        "var": "after-the-forkserver-started", "sigint_ignored": True, "torch": True, "cuda": False,
+        "project": [], "cwd": str(tmp_path), "cpus": one}
+    monkeypatch.setenv(VAR, "second")
+    second = seen_by_a_rank(engine_cpus())
+    assert (second["var"], second["cpus"]) == ("second", sorted(engine_cpus()))
+
+
+def test_exit_status_of_a_rank_is_reported():
+    killed, exited = start(kill_self, None), start(exit_3, None)
+    killed.join(60)
+    exited.join(60)
+    assert (killed.exitcode, exited.exitcode) == (-signal.SIGKILL, 3)
+
+
+def wait_orphaned(path: str) -> None:
+    """Write this pid to ``path``, then wait until this process's parent (the forkserver) is gone."""
+    parent = os.getppid()
+    Path(path).write_text(str(os.getpid()))
+    while os.getppid() == parent:
+        time.sleep(0.05)
+
+
+ENGINE = """
+import sys, time
+sys.path.insert(0, sys.argv[2])
+from runtime.engine.rank_process import rank_context, rank_entry
+from test_rank_process import wait_orphaned
+rank_context().Process(target=rank_entry, args=(wait_orphaned, sys.argv[1], {}), daemon=True).start()
+time.sleep(600)
+"""
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_rank_outlives_a_killed_engine_by_little(tmp_path):
+    """SIGKILL to the engine process: its forkserver exits, so the rank sees its parent change
+    (what runtime.worker.main._Worker.serve checks each second) and ends."""
+    pid_file = tmp_path / "rank.pid"
+    engine = subprocess.Popen([sys.executable, "-c", ENGINE, str(pid_file), str(Path(__file__).parent)])
+    try:
+        for _ in range(1200):
+            if pid_file.exists() and pid_file.read_text():
+                break
+            time.sleep(0.1)
+        rank = int(pid_file.read_text())
+        assert running(rank)
+    finally:
+        engine.kill()
+        engine.wait(30)
+    for _ in range(600):
+        if not running(rank):
+            break
+        time.sleep(0.1)
+    left = running(rank)
+    if left:
+        os.kill(rank, signal.SIGKILL)   # leave no orphan behind a failure
+    assert not left
