@@ -115,11 +115,36 @@ def config_from_args(ns: argparse.Namespace) -> SimConfig:
                      enable_prefix_caching=not ns.no_prefix_caching)
 
 
+#: mutants the simulator does not model: name -> why (the model checker does)
+CHECKER_ONLY_MUTANTS = {
+    "blocking_all_chunk_broadcast": "a rank waiting at once for the broadcast of the step it is "
+                                    "computing is not modelled by the simulator's tick schedule",
+    "grammar_on_rejected": "the simulator runs no grammar (structured output)",
+}
+#: mutants that break speculative decoding only: without --spec-tokens they change nothing
+SPEC_MUTANTS = ("keep_rejected_draft", "no_rejected_correction")
+
+
+def mutant_error(ns: argparse.Namespace) -> str | None:
+    """Why ``--mutant`` cannot be simulated as given (None when it can)."""
+    m = ns.mutant
+    if m in CHECKER_ONLY_MUTANTS:
+        return (f"argument --mutant: {m} is not simulated ({CHECKER_ONLY_MUTANTS[m]}); "
+                f"run the model checker: python -m ppstate.check --mutant {m}")
+    if m in SPEC_MUTANTS and ns.spec_tokens <= 0:
+        return (f"argument --mutant: {m} breaks speculative decoding only; add --spec-tokens K "
+                f"(K >= 1), e.g. --spec-tokens 2")
+    return None
+
+
 def run_cli(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run, print; returns 0 clean, 1 on violations,
     2 on bad arguments."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if (why := mutant_error(ns)) is not None:
+        parser.error(why)
     with mutants.enabled(*([ns.mutant] if ns.mutant else [])):
         return _run(ns, "python -m ppstate.sim" + (" " + shlex.join(argv) if argv else ""))
 

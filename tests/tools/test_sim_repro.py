@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from ppstate.replay import main as replay_main
 from ppstate.replay.replayer import replay
 from ppstate.sim.cli import run_cli
@@ -95,3 +97,27 @@ def test_clean_sim_trace_replays_ok_and_says_what_it_checked(monkeypatch, tmp_pa
     assert res.repro == "python -m ppstate.sim --pp 2 --requests 4 --trace-dir tr"
     assert res.checked == ("scheduler decisions (engine.jsonl) only: the simulated ranks are not "
                            "recorded; the violations the simulator found are listed as recorded")
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["--mutant", "blocking_all_chunk_broadcast"],
+     "argument --mutant: blocking_all_chunk_broadcast is not simulated (a rank waiting at once for "
+     "the broadcast of the step it is computing is not modelled by the simulator's tick schedule); "
+     "run the model checker: python -m ppstate.check --mutant blocking_all_chunk_broadcast"),
+    (["--mutant", "grammar_on_rejected", "--spec-tokens", "2"],
+     "argument --mutant: grammar_on_rejected is not simulated (the simulator runs no grammar "
+     "(structured output)); run the model checker: python -m ppstate.check --mutant "
+     "grammar_on_rejected"),
+    (["--mutant", "keep_rejected_draft"],
+     "argument --mutant: keep_rejected_draft breaks speculative decoding only; add --spec-tokens K "
+     "(K >= 1), e.g. --spec-tokens 2"),
+])
+def test_mutants_the_simulator_cannot_run_are_refused(argv, want, capsys):
+    """A mutant the simulator does not model (it crashed, or ran as a silent no-op) is refused
+    with exit 2 before anything runs, naming the flag and where to run it instead."""
+    from ppstate.sim.cli import run_cli
+    with pytest.raises(SystemExit) as exc:
+        run_cli(argv)
+    out = capsys.readouterr()
+    assert exc.value.code == 2 and out.out == ""
+    assert out.err.endswith(f"python -m ppstate.sim: error: {want}\n")
