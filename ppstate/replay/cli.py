@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from ppstate.oracle.invariants import describe
@@ -84,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     if ns.until is not None and ns.until < 0:
         p.error("--until: must be >= 0")
+    for flag, path in (("--timeline", ns.timeline), ("--plot", ns.plot)):
+        folder = os.path.dirname(os.path.abspath(path)) if path is not None else None
+        if folder is not None and not os.path.isdir(folder):
+            p.error(f"{flag}: the folder {folder} of {path} does not exist")
     try:
         run = load_run(ns.dir)
         res = replay(run, until=ns.until)

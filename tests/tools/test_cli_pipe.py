@@ -69,3 +69,16 @@ def test_run_main_passes_the_status_and_reraises_other_broken_pipes():
         raise BrokenPipeError(32, "Broken pipe")   # not stdout: stdout here is pytest's capture
     with pytest.raises(BrokenPipeError):
         run_main(worker_pipe_broke)
+
+
+@pytest.mark.parametrize("flag, name", [("--plot", "x.png"), ("--timeline", "t.json")])
+def test_replay_output_in_a_missing_folder_is_refused_up_front(flag, name, tmp_path, capsys):
+    """An output path whose folder does not exist is refused (exit 2, naming the flag and the
+    folder) before the trace is read: no traceback after a whole replay."""
+    from ppstate.replay import main as replay_main
+    missing = tmp_path / "nope"
+    with pytest.raises(SystemExit) as exc:
+        replay_main([str(tmp_path), flag, str(missing / name)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert err.endswith(f"error: {flag}: the folder {missing} of {missing / name} does not exist\n")
