@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from procs import alive
 
 from runtime.engine.rank_process import PRELOAD, engine_cpus, rank_context, rank_entry
 
@@ -98,19 +99,12 @@ def wait_orphaned(path: str) -> None:
 
 ENGINE = """
 import sys, time
-sys.path.insert(0, sys.argv[2])
+sys.path[:0] = [sys.argv[2], sys.argv[2] + "/../helpers"]
 from runtime.engine.rank_process import rank_context, rank_entry
 from test_rank_process import wait_orphaned
 rank_context().Process(target=rank_entry, args=(wait_orphaned, sys.argv[1], {}), daemon=True).start()
 time.sleep(600)
 """
-
-
-def running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_a_rank_outlives_a_killed_engine_by_little(tmp_path):
@@ -124,15 +118,15 @@ def test_a_rank_outlives_a_killed_engine_by_little(tmp_path):
                 break
             time.sleep(0.1)
         rank = int(pid_file.read_text())
-        assert running(rank)
+        assert alive(rank)
     finally:
         engine.kill()
         engine.wait(30)
     for _ in range(600):
-        if not running(rank):
+        if not alive(rank):
             break
         time.sleep(0.1)
-    left = running(rank)
+    left = alive(rank)
     if left:
         os.kill(rank, signal.SIGKILL)   # leave no orphan behind a failure
     assert not left

@@ -31,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from reference import greedy_reference, hf_model
 from runtime.server.chat_tools import NO_TOOL_TEMPLATE
 from test_server_validation import check_error, malformed_cases
+from procs import alive
 
 pytestmark = pytest.mark.slow
 
@@ -390,13 +391,6 @@ def bound_ipc_paths(pid: int) -> set[str]:
         if len(parts) >= 8 and parts[6] in inodes and "ppstate-" in parts[7]:
             paths.add(parts[7])
     return paths
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_sigterm_with_an_open_stream_ends_it_and_leaves_nothing(served):
