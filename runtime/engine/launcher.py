@@ -95,7 +95,7 @@ class WorkerPool:
                               str(self.plan.model_path), init, step_addrs[rank].replace("*", "127.0.0.1"),
                               result_addr.replace("*", "127.0.0.1"))
             proc = ctx.Process(target=rank_entry, name=f"ppstate-rank{rank}", daemon=True,
-                               args=(_worker_entry, args, dict(os.environ), engine_cpus()))
+                               args=(_worker_entry, args, dict(os.environ), engine_cpus(), os.getpid()))
             _start_ignoring_sigint(proc)
             self.procs.append(proc)
         await self._wait_ready(ready_timeout_s)

@@ -14,9 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
-from procs import alive
+from procs import alive, descendants, parents
+from tiny_models import write_tiny_llama
 
-from runtime.engine.rank_process import PRELOAD, engine_cpus, rank_context, rank_entry
+from runtime.engine.rank_process import (ENGINE_GONE_GRACE_S, EXIT_ENGINE_GONE, PRELOAD, engine_cpus,
+                                         rank_context, rank_entry)
 
 pytestmark = pytest.mark.skipif("forkserver" not in mp.get_all_start_methods(),
                                 reason="no forkserver here")
@@ -43,8 +45,13 @@ def exit_3(_args) -> None:
     sys.exit(3)
 
 
-def start(target, args, cpus=None) -> mp.Process:
-    p = rank_context().Process(target=rank_entry, args=(target, args, dict(os.environ), cpus), daemon=True)
+def sleep_long(_args) -> None:
+    time.sleep(600)
+
+
+def start(target, args, cpus=None, engine_pid=None) -> mp.Process:
+    p = rank_context().Process(target=rank_entry, args=(target, args, dict(os.environ), cpus, engine_pid),
+                               daemon=True)
     p.start()
     return p
 
@@ -130,3 +137,55 @@ def test_a_rank_outlives_a_killed_engine_by_little(tmp_path):
     if left:
         os.kill(rank, signal.SIGKILL)   # leave no orphan behind a failure
     assert not left
+
+
+def wait_gone(pids: list[int], within_s: float) -> list[int]:
+    """Those of ``pids`` still alive after ``within_s`` seconds (SIGKILLed then, leaving no orphan)."""
+    deadline = time.monotonic() + within_s
+    while [p for p in pids if alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in pids if alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    return left
+
+
+def test_a_rank_ends_after_its_engine_whatever_it_is_blocked_in():
+    """The watched engine pid ends while the rank sleeps in its target: the rank ends
+    ENGINE_GONE_GRACE_S later with EXIT_ENGINE_GONE; an engine already gone ends it at once."""
+    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"])
+    rank = start(sleep_long, None, engine_pid=engine.pid)
+    engine.wait(30)
+    t0 = time.monotonic()
+    rank.join(60)
+    assert rank.exitcode == EXIT_ENGINE_GONE and time.monotonic() - t0 < ENGINE_GONE_GRACE_S + 10
+    late = start(sleep_long, None, engine_pid=engine.pid)   # engine pid reaped: gone before the rank
+    late.join(60)
+    assert late.exitcode == EXIT_ENGINE_GONE
+
+
+def test_ranks_end_promptly_when_the_engine_is_killed_during_start_up(tmp_path):
+    """SIGKILL to an engine (tiny model, CPU, PP=2) and its rank 1 as soon as both ranks exist,
+    long before they are ready: rank 0, left alone in its torch rendezvous, ends within seconds
+    (before the ranks watched the engine's pid it stayed until the rendezvous timed out, 120 s)."""
+    write_tiny_llama(tmp_path)
+    engine = subprocess.Popen([sys.executable, "-m", "runtime.generate", "--model", str(tmp_path),
+                               "--pp", "2", "--max-model-len", "64", "--prompt", "t3", "--max-tokens", "1"],
+                              stdout=(tmp_path / "out").open("wb"), stderr=subprocess.DEVNULL,
+                              cwd=Path(__file__).resolve().parents[2])
+    ranks: list[int] = []
+    try:
+        for _ in range(1200):
+            parent_of = parents()   # the ranks: children of the engine's children (its forkserver)
+            ranks = [p for p in descendants(engine.pid) if parent_of.get(p) != engine.pid]
+            if len(ranks) == 2:
+                break
+            time.sleep(0.05)
+    finally:
+        engine.kill()
+        if len(ranks) == 2:
+            os.kill(ranks[1], signal.SIGKILL)
+        engine.wait(30)
+    assert len(ranks) == 2 and engine.returncode == -signal.SIGKILL
+    assert (tmp_path / "out").read_bytes() == b""   # killed before it generated anything
+    assert wait_gone(ranks, within_s=ENGINE_GONE_GRACE_S + 13) == []
