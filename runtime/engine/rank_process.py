@@ -14,7 +14,11 @@ A fork of the forkserver differs from a spawned interpreter in what it inherits,
   starts reaches that engine's ranks, as under spawn);
 - the CPU affinity: the forkserver keeps the affinity it was started with, so the engine sends its
   current one (a rank pins itself afterwards under ``--cpu-pin``);
-- SIGINT: ignored in every rank (Ctrl-C reaches the engine, which shuts the ranks down in order).
+- SIGINT: ignored in every rank (Ctrl-C reaches the engine, which shuts the ranks down in order);
+- tqdm's lock: a threading lock (:func:`_thread_lock_for_tqdm`), not tqdm's default, which adds a
+  multiprocessing RLock: a named semaphore registered with multiprocessing's resource tracker that
+  a rank ended by a signal (SIGTERM to the server's process group) or by ``os._exit`` never
+  unregisters, so the tracker warned "leaked semaphore objects" when the engine exited.
 
 What the preloaded modules read from the environment while being imported (torch's import-time
 variables, libgomp's ``OMP_NUM_THREADS``) comes from the environment at the first rank start in
@@ -91,6 +95,7 @@ def rank_entry(target, args, environ: dict[str, str], cpus: set[int] | None = No
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _release_forkserver()
+    _thread_lock_for_tqdm()
     if engine_pid is not None:
         watch_engine(engine_pid)
     if dict(os.environ) != environ:
@@ -105,6 +110,13 @@ def engine_cpus() -> set[int] | None:
     """This process's CPU affinity, to pass to :func:`rank_entry` (None where the platform has no
     ``sched_getaffinity``)."""
     return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+
+
+def _thread_lock_for_tqdm() -> None:
+    """Give tqdm (every bar class: they inherit it) a threading RLock before its first bar, so
+    that it never creates its multiprocessing one: a rank's bars are drawn by rank 0 alone."""
+    from tqdm import tqdm
+    tqdm.set_lock(threading.RLock())
 
 
 def _release_forkserver() -> None:

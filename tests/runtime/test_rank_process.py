@@ -114,6 +114,35 @@ time.sleep(600)
 """
 
 
+def bar_then_sigterm(_args) -> None:
+    from tqdm.auto import tqdm
+    for _ in tqdm(range(2), disable=True):   # a disabled bar takes tqdm's lock too
+        pass
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+TERMED = """
+import sys
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/../helpers"]
+from runtime.engine.rank_process import rank_context, rank_entry
+from test_rank_process import bar_then_sigterm
+p = rank_context().Process(target=rank_entry, args=(bar_then_sigterm, None, {}), daemon=True)
+p.start()
+p.join(60)
+print(p.exitcode)
+"""
+
+
+def test_a_rank_ended_by_sigterm_leaves_no_semaphore_to_the_resource_tracker():
+    """A rank that drew a tqdm bar and was ended by SIGTERM (as by a SIGTERM to the server's
+    process group): the engine exits without multiprocessing's resource-tracker warning (it
+    warned "There appear to be 1 leaked semaphore objects": tqdm's multiprocessing lock)."""
+    res = subprocess.run([sys.executable, "-c", TERMED, str(Path(__file__).parent)],
+                         capture_output=True, text=True, timeout=120)
+    assert (res.returncode, res.stdout) == (0, f"{-signal.SIGTERM}\n")
+    assert "leaked" not in res.stderr, res.stderr
+
+
 def test_a_rank_outlives_a_killed_engine_by_little(tmp_path):
     """SIGKILL to the engine process: its forkserver exits, so the rank sees its parent change
     (what runtime.worker.main._Worker.serve checks each second) and ends."""
