@@ -112,6 +112,20 @@ def engine_cpus() -> set[int] | None:
     return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
 
 
+def forkserver_gone() -> bool:
+    """Whether the forkserver this process started has ended (no ``/proc`` entry, or a zombie not
+    yet reaped). False when none was started, and where there is no ``/proc``."""
+    from multiprocessing import forkserver
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if pid is None or not os.path.isdir("/proc/self"):
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
 def _thread_lock_for_tqdm() -> None:
     """Give tqdm (every bar class: they inherit it) a threading RLock before its first bar, so
     that it never creates its multiprocessing one: a rank's bars are drawn by rank 0 alone."""

@@ -218,3 +218,30 @@ def test_ranks_end_promptly_when_the_engine_is_killed_during_start_up(tmp_path):
     assert len(ranks) == 2 and engine.returncode == -signal.SIGKILL
     assert (tmp_path / "out").read_bytes() == b""   # killed before it generated anything
     assert wait_gone(ranks, within_s=ENGINE_GONE_GRACE_S + 13) == []
+
+
+FORKSERVER_KILLED = """
+import os, signal, sys, time
+sys.path[:0] = [sys.argv[2], sys.argv[2] + "/../helpers"]
+from multiprocessing import forkserver
+from runtime.engine.launcher import describe_exit
+from runtime.engine.rank_process import rank_context, rank_entry
+from test_rank_process import wait_orphaned
+p = rank_context().Process(target=rank_entry, args=(wait_orphaned, sys.argv[1], {}), daemon=True)
+p.start()
+while not (os.path.exists(sys.argv[1]) and open(sys.argv[1]).read()):
+    time.sleep(0.05)
+before = describe_exit(255)
+os.kill(forkserver._forkserver._forkserver_pid, signal.SIGKILL)
+p.join(60)
+print(p.exitcode, before, describe_exit(p.exitcode), sep="|")
+"""
+
+
+def test_a_killed_forkserver_is_named_as_why_the_exit_status_is_unknown(tmp_path):
+    """SIGKILL to the ranks' forkserver: the rank ends (its parent changed) and multiprocessing
+    reports 255, its "unknown"; the engine's description says why instead of "exit status 255"."""
+    res = subprocess.run([sys.executable, "-c", FORKSERVER_KILLED, str(tmp_path / "rank.pid"),
+                          str(Path(__file__).parent)], capture_output=True, text=True, timeout=120)
+    assert res.stdout == ("255|exit status 255|exit status unknown: the ranks' forkserver, which "
+                          "reports it, is gone\n"), res.stderr
