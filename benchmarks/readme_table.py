@@ -191,9 +191,13 @@ def serving_table(name: str, doc: dict) -> list[str]:
     stream and at the run's concurrency, each over llama.cpp's when it ran, and the ranks' RSS."""
     res, conc = doc["results"], doc["args"]["concurrency"]
     vs = res["ratios"].get("vs_llama_cpp", {})
+    kv = doc["args"].get("kv_cache_memory")
+    kv_note = (f", ppstate ranks with `--kv-cache-memory {kv}` (a KV cache of {kv} each; `make "
+               "serve` sizes it for `--max-num-seqs` x `--max-model-len`, so its ranks are larger)"
+               if kv else "")
     out = [f"CPU serving, streamed `/v1/completions`, {doc['args']['input_len']}-token prompts, "
-           f"{doc['args']['output_len']} new tokens, greedy, EOS ignored (`{name}`, {doc['date'][:16]} "
-           f"UTC); machine: {doc['machine']}:", "",
+           f"{doc['args']['output_len']} new tokens, greedy, EOS ignored{kv_note} (`{name}`, "
+           f"{doc['date'][:16]} UTC); machine: {doc['machine']}:", "",
            f"| server | 1 stream tok/s | {conc} streams tok/s | vs llama.cpp (1 / {conc}) "
            "| rank RSS MiB |", "|---|---|---|---|---|"]
     for srv, r in res["servers"].items():

@@ -38,6 +38,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+#: the largest ``K`` (draft tokens per decode row) the engine accepts (``--spec-tokens``, bounded
+#: in :data:`runtime.config.SCHEDULER_BOUNDS`); the simulator refuses more too
+MAX_SPEC_TOKENS = 16
+
 #: what fills draft positions the n-gram match does not cover: the history's last token
 PAD_DRAFT = "repeat-last"
 

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from ppstate.budget import SchedulerConfig
+from ppstate.speculative import MAX_SPEC_TOKENS
 
 #: the scheduler fields; ``EngineConfig(max_num_seqs=8)`` is short for ``scheduler={...: 8}``
 SCHEDULER_FIELDS = tuple(f.name for f in dataclasses.fields(SchedulerConfig))
@@ -22,7 +23,7 @@ ENGINE_SCHEDULER_DEFAULTS = {"max_num_seqs": 32, "max_num_batched_tokens": 512,
 #: only needs them >= 1, the engine caps what one machine can hold
 SCHEDULER_BOUNDS = {"pp_size": (1, 64), "max_num_seqs": (1, 4096), "max_model_len": (16, None),
                     "max_num_batched_tokens": (1, None), "max_prefill_chunk": (1, None),
-                    "block_size": (1, 1024), "num_spec_tokens": (0, 16)}
+                    "block_size": (1, 1024), "num_spec_tokens": (0, MAX_SPEC_TOKENS)}
 
 
 def default_scheduler() -> SchedulerConfig:

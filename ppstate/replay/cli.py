@@ -5,7 +5,8 @@ DIR is a run directory (``header.json`` + ``engine.jsonl`` + ``rank<N>.jsonl``) 
 ``--trace-dir`` holding several: the newest run is replayed. Prints ``ok``, ``steps``, ``events``,
 ``first_divergence`` and ``invariant_violations`` (one JSON object with ``--json``); exits 0 when
 ok, 1 on a divergence or a violation, 2 when DIR holds no readable run, a run replay cannot
-re-derive (a speculative run recorded without ``--trace-prompts``) or a flag is bad.
+re-derive (a speculative run recorded without ``--trace-prompts``) or a flag is bad (an
+``--explain`` id that is not in the run: the error lists the run's request ids).
 
 Library use: :func:`replay` (``ppstate.replay.replayer``) returns a :class:`ReplayResult`.
 """
@@ -79,6 +80,21 @@ def _recorded(res: ReplayResult) -> list[str]:
     return lines
 
 
+#: request ids listed at most in the error of an unknown ``--explain`` id
+LISTED_IDS = 20
+
+
+def _check_explain(p: argparse.ArgumentParser, run, req_id: str) -> None:
+    """Exit 2 (``p.error``) naming ``--explain`` and the run's request ids (the first
+    :data:`LISTED_IDS`) when ``req_id`` never arrived in ``run``."""
+    from ppstate.replay.explain import request_ids
+    ids = request_ids(run)
+    if req_id in ids:
+        return
+    shown = ", ".join(ids[:LISTED_IDS]) + (f", ... ({len(ids)} in all)" if len(ids) > LISTED_IDS else "")
+    p.error(f"--explain: request {req_id!r} is not in this run; its requests: {shown or 'none'}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit status."""
     p = build_parser()
@@ -91,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"{flag}: the folder {folder} of {path} does not exist")
     try:
         run = load_run(ns.dir)
+        if ns.explain is not None:
+            _check_explain(p, run, ns.explain)
         res = replay(run, until=ns.until)
     except (TraceError, OSError) as exc:   # also UnreplayableTrace: refused before comparing
         print(f"error: {exc}", file=sys.stderr)

@@ -11,6 +11,12 @@ from typing import Any
 from ppstate.trace.run import TraceRun
 
 
+def request_ids(run: TraceRun) -> list[str]:
+    """The ids of the requests that arrived in ``run``, in arrival order: the valid
+    ``--explain`` values."""
+    return [ev["req_id"] for ev in run.engine if ev.get("kind") == "arrival"]
+
+
 def explain(run: TraceRun, req_id: str) -> list[dict[str, Any]]:
     """The life of ``req_id`` as ``{step, rank, what, ...}`` entries, in recorded order (engine
     events first within a step, then rank events). Empty when the id never arrived."""

@@ -25,6 +25,7 @@ from ppstate.oracle.invariants import describe
 from ppstate.sim.simulator import run_sim
 from ppstate.sim.trace import DEFAULT_SIM_TRACE_DIR, record_sim
 from ppstate.sim.workload import SimConfig
+from ppstate.speculative import MAX_SPEC_TOKENS
 
 
 def _pair(text: str) -> tuple[int, int]:
@@ -42,6 +43,29 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _slow_down(text: str) -> float:
+    """``--contention``: a float >= 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 1.0:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (a slow-down: 1 = none), got {value:g}")
+    return value
+
+
+def _spec_tokens(text: str) -> int:
+    """``--spec-tokens``: an integer in [0, MAX_SPEC_TOKENS], the engine's own bound."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= value <= MAX_SPEC_TOKENS:
+        raise argparse.ArgumentTypeError(f"must be in [0, {MAX_SPEC_TOKENS}] (the engine's "
+                                         f"--spec-tokens bound), got {value}")
     return value
 
 
@@ -65,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stage-cost", type=_pair, default=(1, 2), metavar="BASE:PER_TOKEN",
                    help="stage time of a batch = BASE + PER_TOKEN * tokens (ticks)")
     p.add_argument("--p2p-ticks", type=int, default=0, help="rank-to-rank hand-off latency")
-    p.add_argument("--contention", type=float, default=1.0,
+    p.add_argument("--contention", type=_slow_down, default=1.0,
                    help="slow-down of a stage while all stages compute at once (>= 1)")
     p.add_argument("--empty-step-ticks", type=int, default=-1,
                    help="ticks of a step without rows (-1: the stage's base cost)")
@@ -83,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fork-rate", type=float, default=0.0,
                    help="probability a request is a fork of the previous one (n > 1 samples)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    p.add_argument("--spec-tokens", type=int, default=0, metavar="K",
+    p.add_argument("--spec-tokens", type=_spec_tokens, default=0, metavar="K",
                    help="speculative decoding: up to K drafts per decode row (default 0: off)")
     p.add_argument("--spec-acceptance", type=float, default=0.7,
                    help="probability that a draft is the model's token (with --spec-tokens)")

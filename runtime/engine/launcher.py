@@ -31,7 +31,7 @@ from ppstate.batch import SchedulerOutput, StepResult
 from runtime import transport as tp
 from runtime.config import EngineConfig
 from runtime.engine.plan import PipelinePlan, WorkerArgs
-from runtime.engine.rank_process import engine_cpus, rank_context, rank_entry
+from runtime.engine.rank_process import engine_cpus, forkserver_gone, rank_context, rank_entry
 from runtime.engine.torchrun import HEARTBEAT_S
 
 
@@ -95,7 +95,7 @@ class WorkerPool:
                               str(self.plan.model_path), init, step_addrs[rank].replace("*", "127.0.0.1"),
                               result_addr.replace("*", "127.0.0.1"))
             proc = ctx.Process(target=rank_entry, name=f"ppstate-rank{rank}", daemon=True,
-                               args=(_worker_entry, args, dict(os.environ), engine_cpus()))
+                               args=(_worker_entry, args, dict(os.environ), engine_cpus(), os.getpid()))
             _start_ignoring_sigint(proc)
             self.procs.append(proc)
         await self._wait_ready(ready_timeout_s)
@@ -182,18 +182,7 @@ class WorkerPool:
         """``"worker process of rank(s) [1] died (rank 1: killed by SIGKILL)"``: how each of
         ``ranks`` (local ranks, from :meth:`dead_ranks`) ended, from its exit code."""
         procs = dict(zip(self.local_ranks, self.procs))
-        how = []
-        for r in ranks:
-            code = procs[r].exitcode
-            if code is None:
-                how.append(f"rank {r}: exit status unknown")
-            elif code < 0:
-                try:
-                    how.append(f"rank {r}: killed by {signal.Signals(-code).name}")
-                except ValueError:
-                    how.append(f"rank {r}: killed by signal {-code}")
-            else:
-                how.append(f"rank {r}: exit status {code}")
+        how = [f"rank {r}: {describe_exit(procs[r].exitcode)}" for r in ranks]
         return f"worker process of rank(s) {ranks} died ({'; '.join(how)})"
 
     async def shutdown(self, grace_s: float = 5.0) -> None:
@@ -230,6 +219,22 @@ class WorkerPool:
         self.ctx.destroy(linger=0)
         if not self.sync_ctx.closed:
             self.sync_ctx.destroy(linger=0)
+
+
+def describe_exit(code: int | None) -> str:
+    """How a rank process ended, from its ``Process.exitcode``: ``"killed by SIGKILL"``,
+    ``"exit status 3"``; 255 while the ranks' forkserver is gone is multiprocessing's "unknown"
+    (the forkserver reports the status), and is said so."""
+    if code is None:
+        return "exit status unknown"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    if code == 255 and forkserver_gone():
+        return "exit status unknown: the ranks' forkserver, which reports it, is gone"
+    return f"exit status {code}"
 
 
 def _start_ignoring_sigint(proc: mp.Process) -> None:

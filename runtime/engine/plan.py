@@ -87,14 +87,18 @@ def check_resources(config: EngineConfig, model_cfg: ModelConfig) -> None:
 
     Raises:
         ValueError: ``max_model_len`` beyond the model's context, CUDA asked for but absent, or
-            (on CPU) KV caches larger than 80% of this machine's memory, or a fractional
-            ``--kv-cache-memory`` without CUDA; names the flag.
+            (on CPU) KV caches larger than 80% of this machine's memory, a fractional
+            ``--kv-cache-memory`` or ``--mirror-check-kernel fused`` without CUDA; names the flag.
     """
     if config.scheduler.max_model_len > model_cfg.max_position_embeddings:
         raise ValueError(f"--max-model-len: {config.scheduler.max_model_len} exceeds the model's context "
                          f"length {model_cfg.max_position_embeddings}")
     if uses_cuda(config.device):
         return
+    if config.mirror_check_kernel == "fused":   # the CPU ranks' mirror check has no CUDA graph
+        raise ValueError("--mirror-check-kernel: fused applies to CUDA ranks only (inside their "
+                         f"CUDA graph); this engine's ranks run on the CPU (--device "
+                         f"{config.device}), where it would have no effect")
     mem = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     if config.kv_cache_memory is not None:
         size, _ = parse_kv_memory(config.kv_cache_memory)

@@ -14,7 +14,11 @@ A fork of the forkserver differs from a spawned interpreter in what it inherits,
   starts reaches that engine's ranks, as under spawn);
 - the CPU affinity: the forkserver keeps the affinity it was started with, so the engine sends its
   current one (a rank pins itself afterwards under ``--cpu-pin``);
-- SIGINT: ignored in every rank (Ctrl-C reaches the engine, which shuts the ranks down in order).
+- SIGINT: ignored in every rank (Ctrl-C reaches the engine, which shuts the ranks down in order);
+- tqdm's lock: a threading lock (:func:`_thread_lock_for_tqdm`), not tqdm's default, which adds a
+  multiprocessing RLock: a named semaphore registered with multiprocessing's resource tracker that
+  a rank ended by a signal (SIGTERM to the server's process group) or by ``os._exit`` never
+  unregisters, so the tracker warned "leaked semaphore objects" when the engine exited.
 
 What the preloaded modules read from the environment while being imported (torch's import-time
 variables, libgomp's ``OMP_NUM_THREADS``) comes from the environment at the first rank start in
@@ -29,8 +33,12 @@ each rank's exit status (``Process.exitcode``; ``-9`` for SIGKILL) through the f
 Engine death: the forkserver exits once every holder of its keep-alive pipe has closed it, and
 multiprocessing hands a copy to every forked child (so that a child may start processes too). A
 rank closes its copy first thing (:func:`_release_forkserver`), so the forkserver lives exactly as
-long as the engine process; a rank whose engine is gone then sees its parent change and exits
-(:meth:`runtime.worker.main._Worker.serve`), as a spawned rank did.
+long as the engine process; a serving rank whose engine is gone then sees its parent change and
+exits (:meth:`runtime.worker.main._Worker.serve`), as a spawned rank did. A rank elsewhere (in its
+torch rendezvous, loading the model, sending ``ready``) would not look before its rendezvous or
+send timed out (minutes), so every rank also watches the engine's pid (:func:`watch_engine`, a
+daemon thread on a Linux pidfd) and ends :data:`ENGINE_GONE_GRACE_S` seconds after the engine
+(``prctl(PR_SET_PDEATHSIG)`` does not fit: a rank's parent is the forkserver, not the engine).
 
 A forked rank ends with ``os._exit`` after its target returns (multiprocessing's fork-based
 children do), without the interpreter's finalisation (engine shutdown at PP=2 on a loaded 2-core
@@ -47,12 +55,23 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import select
 import signal
+import sys
+import threading
+import time
 from multiprocessing.context import BaseContext
 
 #: imported once by the forkserver; the ranks forked from it inherit them. Third-party modules
 #: only: the project's own modules are imported by each rank from the source it sees at start.
 PRELOAD = ("torch", "numpy", "zmq", "msgspec", "pydantic", "yaml", "transitions")
+
+#: seconds a rank waits, once its engine process is gone, before it ends itself: longer than the
+#: serve loop's 1 s look at its parent, so that a serving rank still ends through its own clean-up
+ENGINE_GONE_GRACE_S = 2.0
+
+#: exit status of a rank ended by :func:`watch_engine` (nobody reads it: the engine is gone)
+EXIT_ENGINE_GONE = 1
 
 
 def rank_context() -> BaseContext:
@@ -65,15 +84,20 @@ def rank_context() -> BaseContext:
     return ctx
 
 
-def rank_entry(target, args, environ: dict[str, str], cpus: set[int] | None = None) -> None:
+def rank_entry(target, args, environ: dict[str, str], cpus: set[int] | None = None,
+               engine_pid: int | None = None) -> None:
     """Body of a rank process: SIGINT ignored, the engine's environment ``environ`` and CPU
-    affinity ``cpus`` (None: leave it), then ``target(args)``.
+    affinity ``cpus`` (None: leave it), the engine process ``engine_pid`` watched
+    (:func:`watch_engine`; None: not watched), then ``target(args)``.
 
     Raises:
         OSError: ``cpus`` names no CPU this process may use.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _release_forkserver()
+    _thread_lock_for_tqdm()
+    if engine_pid is not None:
+        watch_engine(engine_pid)
     if dict(os.environ) != environ:
         os.environ.clear()
         os.environ.update(environ)
@@ -88,6 +112,27 @@ def engine_cpus() -> set[int] | None:
     return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
 
 
+def forkserver_gone() -> bool:
+    """Whether the forkserver this process started has ended (no ``/proc`` entry, or a zombie not
+    yet reaped). False when none was started, and where there is no ``/proc``."""
+    from multiprocessing import forkserver
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if pid is None or not os.path.isdir("/proc/self"):
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _thread_lock_for_tqdm() -> None:
+    """Give tqdm (every bar class: they inherit it) a threading RLock before its first bar, so
+    that it never creates its multiprocessing one: a rank's bars are drawn by rank 0 alone."""
+    from tqdm import tqdm
+    tqdm.set_lock(threading.RLock())
+
+
 def _release_forkserver() -> None:
     """Close this process's copy of the forkserver's keep-alive pipe (the write end every forked
     child inherits; ``multiprocessing.forkserver``'s private ``_forkserver_alive_fd``), so that
@@ -98,3 +143,44 @@ def _release_forkserver() -> None:
     if fd is not None:
         server._forkserver_alive_fd = None
         os.close(fd)
+
+
+def watch_engine(pid: int, grace_s: float = ENGINE_GONE_GRACE_S) -> None:
+    """End this process (``os._exit(EXIT_ENGINE_GONE)``) ``grace_s`` seconds after process ``pid``
+    ends, from a daemon thread, whatever the main thread is blocked in. Ends it at once when
+    ``pid`` is already gone. Linux: a pidfd (no pid-reuse race); elsewhere ``os.kill(pid, 0)``
+    every 0.5 s (a zombie engine then counts as alive until it is reaped)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        _engine_gone(pid)
+    except (AttributeError, OSError):   # no pidfd here (not Linux >= 5.3): poll the pid
+        fd = None
+    threading.Thread(target=_exit_after_engine, args=(pid, fd, grace_s), daemon=True,
+                     name="ppstate-engine-watch").start()
+
+
+def _exit_after_engine(pid: int, fd: int | None, grace_s: float) -> None:
+    if fd is not None:
+        select.select([fd], [], [])     # readable once the process has ended
+    else:
+        while _exists(pid):
+            time.sleep(0.5)
+    time.sleep(grace_s)
+    _engine_gone(pid)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _engine_gone(pid: int) -> None:
+    print(f"rank process {os.getpid()}: engine process {pid} is gone; exiting", file=sys.stderr,
+          flush=True)
+    os._exit(EXIT_ENGINE_GONE)

@@ -52,13 +52,16 @@ def test_render_adds_the_newest_cpu_serving_table(tmp_path):
                    for n, (a, b, rss) in tps.items()}
         ratios = {"vs_llama_cpp": {"fast-pp1": [0.5, 1.25]}, "fast_pp2_over_pp1_concurrent": 0.9}
         doc = _doc(date, {"servers": servers, "ratios": ratios}, "cpu_serve")
-        doc["args"] = {"concurrency": 8, "input_len": 64, "output_len": 64}
+        doc["args"] = {"concurrency": 8, "input_len": 64, "output_len": 64, "kv_cache_memory": "128MB"}
         return json.dumps(doc)
     (tmp_path / "old.json").write_text(serving("2026-01-01T00:00", {"fast-pp1": (1.0, 2.0, 900.0)}))
     (tmp_path / "new.json").write_text(serving("2026-02-01T00:00", {
         "llama.cpp": (100.0, 160.0, 150.0), "fast-pp1": (50.0, 200.0, 1000.0)}))
     text = readme_table.render(readme_table.load_results(tmp_path))
     assert "(`new.json`, 2026-02-01T00:00 UTC)" in text and "old.json" not in text
+    assert ("EOS ignored, ppstate ranks with `--kv-cache-memory 128MB` (a KV cache of 128MB each; "
+            "`make serve` sizes it for `--max-num-seqs` x `--max-model-len`, so its ranks are "
+            "larger) (`new.json`") in text     # what the rank RSS column was measured with
     assert "| llama.cpp | 100.0 | 160.0 | - | 150 |" in text
     assert "| fast-pp1 | 50.0 | 200.0 | 0.50 / 1.25 | 1000 |" in text
     assert "PP=2 / PP=1 at 8 streams: fast 0.90." in text

@@ -69,6 +69,18 @@ def test_cuda_without_cuda_is_refused_before_any_worker_starts(generate):
     assert "error: --device: cuda was asked for but torch sees no CUDA device" in res.stderr
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_fused_mirror_check_kernel_on_a_cpu_engine_is_refused(generate):
+    res = generate("--mirror-check-kernel", "fused")
+    assert res.returncode == 1
+    assert ("error: --mirror-check-kernel: fused applies to CUDA ranks only (inside their CUDA "
+            "graph); this engine's ranks run on the CPU (--device auto), where it would have no "
+            "effect") in res.stderr
+    with pytest.raises(ValueError, match=r"^--mirror-check-kernel: fused .* \(--device cpu\)"):
+        check_resources(EngineConfig(mirror_check_kernel="fused", device="cpu"),
+                        load_model_config("default"))
+
+
 def test_kv_cache_larger_than_memory_is_refused():
     cfg = load_model_config("default")
     with pytest.raises(ValueError, match=r"^--max-model-len / --max-num-seqs: KV caches of 4096 x "

@@ -14,9 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
-from procs import alive
+from procs import alive, descendants, parents
+from tiny_models import write_tiny_llama
 
-from runtime.engine.rank_process import PRELOAD, engine_cpus, rank_context, rank_entry
+from runtime.engine.rank_process import (ENGINE_GONE_GRACE_S, EXIT_ENGINE_GONE, PRELOAD, engine_cpus,
+                                         rank_context, rank_entry)
 
 pytestmark = pytest.mark.skipif("forkserver" not in mp.get_all_start_methods(),
                                 reason="no forkserver here")
@@ -43,8 +45,13 @@ def exit_3(_args) -> None:
     sys.exit(3)
 
 
-def start(target, args, cpus=None) -> mp.Process:
-    p = rank_context().Process(target=rank_entry, args=(target, args, dict(os.environ), cpus), daemon=True)
+def sleep_long(_args) -> None:
+    time.sleep(600)
+
+
+def start(target, args, cpus=None, engine_pid=None) -> mp.Process:
+    p = rank_context().Process(target=rank_entry, args=(target, args, dict(os.environ), cpus, engine_pid),
+                               daemon=True)
     p.start()
     return p
 
@@ -107,6 +114,35 @@ time.sleep(600)
 """
 
 
+def bar_then_sigterm(_args) -> None:
+    from tqdm.auto import tqdm
+    for _ in tqdm(range(2), disable=True):   # a disabled bar takes tqdm's lock too
+        pass
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+TERMED = """
+import sys
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/../helpers"]
+from runtime.engine.rank_process import rank_context, rank_entry
+from test_rank_process import bar_then_sigterm
+p = rank_context().Process(target=rank_entry, args=(bar_then_sigterm, None, {}), daemon=True)
+p.start()
+p.join(60)
+print(p.exitcode)
+"""
+
+
+def test_a_rank_ended_by_sigterm_leaves_no_semaphore_to_the_resource_tracker():
+    """A rank that drew a tqdm bar and was ended by SIGTERM (as by a SIGTERM to the server's
+    process group): the engine exits without multiprocessing's resource-tracker warning (it
+    warned "There appear to be 1 leaked semaphore objects": tqdm's multiprocessing lock)."""
+    res = subprocess.run([sys.executable, "-c", TERMED, str(Path(__file__).parent)],
+                         capture_output=True, text=True, timeout=120)
+    assert (res.returncode, res.stdout) == (0, f"{-signal.SIGTERM}\n")
+    assert "leaked" not in res.stderr, res.stderr
+
+
 def test_a_rank_outlives_a_killed_engine_by_little(tmp_path):
     """SIGKILL to the engine process: its forkserver exits, so the rank sees its parent change
     (what runtime.worker.main._Worker.serve checks each second) and ends."""
@@ -130,3 +166,82 @@ def test_a_rank_outlives_a_killed_engine_by_little(tmp_path):
     if left:
         os.kill(rank, signal.SIGKILL)   # leave no orphan behind a failure
     assert not left
+
+
+def wait_gone(pids: list[int], within_s: float) -> list[int]:
+    """Those of ``pids`` still alive after ``within_s`` seconds (SIGKILLed then, leaving no orphan)."""
+    deadline = time.monotonic() + within_s
+    while [p for p in pids if alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in pids if alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    return left
+
+
+def test_a_rank_ends_after_its_engine_whatever_it_is_blocked_in():
+    """The watched engine pid ends while the rank sleeps in its target: the rank ends
+    ENGINE_GONE_GRACE_S later with EXIT_ENGINE_GONE; an engine already gone ends it at once."""
+    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"])
+    rank = start(sleep_long, None, engine_pid=engine.pid)
+    engine.wait(30)
+    t0 = time.monotonic()
+    rank.join(60)
+    assert rank.exitcode == EXIT_ENGINE_GONE and time.monotonic() - t0 < ENGINE_GONE_GRACE_S + 10
+    late = start(sleep_long, None, engine_pid=engine.pid)   # engine pid reaped: gone before the rank
+    late.join(60)
+    assert late.exitcode == EXIT_ENGINE_GONE
+
+
+def test_ranks_end_promptly_when_the_engine_is_killed_during_start_up(tmp_path):
+    """SIGKILL to an engine (tiny model, CPU, PP=2) and its rank 1 as soon as both ranks exist,
+    long before they are ready: rank 0, left alone in its torch rendezvous, ends within seconds
+    (before the ranks watched the engine's pid it stayed until the rendezvous timed out, 120 s)."""
+    write_tiny_llama(tmp_path)
+    engine = subprocess.Popen([sys.executable, "-m", "runtime.generate", "--model", str(tmp_path),
+                               "--pp", "2", "--max-model-len", "64", "--prompt", "t3", "--max-tokens", "1"],
+                              stdout=(tmp_path / "out").open("wb"), stderr=subprocess.DEVNULL,
+                              cwd=Path(__file__).resolve().parents[2])
+    ranks: list[int] = []
+    try:
+        for _ in range(1200):
+            parent_of = parents()   # the ranks: children of the engine's children (its forkserver)
+            ranks = [p for p in descendants(engine.pid) if parent_of.get(p) != engine.pid]
+            if len(ranks) == 2:
+                break
+            time.sleep(0.05)
+    finally:
+        engine.kill()
+        if len(ranks) == 2:
+            os.kill(ranks[1], signal.SIGKILL)
+        engine.wait(30)
+    assert len(ranks) == 2 and engine.returncode == -signal.SIGKILL
+    assert (tmp_path / "out").read_bytes() == b""   # killed before it generated anything
+    assert wait_gone(ranks, within_s=ENGINE_GONE_GRACE_S + 13) == []
+
+
+FORKSERVER_KILLED = """
+import os, signal, sys, time
+sys.path[:0] = [sys.argv[2], sys.argv[2] + "/../helpers"]
+from multiprocessing import forkserver
+from runtime.engine.launcher import describe_exit
+from runtime.engine.rank_process import rank_context, rank_entry
+from test_rank_process import wait_orphaned
+p = rank_context().Process(target=rank_entry, args=(wait_orphaned, sys.argv[1], {}), daemon=True)
+p.start()
+while not (os.path.exists(sys.argv[1]) and open(sys.argv[1]).read()):
+    time.sleep(0.05)
+before = describe_exit(255)
+os.kill(forkserver._forkserver._forkserver_pid, signal.SIGKILL)
+p.join(60)
+print(p.exitcode, before, describe_exit(p.exitcode), sep="|")
+"""
+
+
+def test_a_killed_forkserver_is_named_as_why_the_exit_status_is_unknown(tmp_path):
+    """SIGKILL to the ranks' forkserver: the rank ends (its parent changed) and multiprocessing
+    reports 255, its "unknown"; the engine's description says why instead of "exit status 255"."""
+    res = subprocess.run([sys.executable, "-c", FORKSERVER_KILLED, str(tmp_path / "rank.pid"),
+                          str(Path(__file__).parent)], capture_output=True, text=True, timeout=120)
+    assert res.stdout == ("255|exit status 255|exit status unknown: the ranks' forkserver, which "
+                          "reports it, is gone\n"), res.stderr

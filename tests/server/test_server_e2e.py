@@ -31,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from reference import greedy_reference, hf_model
 from runtime.server.chat_tools import NO_TOOL_TEMPLATE
 from test_server_validation import check_error, malformed_cases
-from procs import alive
+from procs import alive, descendants, parents
 
 pytestmark = pytest.mark.slow
 
@@ -351,30 +351,6 @@ def test_metrics_parse_and_hold_series(server):
 
 
 # ---- last: SIGTERM with a stream open stops this module's server -----------------------------
-def parents() -> dict[int, int]:
-    """Parent pid of every process (from /proc)."""
-    parent_of = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                stat = Path(f"/proc/{d}/stat").read_text()
-            except OSError:
-                continue
-            parent_of[int(d)] = int(stat.rsplit(")", 1)[1].split()[1])
-    return parent_of
-
-
-def descendants(pid: int) -> list[int]:
-    """Pids of ``pid``'s children, their children and so on: the rank processes are children of
-    the server's forkserver (runtime/engine/rank_process.py)."""
-    parent_of = parents()
-    out, frontier = [], {pid}
-    while frontier:
-        frontier = {c for c, p in parent_of.items() if p in frontier}
-        out += sorted(frontier)
-    return out
-
-
 def bound_ipc_paths(pid: int) -> set[str]:
     """Paths of the unix sockets process ``pid`` holds (its zmq ipc endpoints)."""
     inodes = set()

@@ -182,6 +182,22 @@ def test_sim_violation_trace_replays_the_violation(tmp_path, monkeypatch, capsys
                                        for v in sim["invariant_violations"]]
 
 
+def test_cli_explain_of_an_unknown_request_is_refused(tmp_path, capsys):
+    """--explain with an id that never arrived: exit 2 naming the flag and the run's ids (it
+    exited 0 printing "not in this trace")."""
+    from ppstate.sim.trace import record_sim
+    from ppstate.sim.workload import SimConfig
+    _, run_dir = record_sim(SimConfig(pp_size=2, num_requests=3, seed=1), tmp_path)
+    ids = [e["req_id"] for e in load_run(run_dir).engine if e["kind"] == "arrival"]
+    with pytest.raises(SystemExit) as exc:
+        replay_main([str(run_dir), "--explain", "UNKNOWN"])
+    assert exc.value.code == 2 and len(ids) == 3
+    assert capsys.readouterr().err.endswith(
+        f"error: --explain: request 'UNKNOWN' is not in this run; its requests: {', '.join(ids)}\n")
+    assert replay_main([str(run_dir), "--explain", ids[1], "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["explain"][0]["what"] == "arrival"
+
+
 def test_prefix_cache_hits_replay_without_prompt_ids(tmp_path):
     """Prompts are not recorded (no --trace-prompts), yet prefix-cache hits depend on them: the
     arrival carries the chained block hashes, and replay rebuilds stand-in prompts with the same

@@ -121,3 +121,24 @@ def test_mutants_the_simulator_cannot_run_are_refused(argv, want, capsys):
     out = capsys.readouterr()
     assert exc.value.code == 2 and out.out == ""
     assert out.err.endswith(f"python -m ppstate.sim: error: {want}\n")
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["--contention", "0.5"],
+     "argument --contention: must be >= 1 (a slow-down: 1 = none), got 0.5"),
+    (["--spec-tokens", "99"],
+     "argument --spec-tokens: must be in [0, 16] (the engine's --spec-tokens bound), got 99"),
+    (["--spec-tokens", "-1"],
+     "argument --spec-tokens: must be in [0, 16] (the engine's --spec-tokens bound), got -1"),
+])
+def test_out_of_range_flags_are_refused_naming_the_flag(argv, want, capsys):
+    """--contention below 1 was refused naming the model's field (StepCostModel.concurrency),
+    --spec-tokens beyond the engine's bound was run: both now exit 2 naming the flag and range."""
+    from ppstate.sim.cli import run_cli
+    from runtime.config import SCHEDULER_BOUNDS
+    assert SCHEDULER_BOUNDS["num_spec_tokens"] == (0, 16)   # the engine's bound, the same
+    with pytest.raises(SystemExit) as exc:
+        run_cli(argv)
+    out = capsys.readouterr()
+    assert exc.value.code == 2 and out.out == ""
+    assert out.err.endswith(f"python -m ppstate.sim: error: {want}\n")
