@@ -232,7 +232,7 @@ def describe_exit(code: int | None) -> str:
             return f"killed by {signal.Signals(-code).name}"
         except ValueError:
             return f"killed by signal {-code}"
-    if code == 255 and forkserver_gone():
+    if code == 255 and forkserver_gone(wait_s=1.0):
         return "exit status unknown: the ranks' forkserver, which reports it, is gone"
     return f"exit status {code}"
 

@@ -112,18 +112,26 @@ def engine_cpus() -> set[int] | None:
     return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
 
 
-def forkserver_gone() -> bool:
+def forkserver_gone(wait_s: float = 0.0) -> bool:
     """Whether the forkserver this process started has ended (no ``/proc`` entry, or a zombie not
-    yet reaped). False when none was started, and where there is no ``/proc``."""
+    yet reaped), waiting up to ``wait_s`` seconds for it to finish ending: a killed forkserver's
+    pipes close (and its children's statuses read 255) before the kernel marks it a zombie.
+    False when none was started, and where there is no ``/proc``."""
     from multiprocessing import forkserver
     pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
     if pid is None or not os.path.isdir("/proc/self"):
         return False
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                if fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return True
+        except OSError:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
 
 
 def _thread_lock_for_tqdm() -> None:
