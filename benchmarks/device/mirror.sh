@@ -14,19 +14,22 @@
 #    (tests/gpu/test_gpu_mirror_state_faults.py), the async check's own tests, digests;
 # 3. the engine (PP=1, SmolLM2-135M shape, random weights; bf16, CUDA graphs) with
 #    --validate-mirrors every vs off: two engines (256 slots) taking turns, order alternating per
-#    round, at 128 and 256 concurrent requests, 24 rounds of 128 tokens (python -m runtime.bench
-#    pp --overheads --overheads-of mirror_validation --overheads-concurrency 128,256):
-#    throughput, busy and worker-CPU seconds per step, on / off per round (median, min, max);
-#    then the same for --mirror-check-kernel fused vs graph, both validating
+#    round, at 128 and 256 concurrent requests, 24 rounds of 256 tokens (python -m runtime.bench
+#    pp --overheads --overheads-of mirror_validation --overheads-concurrency 128,256
+#    --overheads-pin: this process and each engine's rank on disjoint thirds of the cores):
+#    throughput, busy and worker-CPU seconds per step (every thread's run time), on / off per
+#    round (median, min, max), worker CPU added per step; then the same for
+#    --mirror-check-kernel fused vs graph, both validating
 #    (--overheads-of mirror_validation,mirror_check_fused; pp-mirror.json holds both);
 # 4. the model-free loop on the host CPU (python -m runtime.bench mirror --device cpu);
 # 5. three speculative-decoding CUDA tests (the last rank's token mirror with drafts, PP=1 and 2).
 # Writes under $OUT (default ./device-out): mirror-tests.log, mirror-bench.log,
 # mirror-micro-{gpu,cpu}.json, pp-mirror.json, mirror-summary.json.
 # The micro bench also profiles one block per mode call by call (--profile) and times the check's
-# CUDA graph alone on the device. QUICK=1 skips 4 and 5; MICRO_ROUNDS, MICRO_TIMEOUT,
-# ENGINE_ROUNDS, ENGINE_TIMEOUT shorten 1 and 3 (defaults 9, 100 s, 24, 300 s; the engine part runs
-# two pairs).
+# CUDA graph alone on the device, and the host time of one replay() of it and of one-node-kind
+# graphs. QUICK=1 skips 4 and 5; MICRO_ROUNDS, MICRO_TIMEOUT, ENGINE_ROUNDS, ENGINE_TOKENS,
+# ENGINE_TIMEOUT shorten 1 and 3 (defaults 9, 100 s, 24, 256, 300 s; the engine part runs two
+# pairs, ENGINE_OF=mirror_validation only the first).
 # Usage: [BEFORE_DIR=DIR] [BEFORE_REV=REV] benchmarks/device/mirror.sh [OUTDIR]
 set -u
 out=${1:-${OUT:-device-out}}
@@ -53,8 +56,9 @@ folder=/tmp/smollm2-random
 [ -d $folder ] || timeout 30 python3 -m runtime.bench.model_folder --shape smollm2-135m \
   --out $folder >> "$log" 2>&1
 timeout ${ENGINE_TIMEOUT:-300} python3 -m runtime.bench pp --pp 1 --workload none --overheads \
-  --overheads-of mirror_validation,mirror_check_fused --overheads-concurrency 128,256 --repeats ${ENGINE_ROUNDS:-24} \
-  --overheads-warmup 2 --num-requests 128 --max-num-seqs 256 --max-tokens 128 \
+  --overheads-of ${ENGINE_OF:-mirror_validation,mirror_check_fused} --overheads-concurrency 128,256 \
+  --repeats ${ENGINE_ROUNDS:-24} --overheads-pin \
+  --overheads-warmup 2 --num-requests 128 --max-num-seqs 256 --max-tokens ${ENGINE_TOKENS:-256} \
   --max-model-len 384 --max-num-batched-tokens 8192 --max-prefill-chunk 4096 \
   --model $folder --device cuda --dtype bfloat16 --json-out "$out/pp-mirror.json" \
   2>&1 | grep -v -i -E "warn|loading" >> "$log"
@@ -79,7 +83,8 @@ for name in ("mirror-micro-gpu", "mirror-micro-cpu"):
                                              "before_check_graph_gpu_us",
                                              "fused_validation_us_per_step", "fused_over_off",
                                              "fused_over_on", "fused_check_us_per_step",
-                                             "fused_check_graph_gpu_us")
+                                             "fused_check_graph_gpu_us", "replay_host_us",
+                                             "fused_replay_host_us")
                           if k in r}
                          for r in json.loads(f.read_text())["results"]["results"]]
 f = out / "pp-mirror.json"

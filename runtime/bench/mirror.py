@@ -28,7 +28,8 @@ step's copy), and each post-step part timed alone on the final state (``pieces_u
 :func:`pieces`: the digest, the result copy alone, the after-step check with it now and before);
 on the CPU (where only the token mirror differs from before) also the microseconds of the check
 as it was before issue #27 (the mirror counters only), in the same run; on CUDA the device time
-of the check's graph alone, now and before (``check_graph_gpu_us``). On CUDA a fourth mode,
+of the check's graph alone, now and before (``check_graph_gpu_us``), and the host time of one
+``replay()`` of it and of small graphs of one node kind each (``replay_host_us``). On CUDA a fourth mode,
 ``fused`` (``--mirror-check-kernel fused``: the check's flag from one Triton kernel), alternates
 with them (``fused_*``: its validation microseconds, ``fused_over_off``, ``fused_over_on`` =
 fused / graph, ``fused_check_graph_gpu_us``, ``pieces_us.after_step_fused``). ``--profile`` adds, per
@@ -48,7 +49,7 @@ import torch
 
 from ppstate.batch import SchedulerOutput
 from runtime.bench.git_source import SourceUnavailable, load_module
-from runtime.bench.mirror_profile import graph_gpu_us, profile_modes
+from runtime.bench.mirror_profile import graph_gpu_us, profile_modes, replay_host_us
 from runtime.bench.rank_loop import BLOCK, RankLoop
 from runtime.bench.results import subcommand_line, write_result
 
@@ -149,6 +150,8 @@ def measure(rows: int, device: str, steps: int, rounds: int, prompt_len: int,
         res["check_graph_gpu_us"] = graph_gpu_us(loop.check)
         res["fused_check_graph_gpu_us"] = graph_gpu_us(loop.fused)
         res["before_check_graph_gpu_us"] = graph_gpu_us(loop.before)
+        res["replay_host_us"] = replay_host_us(loop.check)
+        res["fused_replay_host_us"] = (replay_host_us(loop.fused) or {}).get("check_graph")
     if profile:
         res["profile"] = profile_modes(loop, steps, (False, True, "before", "fused") if cuda
                                        else (False, True, "before"))
@@ -216,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  check graph on the device alone: {r['check_graph_gpu_us']:.1f} us now, "
                   f"{r['fused_check_graph_gpu_us'] or float('nan'):.1f} us fused, "
                   f"{r['before_check_graph_gpu_us'] or float('nan'):.1f} us before", flush=True)
+        if r.get("replay_host_us"):
+            print("  host us per replay(): " + ", ".join(
+                f"{k} {v:.1f}" for k, v in r["replay_host_us"].items()) +
+                f", fused check graph {r['fused_replay_host_us'] or float('nan'):.1f}", flush=True)
         for mode, prof in r.get("profile", {}).items():
             if isinstance(prof, dict):
                 print(f"  profiled {mode}: {prof['total_us']:.0f} us own time per step (off "

@@ -210,6 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list of concurrencies for --overheads (default: --num-requests)")
     p.add_argument("--overheads-warmup", type=int, default=1,
                    help="unrecorded rounds per engine and concurrency before --overheads' rounds")
+    p.add_argument("--overheads-pin", action="store_true",
+                   help="--overheads: pin this process and each engine's ranks onto disjoint "
+                        "thirds of the usable cores (runtime/bench/proc_cpu.py)")
     p.add_argument("--calibrate", action="store_true",
                    help="fit the step-cost model to the sweep and prefill runs")
     p.add_argument("--seed", type=int, default=0)

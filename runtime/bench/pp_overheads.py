@@ -9,8 +9,12 @@ unrecorded rounds of each point (CUDA graphs and allocator pools of every batch 
 ``--repeats`` rounds, the order alternating ``off on`` / ``on off`` so neither always runs first
 after the other's burst. Each round records, per engine: output tokens/s, the ranks' busy seconds
 per step (the engine's counter: the forward's host time) and the worker processes' CPU seconds per
-step (user + system of every rank process, from ``/proc``: everything a worker does, the
-validation included).
+step (every thread of every rank process, the kernel's nanosecond run time from ``/proc``:
+everything a worker does, the validation included; :mod:`runtime.bench.proc_cpu`), and the
+microseconds of worker CPU per step that ``on`` adds round by round
+(``worker_cpu_us_per_step_added``). With ``--overheads-pin`` this process and each engine's
+ranks run on disjoint thirds of the cores, so an engine's idle ranks never share a core with the
+other's busy ones (``cores`` per point).
 
 ``mirror_check_fused`` compares two validating engines: ``on`` sets the check's flag with the
 fused Triton kernel (``--mirror-check-kernel fused``), ``off`` with the torch graph (the default).
@@ -28,24 +32,31 @@ from contextlib import AsyncExitStack
 import os
 
 from runtime.bench.engine_runs import ratio_summary, run_workload
+from runtime.bench.proc_cpu import pin, process_cpu_s, split_cores, tasks_cpu_s  # noqa: F401
 from runtime.config import EngineConfig
 from runtime.engine import AsyncEngine
 
 
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (Linux ``/proc/PID/stat``, fields 14 and 15
-    in clock ticks); 0 when it is gone or there is no ``/proc``."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()   # after the command name
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def worker_cpu_s(engine: AsyncEngine) -> float:
-    """User + system CPU seconds of ``engine``'s worker processes so far."""
-    return sum(process_cpu_s(proc.pid) for proc in engine.pool.procs)
+    """CPU seconds of ``engine``'s worker processes so far (every thread, nanosecond run time
+    where the kernel keeps it: :func:`~runtime.bench.proc_cpu.tasks_cpu_s`)."""
+    return sum(tasks_cpu_s(proc.pid) for proc in engine.pool.procs)
+
+
+def pin_engines(engines: dict) -> dict | None:
+    """Pin this process and each engine's rank processes onto disjoint cores
+    (:func:`~runtime.bench.proc_cpu.split_cores`: this process first, then the engines in
+    order); returns ``{"bench": [cores], name: [cores], ...}``, or None with too few cores."""
+    groups = split_cores(1 + len(engines))
+    if groups is None:
+        return None
+    pin(os.getpid(), groups[0])
+    out = {"bench": sorted(groups[0])}
+    for (name, eng), cores in zip(engines.items(), groups[1:]):
+        for proc in eng.pool.procs:
+            pin(proc.pid, cores)
+        out[name] = sorted(cores)
+    return out
 
 
 async def _round(engine: AsyncEngine, prompts: list[list[int]], max_tokens: int, tag: str) -> dict:
@@ -64,6 +75,12 @@ def summarize(n: int, runs: dict[str, list[dict]]) -> dict:
     def col(name: str, key: str) -> list[float]:
         return [sum(r[key]) if isinstance(r[key], list) else r[key] for r in runs[name]]
     out = {"concurrency": n, "runs": runs}
+    added = [1e6 * (a - b) for a, b in zip(col("on", "worker_cpu_s_per_step"),
+                                            col("off", "worker_cpu_s_per_step"))]
+    if added:   # what validation adds to a step's worker CPU, round by round (us)
+        out["worker_cpu_us_per_step_added"] = {"median": statistics.median(added),
+                                               "min": min(added), "max": max(added),
+                                               "all": added}
     for key, label in (("output_tokens_per_s", "on_over_off"),
                        ("busy_s_per_step", "busy_per_step_on_over_off"),
                        ("worker_cpu_s_per_step", "worker_cpu_per_step_on_over_off")):
@@ -74,7 +91,7 @@ def summarize(n: int, runs: dict[str, list[dict]]) -> dict:
 
 
 async def _pair(configs: dict[str, EngineConfig], points: list[int], prompts, max_tokens: int,
-                repeats: int, warmup: int, label: str) -> list[dict]:
+                repeats: int, warmup: int, label: str, pin_cores: bool = False) -> list[dict]:
     rows = []
     async with AsyncExitStack() as stack:
         engines = {}
@@ -82,6 +99,10 @@ async def _pair(configs: dict[str, EngineConfig], points: list[int], prompts, ma
             eng = await AsyncEngine.start(cfg)
             stack.push_async_callback(eng.shutdown)
             engines[name] = eng
+        cores = pin_engines(engines) if pin_cores else None
+        if pin_cores:
+            print(f"  {label}: cores {cores if cores else 'not pinned (too few cores)'}",
+                  flush=True)
         for n in points:
             for w in range(warmup):
                 for name, eng in engines.items():
@@ -95,7 +116,7 @@ async def _pair(configs: dict[str, EngineConfig], points: list[int], prompts, ma
                     print(f"  {label} {n:4d} {name:>3s} round {i}: "
                           f"{run['output_tokens_per_s']:.5g} tok/s, worker CPU "
                           f"{1e6 * run['worker_cpu_s_per_step']:.0f} us/step", flush=True)
-            rows.append(summarize(n, runs))
+            rows.append(summarize(n, runs) | {"cores": cores})
     return rows
 
 
@@ -120,14 +141,18 @@ def overheads(base: EngineConfig, args, prompts) -> dict:
             off, on = pairs[what]
             rows = asyncio.run(_pair({"off": base.replace(**off), "on": base.replace(**on)},
                                      points, prompts, args.max_tokens, args.repeats,
-                                     args.overheads_warmup, what))
+                                     args.overheads_warmup, what,
+                                     getattr(args, "overheads_pin", False)))
             out[what] = {"on_over_off": rows[0]["on_over_off"], "runs": rows[0]["runs"],
                          "points": rows}
             out[f"{what}_overhead"] = 1.0 - rows[0]["on_over_off"]["median"]
             for r in rows:
                 t, c = r["on_over_off"], r["worker_cpu_per_step_on_over_off"]
+                b = r["busy_per_step_on_over_off"]
                 print(f"{what} at {r['concurrency']}: on/off throughput {t['median']:.3f} "
-                      f"(min {t['min']:.3f}, max {t['max']:.3f}), worker CPU per step "
-                      f"{c['median']:.3f} ({1e6 * r['off_worker_cpu_s_per_step']:.0f} -> "
-                      f"{1e6 * r['on_worker_cpu_s_per_step']:.0f} us)", flush=True)
+                      f"(min {t['min']:.3f}, max {t['max']:.3f}), busy per step {b['median']:.3f}, "
+                      f"worker CPU per step {c['median']:.3f} "
+                      f"({1e6 * r['off_worker_cpu_s_per_step']:.0f} -> "
+                      f"{1e6 * r['on_worker_cpu_s_per_step']:.0f} us, added per round: median "
+                      f"{r['worker_cpu_us_per_step_added']['median']:.0f} us)", flush=True)
     return out

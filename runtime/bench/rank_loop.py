@@ -109,18 +109,25 @@ class RankLoop:
         self.step_no += 1
 
     def tail(self, validate: bool | str, step: int) -> None:
-        """What follows a step's post-update on the last rank: the after-step check of
-        ``validate`` (:meth:`after_step`), the result copy, and the wait for the previous
-        step's copy (the worker's flush, after the next step was enqueued)."""
+        """What follows a step's post-update on the last rank: the result copy (with the
+        after-step check of the ``"before"`` modes, :meth:`after_step`), the wait for the
+        previous step's copy (the worker's flush, after the next step was enqueued), then the
+        current check's snapshot (modes True and ``"fused"``: the untraced worker's
+        ``StageRunner.run_deferred_check``, after the flush)."""
         copy = self.after_step(validate, step)
         prev, self.held_copy = self.held_copy, copy
         if prev is not None:
             prev.wait()
+        now = self._now(validate)
+        if now is not None:
+            now.snapshot(step)
 
     def after_step(self, validate: bool | str, step: int):
-        """The after-step check of ``step`` (off: none; True: now, riding on the result copy on
-        CUDA; ``"before"``: as at the before revision; ``"counters"``: CPU, the mirror counters
-        only) and the result copy; returns the copy (a PendingCopy)."""
+        """The result copy and, before it, the after-step check of ``step`` in the modes that
+        run it there (off: none; True / ``"fused"`` on the CPU: the synchronous check; on CUDA
+        none here, :meth:`tail` runs it after the flush; ``"before"``: as at the before
+        revision, riding on the result copy where it can; ``"counters"``: CPU, the mirror
+        counters only); returns the copy (a PendingCopy)."""
         st = self.state
         if validate == "counters":
             live = st.live_slots()
@@ -133,13 +140,11 @@ class RankLoop:
             self.before.snapshot(step, later=True)
         elif validate == "before":   # a revision from before the check rode on the copy
             self.before.snapshot(step)
-        elif validate:
-            self._now(validate).snapshot(step, later=True)
         copy = self.copies.start(self.sampled)
-        if self._rides(validate):
+        if self._rides(validate):   # the token mirror's ids from the result copy
             st.tokens.attach(copy.host)
-            now = self._now(validate)
-            (now if now is not None else self.before).share(copy)
+            if self._now(validate) is None:   # the before revision's check rides on it
+                self.before.share(copy)
         return copy
 
     def _now(self, validate: bool | str):
@@ -148,8 +153,9 @@ class RankLoop:
         return self.check if validate is True else self.fused if validate == "fused" else None
 
     def _rides(self, validate: bool | str) -> bool:
-        """Whether mode ``validate``'s check rides on the result copy (the last rank's way: no
-        own token copy or event; CUDA, now, and before where its revision can)."""
+        """Whether mode ``validate``'s token mirror takes the sampled ids from the result copy
+        (the last rank's way: no own token copy; CUDA, now), and for ``"before"`` where its
+        revision can, whether its check rides on that copy too (no own event)."""
         return (self._now(validate) is not None
                 or (validate == "before" and self.before_rides))
 

@@ -219,6 +219,7 @@ class _Worker:
                 self._step(msg)
                 if not pull.poll(0):    # no next step queued: send this one's result now
                     self._flush()
+                self.runner.run_deferred_check()   # the mirror check, after the result left
 
     def _step(self, msg) -> None:
         """Launch one step. The last rank holds its result back until the next step (when one

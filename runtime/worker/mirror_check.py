@@ -25,14 +25,16 @@ device, double-buffered) back and look field by field over the live slots, then 
 counts and the digests, to raise :class:`~ppstate.errors.MirrorDivergence` naming rank, step,
 slot, request, field and both values, as the synchronous check does.
 
-On the last rank (:meth:`~runtime.worker.runner.StageRunner.result`) the snapshot rides on the
-step's result copy, which the rank makes anyway: ``snapshot(step, later=True)`` enqueues the
-check's device work just before that copy and records no event, :meth:`share` hands over the
-copy's :class:`~runtime.host_copy.PendingCopy` (its event completes after the check's copies;
-the worker's wait for the result and the check's wait are one ``cudaEventSynchronize`` between
-them), and the token mirror takes the sampled ids from the copy's host buffer
-(``TokenMirror.record(later=True)`` / ``attach``) instead of copying them itself. ``python -m
-runtime.bench mirror`` measures this against an older revision of this module read from git.
+The rank takes the snapshot once the step's result has left the worker
+(:meth:`~runtime.worker.runner.StageRunner.run_deferred_check`), so none of this host work sits
+between a step's launch and the engine receiving its result. On the last rank the token mirror
+takes the sampled ids from the result copy's host buffer (``TokenMirror.record(later=True)`` /
+``attach``) instead of copying them itself. When tracing, the last rank's snapshot instead rides
+on the step's result copy, where the trace records it: ``snapshot(step, later=True)`` enqueues the
+check's device work just before that copy and records no event, and :meth:`share` hands over the
+copy's :class:`~runtime.host_copy.PendingCopy` (its event completes after the check's copies).
+``python -m runtime.bench mirror`` measures the check's host work against an older revision of
+this module read from git.
 
 On the CPU (no events) every operation runs at once and the comparison is immediate.
 
@@ -150,9 +152,9 @@ class AsyncMirrorCheck:
         Args:
             later: CUDA only: record no event; the caller enqueues a device-to-host copy right
                 after and hands its :class:`~runtime.host_copy.PendingCopy` to :meth:`share`
-                before the next snapshot or poll (the last rank: the step's result copy, whose
-                event then covers the check's copies too, and whose wait the engine makes
-                anyway).
+                before the next snapshot or poll (the last rank when tracing: the step's result
+                copy, whose event then covers the check's copies too, and whose wait the engine
+                makes anyway).
 
         Raises:
             MirrorDivergence: from the previous step's (or, on CPU, this step's) comparison.

@@ -120,6 +120,7 @@ class StageRunner:
         self.timing = StepTiming()
         self.running_step = -1   # the step being run (its consumes may be of skipped numbers)
         self._snapped = -1       # the last step whose mirror snapshot result() took (last rank)
+        self._deferred = -1      # a step whose CUDA mirror snapshot waits for run_deferred_check
         self._tokens_later = False   # apply_sampled left the token mirror's ids to result()
         self.spec = spec
         self.grammar = grammar
@@ -141,7 +142,9 @@ class StageRunner:
             RuntimeError: a peer did not answer within the group timeout.
         """
         pending = self.launch(out)
-        return None if pending is None else pending.result()
+        result = None if pending is None else pending.result()
+        self.run_deferred_check()
+        return result
 
     def launch(self, out: SchedulerOutput) -> PendingResult | None:
         """Enqueue one step: on the last rank returns as soon as the step's kernels and the copy
@@ -151,6 +154,7 @@ class StageRunner:
 
     # ---- RankBackend: step bracket -----------------------------------------------------------
     def begin_step(self, out: SchedulerOutput) -> None:
+        self.run_deferred_check()   # a caller that never ran it: before this step changes state
         self.timing = StepTiming()
         self.running_step = out.step
 
@@ -164,6 +168,8 @@ class StageRunner:
                 self.grammar.validate(self.state, out.step, self.g.rank)
             if self._snapped == out.step:
                 pass   # the last rank's snapshot went with its result copy (result)
+            elif self.mirror_check is not None and not self.sink.enabled:
+                self._deferred = out.step   # after the step's result has left
             elif self.mirror_check is not None:
                 self.mirror_check.snapshot(out.step)   # compared when its copy lands
             else:
@@ -288,8 +294,12 @@ class StageRunner:
             z = np.zeros(0, dtype=np.int32)
             return PendingResult.completed(
                 StepResult(out.step, np.zeros((0, w), dtype=np.int64), z, z.copy()))
-        snap = self.mirror_check is not None and self._validating(out.step)
-        if snap:   # enqueued before the result copy, whose event then covers it (no own event)
+        # tracing: the snapshot keeps its place in the trace, enqueued before the result copy,
+        # whose event then covers it (no own event); else it runs after the result has left
+        # (run_deferred_check)
+        snap = (self.mirror_check is not None and self.sink.enabled
+                and self._validating(out.step))
+        if snap:
             self.mirror_check.snapshot(out.step, later=True)
             self._snapped = out.step
         copy = self.host_copy.start(payload.buf)    # non_blocking into pinned memory + an event
@@ -307,6 +317,23 @@ class StageRunner:
         return result.copy.ready, partial(sampled_fields, result.copy)
 
     # ---- mirrors and trace -------------------------------------------------------------------
+    def run_deferred_check(self) -> None:
+        """Start the CUDA mirror check of the step just run (its snapshot: the device work
+        enqueued after the step's kernels and result copy, with its own event), if one waits.
+        The worker calls it once the step's result has been sent (or held back behind the next
+        launch), so the check's host work is not between a step's launch and its result;
+        :meth:`step` calls it after the result, and :meth:`begin_step` runs a forgotten one
+        before the next step changes any state. Nothing waits without CUDA, with tracing (the
+        snapshot then runs where the trace records it), or on a step that does not validate.
+
+        Raises:
+            MirrorDivergence: from the comparison of an earlier snapshot (as
+                :meth:`AsyncMirrorCheck.snapshot`).
+        """
+        step, self._deferred = self._deferred, -1
+        if step >= 0:
+            self.mirror_check.snapshot(step)   # compared when its copy lands
+
     def _validate(self, step: int) -> None:
         """Mirror validation (invariant 4), recorded as ``mirror.check`` when tracing."""
         if not self.sink.enabled:

@@ -56,11 +56,19 @@ def test_fault_in_each_validated_field_on_cuda(cut, field, delta, named, kernel)
     ("total_len", 1, "total_len"),
     ("num_computed_tokens", 2, "num_computed_tokens"),
 ])
-@pytest.mark.parametrize("kernel", ["graph", "fused"])
-def test_fault_on_the_last_rank_on_cuda(cut, field, delta, named, kernel):
-    """The last rank's check rides on its result copy (snapshot before it, the token mirror's ids
-    taken from it, its event for the check's): still caught within one step, naming the field."""
-    err = plant_and_catch(start(cut(2), "cuda", kernel), 1, (field, delta))
+@pytest.mark.parametrize("kernel,traced", [("graph", False), ("fused", False), ("graph", True)])
+def test_fault_on_the_last_rank_on_cuda(cut, field, delta, named, kernel, traced, tmp_path):
+    """The last rank's check: untraced, its snapshot runs after the step's result
+    (``StageRunner.run_deferred_check``, the token mirror's ids taken from the result copy);
+    traced, it rides on the result copy (snapshot before it, its event for the check's). Either
+    way caught within one step, naming the field."""
+    pipe = start(cut(2), "cuda", kernel)
+    if traced:   # the last rank records a trace from here on
+        from ppstate.events import JsonlSink
+        last = pipe.runners[1]
+        sink = JsonlSink(tmp_path / "rank1.jsonl")
+        last.sink = last.step_order.sink = last.mirror_check.sink = sink
+    err = plant_and_catch(pipe, 1, (field, delta))
     assert err.field.startswith(named) and err.cpu != err.device and err.rank == 1, str(err)
 
 

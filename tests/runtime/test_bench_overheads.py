@@ -9,6 +9,7 @@ import time
 import pytest
 
 from runtime.bench.pp_overheads import process_cpu_s, summarize
+from runtime.bench.proc_cpu import pin, split_cores, tasks_cpu_s
 
 
 def _run(tok_s: float, busy: float, cpu: float) -> dict:
@@ -27,6 +28,9 @@ def test_summary_pairs_rounds_in_order_and_takes_medians():
     assert s["worker_cpu_per_step_on_over_off"]["all"] == pytest.approx([1.25, 1.0, 0.75])
     assert (s["off_output_tokens_per_s"], s["on_output_tokens_per_s"]) == (100, 98)
     assert s["on_worker_cpu_s_per_step"] == pytest.approx(5e-3)
+    added = s["worker_cpu_us_per_step_added"]
+    assert added["all"] == pytest.approx([1000.0, 0.0, -2000.0])
+    assert (added["median"], added["min"], added["max"]) == pytest.approx((0.0, -2000.0, 1000.0))
 
 
 def test_process_cpu_seconds_follow_os_times_and_grow_with_work():
@@ -38,3 +42,34 @@ def test_process_cpu_seconds_follow_os_times_and_grow_with_work():
         pass
     assert process_cpu_s(os.getpid()) - t0 >= 0.15
     assert process_cpu_s(2 ** 22 + 12345) == 0.0      # no such process
+
+
+@pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task"), reason="needs Linux /proc")
+def test_tasks_cpu_seconds_count_every_thread_in_nanoseconds():
+    """schedstat's run time agrees with the clock ticks and grows with a 0.2 s burn."""
+    t0 = tasks_cpu_s(os.getpid())
+    assert abs(t0 - process_cpu_s(os.getpid())) < 0.1
+    end = time.process_time() + 0.2
+    while time.process_time() < end:
+        pass
+    assert 0.15 <= tasks_cpu_s(os.getpid()) - t0 < 1.0
+    assert tasks_cpu_s(2 ** 22 + 12345) == 0.0
+
+
+def test_split_cores_gives_disjoint_groups_or_none(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert split_cores(3) == [set(range(6)), set(range(6, 11)), set(range(11, 16))]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
+    assert split_cores(3) is None
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity")
+def test_pin_sets_the_affinity_of_every_thread():
+    before = os.sched_getaffinity(0)
+    try:
+        core = min(before)
+        assert pin(os.getpid(), {core}) >= 1
+        assert os.sched_getaffinity(0) == {core}
+    finally:
+        pin(os.getpid(), before)
+    assert pin(2 ** 22 + 12345, before) == 0

@@ -4,6 +4,13 @@ A plain function wrapped lazily by :func:`get_kernel` (``triton.jit`` or Triton'
 Triton decides interpret-vs-compile when the wrapper runs, as in ``_triton_post_update``. Reductions
 call ``tl.reduce`` with the standard combine functions (``tl.max`` / ``tl.sum`` / ``tl.zeros``
 are jit functions the interpreter cannot call, as in ``_triton_attention``).
+
+One program per tile, no loop with a runtime bound (Triton 3.6's interpreter cannot take a runtime
+scalar as a ``range`` bound: ``TypeError: only 0-dimensional arrays can be converted to Python
+scalars``): programs ``[0, cmp_tiles)`` compare ``BLOCK`` words of the flat layout each, the
+others ``ROWS`` slots of block counts and digests each, over all ``COLS`` (a power of two >=
+``cols``) columns at once. A program that finds a difference stores 1 into the flag, which the
+launcher zeroed just before (stores of the same value: no atomics, order-free).
 """
 
 from __future__ import annotations
@@ -22,19 +29,19 @@ def _mirror_check_kernel(
     table_ptr, table_stride,          # [n, cols] int32 device block table (row stride)
     w_ptr, w0,                        # [cols] int64 digest weights W_1.., the count's weight W_0
     dig_ptr,                          # [n] int64 out: the table's digests
-    flag_ptr,                         # [1] uint8 out: 1 when anything differs
-    n, cols, block_size, slack,
+    flag_ptr,                         # [1] uint8 out: set to 1 when anything differs (zeroed before)
+    n, cols, block_size, slack, cmp_tiles,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
 ):
-    bad = tl.full([BLOCK], 0, tl.int32)
-    for start in range(0, size, BLOCK):                    # the flat layout, word by word
-        offs = start + tl.arange(0, BLOCK)
+    pid = tl.program_id(0)
+    if pid < cmp_tiles:                                    # BLOCK words of the flat layout
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
         m = offs < size
         a = tl.load(snap_ptr + offs, mask=m, other=0)
         b = tl.load(exp_ptr + offs, mask=m, other=0)
-        bad = bad | (a != b).to(tl.int32)
-    for r0 in range(0, n, ROWS):                           # per slot: block counts and digests
-        rows = r0 + tl.arange(0, ROWS)
+        bad = tl.reduce((a != b).to(tl.int32), 0, tl.standard._elementwise_max)
+    else:                                                  # ROWS slots: block counts and digests
+        rows = (pid - cmp_tiles) * ROWS + tl.arange(0, ROWS)
         rm = rows < n
         held = tl.load(held_ptr + rows, mask=rm, other=0).to(tl.int64)
         comp = tl.load(comp_ptr + rows, mask=rm, other=0).to(tl.int64)
@@ -43,20 +50,16 @@ def _mirror_check_kernel(
         want = tl.load(aux_ptr + 2 * n + rows, mask=rm, other=0)
         room = held * block_size - comp
         bad_count = (live != 0) & ((room < 0) | (room >= block_size + slack))
-        acc = tl.full([ROWS], 0, tl.int64)
-        for c0 in range(0, cols, COLS):
-            cs = c0 + tl.arange(0, COLS)
-            cm = cs < cols
-            t = tl.load(table_ptr + rows[:, None] * table_stride + cs[None, :],
-                        mask=rm[:, None] & cm[None, :], other=0).to(tl.int64)
-            w = tl.load(w_ptr + cs, mask=cm, other=0)
-            acc = acc + tl.reduce(t * w[None, :], 1, tl.standard._sum_combine)
-        dig = acc + held * w0                              # wraps mod 2**64 like torch
+        cs = tl.arange(0, COLS)
+        cm = cs < cols
+        t = tl.load(table_ptr + rows[:, None] * table_stride + cs[None, :],
+                    mask=rm[:, None] & cm[None, :], other=0).to(tl.int64)
+        w = tl.load(w_ptr + cs, mask=cm, other=0)
+        dig = tl.reduce(t * w[None, :], 1, tl.standard._sum_combine) + held * w0   # wraps
         tl.store(dig_ptr + rows, dig, mask=rm)
         bad_dig = (dig != want) & (step != 0) & rm
-        bad = bad | tl.reduce((bad_count | bad_dig).to(tl.int32), 0,
-                               tl.standard._elementwise_max)
-    tl.store(flag_ptr, tl.reduce(bad, 0, tl.standard._elementwise_max).to(tl.uint8))
+        bad = tl.reduce((bad_count | bad_dig).to(tl.int32), 0, tl.standard._elementwise_max)
+    tl.store(flag_ptr, bad.to(tl.uint8), mask=bad != 0)
 
 
 @functools.cache

@@ -9,10 +9,13 @@ graph then holds the upload, the snapshot's concatenation, this kernel and the f
 (plus the token mirror's digests). The flag is the same, bit for bit. The kernel also writes the
 table digests (``dig``) that :mod:`runtime.worker.mirror_naming` reads when the flag is set.
 
-One program (grid ``(1,)``): the work is a few thousand words (``max_num_reqs`` 128: about 7k
-words of flat layout and 128 block-table rows). One program needs no memset and no atomics for
-the flag, and its result does not depend on scheduling. Not yet measured on the GPU
-(docs/mirror_audit.md, Cost).
+A grid over tiles: ``ceil(size / BLOCK)`` programs compare the flat layout, ``ceil(n / ROWS)``
+programs the slots' block counts and digests, all columns of a row in one tile (``COLS``: the
+next power of two >= ``cols``; ``ROWS`` shrinks as ``COLS`` grows so that a tile stays about
+4096 ids). The flag is zeroed first (one memset, in the same stream) and a program that finds a
+difference stores 1 (the same value from any program: no atomics). Until 2026-12-03 (third
+session) the kernel ran as one program looping over everything, which made it slower than the
+torch kernels at 256 slots (docs/mirror_audit.md, Cost).
 """
 
 from __future__ import annotations
@@ -21,7 +24,15 @@ import torch
 
 from runtime.model.kernels.backend import launch_interpreted
 
-BLOCK, ROWS, COLS = 1024, 64, 32   # words per compare tile; slots x columns per digest tile
+BLOCK, TILE_IDS = 2048, 4096   # words per compare tile; about the ids per digest tile
+
+
+def tile_shape(cols: int) -> tuple[int, int]:
+    """``(ROWS, COLS)`` of a digest tile for a table of ``cols`` columns: ``COLS`` the next power
+    of two >= ``cols``, ``ROWS`` a power of two in ``[1, 64]`` with ``ROWS * COLS <= TILE_IDS``
+    where possible."""
+    c = 1 << max(0, cols - 1).bit_length()
+    return max(1, min(64, TILE_IDS // c)), c
 
 
 def fused_check(snap: torch.Tensor, exp: torch.Tensor, held: torch.Tensor,
@@ -29,7 +40,8 @@ def fused_check(snap: torch.Tensor, exp: torch.Tensor, held: torch.Tensor,
                 weights: torch.Tensor, w0: int, dig: torch.Tensor, flag: torch.Tensor,
                 block_size: int, slack: int) -> None:
     """Enqueue the check's flag: ``flag[0] = any(snap != exp) | invariant 9 broken on a live slot
-    | a step row's table digest != the scheduler's``; ``dig`` gets every row's digest.
+    | a step row's table digest != the scheduler's``; ``dig`` gets every row's digest (a zeroing
+    of ``flag``, then one kernel over ``ceil(size / BLOCK) + ceil(n / ROWS)`` programs).
 
     Args:
         snap, exp: ``[size]`` int32 device snapshot and expected values (flat layout).
@@ -53,6 +65,10 @@ def fused_check(snap: torch.Tensor, exp: torch.Tensor, held: torch.Tensor,
     from runtime.worker.kernels._triton_mirror_check import get_kernel
     kernel = get_kernel(launch_interpreted(snap.device))
     f8 = flag.view(torch.uint8) if flag.dtype == torch.bool else flag
-    kernel[(1,)](snap, exp, snap.numel(), held, computed, aux, table, table.stride(0),
-                 weights, w0, dig, f8, n, cols, block_size, slack,
-                 BLOCK=BLOCK, ROWS=ROWS, COLS=COLS)
+    f8.zero_()
+    rows, c = tile_shape(cols)
+    cmp_tiles = -(-snap.numel() // BLOCK)
+    grid = (cmp_tiles + -(-n // rows),)
+    kernel[grid](snap, exp, snap.numel(), held, computed, aux, table, table.stride(0),
+                 weights, w0, dig, f8, n, cols, block_size, slack, cmp_tiles,
+                 BLOCK=BLOCK, ROWS=rows, COLS=c)
