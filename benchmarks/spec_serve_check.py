@@ -6,7 +6,8 @@ streamed and not), and writes one JSON: per request whether the text is identica
 speculation counters from ``/metrics`` (drafts proposed / accepted), and each server's wall time
 for the batch.
 
-Usage (device machine, a model folder from ``runtime.bench.model_folder --tokenizer default``)::
+Usage (a model folder from ``runtime.bench.model_folder --tokenizer default``, which needs the
+embedded GGUF; with ``--tokenizer word``, pass ``--word-prompts``)::
 
     python benchmarks/spec_serve_check.py --model FOLDER --device cuda --dtype float32 \\
         --spec-tokens 4 --out spec-serve.json
@@ -66,6 +67,13 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
+# For a folder with the word-level tokenizer (``t0`` .. ``tN``, no chat template): repetitive
+# and plain token-id prompts as text, completions only.
+WORD_PROMPTS = [" ".join(f"t{100 + i % 7}" for i in range(40)),
+                " ".join(f"t{3000 + (i * 37) % 101}" for i in range(30)),
+                " ".join(f"t{500 + i}" for i in range(12)) * 2, "t42 t43 t44 t45"]
+
+
 def _chat_tokens(content) -> list[tuple[str, float]]:
     """``(token, top-1 minus top-2 logprob)`` per emitted token of a chat logprobs block."""
     out = []
@@ -75,16 +83,20 @@ def _chat_tokens(content) -> list[tuple[str, float]]:
     return out
 
 
-def run_requests(port: int, max_tokens: int) -> tuple[list[dict], float]:
-    """Chat (plain, streamed) and completion requests with logprobs (top 2) for every prompt:
-    each response's text and ``(token, margin)`` list, and the wall time (seconds)."""
+def run_requests(port: int, max_tokens: int, word: bool) -> tuple[list[dict], float]:
+    """Chat (plain, streamed) and completion requests with logprobs (top 2) for every prompt
+    (``word``: completions only, :data:`WORD_PROMPTS`): each response's text and
+    ``(token, margin)`` list, and the wall time (seconds)."""
     from openai import OpenAI
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
     model = client.models.list().data[0].id
     greedy = dict(model=model, temperature=0, max_tokens=max_tokens)
     chat = dict(greedy, logprobs=True, top_logprobs=2)
     res, t0 = [], time.perf_counter()
-    for p in PROMPTS:
+    for p in WORD_PROMPTS if word else PROMPTS:
+        if word:
+            res.append(_completion(client, p, greedy))
+            continue
         msgs = [{"role": "user", "content": p}]
         r = client.chat.completions.create(messages=msgs, **chat).choices[0]
         res.append({"text": r.message.content, "tokens": _chat_tokens(r.logprobs.content)})
@@ -94,12 +106,15 @@ def run_requests(port: int, max_tokens: int) -> tuple[list[dict], float]:
                 text += c.choices[0].delta.content or ""
                 toks += _chat_tokens(c.choices[0].logprobs.content if c.choices[0].logprobs else [])
         res.append({"text": text, "tokens": toks})
-        r = client.completions.create(prompt=p, logprobs=2, **greedy).choices[0]
-        tops = [sorted(d.values(), reverse=True) for d in r.logprobs.top_logprobs]
-        res.append({"text": r.text, "tokens": [
-            (t, v[0] - v[1] if len(v) > 1 else float("inf"))
-            for t, v in zip(r.logprobs.tokens, tops)]})
+        res.append(_completion(client, p, greedy))
     return res, time.perf_counter() - t0
+
+
+def _completion(client, prompt: str, greedy: dict) -> dict:
+    r = client.completions.create(prompt=prompt, logprobs=2, **greedy).choices[0]
+    tops = [sorted(d.values(), reverse=True) for d in r.logprobs.top_logprobs]
+    return {"text": r.text, "tokens": [(t, v[0] - v[1] if len(v) > 1 else float("inf"))
+                                       for t, v in zip(r.logprobs.tokens, tops)]}
 
 
 def compare(off: dict, on: dict) -> dict:
@@ -136,6 +151,9 @@ def main(argv=None) -> int:
     ap.add_argument("--port", type=int, default=8231)
     ap.add_argument("--ready-timeout", type=float, default=180.0)
     ap.add_argument("--out", default="spec-serve.json")
+    ap.add_argument("--word-prompts", action="store_true",
+                    help="the folder has the word-level tokenizer (no chat template): token-id "
+                         "text prompts, completions only")
     ap.add_argument("--tie-tolerance", type=float, default=1e-3,
                     help="nats: outputs may part only where both runs' top-1 / top-2 margin is "
                          "at most this (a near-tie; rounding of a different GEMM layout)")
@@ -146,7 +164,7 @@ def main(argv=None) -> int:
         log = out_dir / f"spec-serve-k{spec}.log"
         proc = start_server(args, spec, args.port + spec, log)
         try:
-            resp, wall = run_requests(args.port + spec, args.max_tokens)
+            resp, wall = run_requests(args.port + spec, args.max_tokens, args.word_prompts)
             results[spec] = {"responses": resp, "wall_s": wall,
                              "metrics": spec_counters(args.port + spec)}
         finally:
