@@ -99,11 +99,14 @@ def pieces(loop: RankLoop, calls: int = 300, repeats: int = 5) -> dict:
 
 
 def measure(rows: int, device: str, steps: int, rounds: int, prompt_len: int,
-            before_cls: tuple[type, type], profile: bool = False) -> dict:
+            before_cls: tuple[type, type], profile: bool = False,
+            before_deferred: bool = False) -> dict:
     """Off / on / before alternated ``rounds`` times at ``rows`` rows (module docstring;
-    ``before_cls``: :func:`before_classes`; ``profile``: also :func:`profile_modes`)."""
+    ``before_cls``: :func:`before_classes`; ``profile``: also :func:`profile_modes`;
+    ``before_deferred``: the before check's snapshot after the flush, ``RankLoop``)."""
     max_model_len = prompt_len + (4 * rounds + 3 + 8 * profile) * steps + 2 * BLOCK
-    loop = RankLoop(rows, torch.device(device), prompt_len, max_model_len, before_cls)
+    loop = RankLoop(rows, torch.device(device), prompt_len, max_model_len, before_cls,
+                    before_deferred)
     loop.block(steps, True)                     # warm-up (allocations, first kernels)
     loop.block(steps, "before")
     cuda = device == "cuda"
@@ -174,6 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--before-dir", default=None,
                    help="folder with mirror_check.py and token_check.py of --before-rev, "
                         "extracted beforehand (a machine without the repository's .git)")
+    p.add_argument("--before-deferred", action="store_true",
+                   help="the before revision's check takes its snapshot after the flush, as now "
+                        "(a revision with StageRunner.run_deferred_check: 43918f7 on) instead of "
+                        "riding on the result copy")
     p.add_argument("--profile", action="store_true",
                    help="also profile one block per mode call by call (cProfile; runtime/bench/"
                         "mirror_profile.py): what on and before add to off, per step")
@@ -199,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for n in rows:
         r = measure(n, args.device, args.steps, args.rounds, args.prompt_len, before_cls,
-                    args.profile)
+                    args.profile, args.before_deferred)
         results.append(r)
         before = (f", counters only {r['counters_only_us_per_step']:.1f} us"
                   if "counters_only_us_per_step" in r else "")
