@@ -49,6 +49,7 @@ import torch
 
 from ppstate.batch import SchedulerOutput
 from runtime.bench.git_source import SourceUnavailable, load_module
+from runtime.bench.mirror_host import measure_host
 from runtime.bench.mirror_profile import graph_gpu_us, profile_modes, replay_host_us
 from runtime.bench.rank_loop import BLOCK, RankLoop
 from runtime.bench.results import subcommand_line, write_result
@@ -168,7 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m runtime.bench mirror", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="128,256", help="comma list of decode rows (live slots)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--device", default="cpu",
+                   help="cpu, cuda, or host (the CUDA check's host work on this CPU, device "
+                        "calls faked: runtime/bench/mirror_host.py)")
     p.add_argument("--steps", type=int, default=100, help="steps per timed block")
     p.add_argument("--rounds", type=int, default=5, help="off / on pairs")
     p.add_argument("--prompt-len", type=int, default=32)
@@ -201,10 +204,22 @@ def main(argv: list[str] | None = None) -> int:
         before_cls = before_classes(args.before_rev, args.before_dir)
     except SourceUnavailable as exc:
         p.error(f"cannot load the 'before' check: {exc}")
-    if args.device == "cpu":
+    if args.device in ("cpu", "host"):
         torch.set_num_threads(1)
     results = []
     for n in rows:
+        if args.device == "host":   # the CUDA check's host work on this CPU (mirror_host.py)
+            r = measure_host(n, args.steps, args.rounds, args.prompt_len, before_cls)
+            results.append(r)
+            print(f"rows {n:4d}, the CUDA check's host work on this CPU: validation "
+                  f"{r['validation_us_per_step']:.1f} us/step (quartiles "
+                  f"{r['validation_us_quartiles'][0]:.1f} .. {r['validation_us_quartiles'][1]:.1f}),"
+                  f" before ({args.before_rev}) {r['before_validation_us_per_step']:.1f} us/step "
+                  f"(quartiles {r['before_validation_us_quartiles'][0]:.1f} .. "
+                  f"{r['before_validation_us_quartiles'][1]:.1f}); now / before "
+                  f"{r['on_over_before_validation']:.2f}; off {r['us_per_step_off']:.1f} us/step",
+                  flush=True)
+            continue
         r = measure(n, args.device, args.steps, args.rounds, args.prompt_len, before_cls,
                     args.profile, args.before_deferred)
         results.append(r)
