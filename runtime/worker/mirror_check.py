@@ -120,7 +120,9 @@ class AsyncMirrorCheck:
         self._graph_size = state_check.flat_size(m_slots(state), self.dev.cols)   # graph layout
         # state.live_version -> its live slots [num_live] and owners [max_num_reqs] (read-only)
         self._live: tuple[int, np.ndarray, tuple] = (-1, None, ())
-        self._aux_of = None                 # the CheckGraph.exp_np the two records below describe
+        self._no_bias = np.zeros(0, dtype=np.intp)   # [0] biased slots
+        self._aux_of = None                 # the CheckGraph.exp_np the records below describe
+        self._graph_expected: list = []     # per buffer: its [graph size] expected-values view
         self._aux_live = [-1, -1]           # per buffer: the live_version of its live-mask row
         self._aux_rows: list = [None, None]   # per buffer: (dtype, bytes) of its step-row slots
 
@@ -155,8 +157,6 @@ class AsyncMirrorCheck:
         digests of the step's rows always (a few ``[R]`` calls on a decode step)."""
         live, rows, digests = self.dev.aux_rows[k]   # [n] int64 each (views)
         st = self.state
-        if self._aux_of is not self.dev.exp_np:   # new buffers (grow): nothing written yet
-            self._aux_of, self._aux_live, self._aux_rows = self.dev.exp_np, [-1, -1], [None, None]
         if self._aux_live[k] != st.live_version:
             np.copyto(live, st.live_np)
             self._aux_live[k] = st.live_version
@@ -196,7 +196,8 @@ class AsyncMirrorCheck:
                                num_computed_tokens=[], ok=True, message=None)
             return
         k = step % 2
-        bl = state_check.biased(st, live)
+        no_bias = st.sampling_state.logit_bias.ids is None   # no bias seen yet: no rows
+        bl = self._no_bias if no_bias else state_check.biased(st, live)
         dev = self.dev
         if st.tokens is not self._graphed_tokens:   # token check switched on / off: recapture
             dev.graphs, self._graphed_tokens = None, st.tokens
@@ -207,9 +208,12 @@ class AsyncMirrorCheck:
             cols = state_check.used_cols(st, live)
             size = state_check.flat_size(m_slots(st), cols, bl.size, state_check.bias_width(st))
             dev.grow(size)
+        if self._aux_of is not dev.exp_np:   # new buffers (first step, grow): nothing written
+            self._aux_of, self._aux_live, self._aux_rows = dev.exp_np, [-1, -1], [None, None]
+            self._graph_expected = [dev.expected(b, self._graph_size) for b in range(2)]
         self._write_aux(k, step)
         if graph is not None:   # the host copies live in the graph's layout: one copy
-            np.copyto(dev.expected(k, size), st.host_flat)
+            np.copyto(self._graph_expected[k], st.host_flat)
             graph.replay()
         else:
             state_check.host_flat(st, cols, dev.expected(k, size), bl)
