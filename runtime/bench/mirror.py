@@ -217,7 +217,9 @@ def main(argv: list[str] | None = None) -> int:
                   f" before ({args.before_rev}) {r['before_validation_us_per_step']:.1f} us/step "
                   f"(quartiles {r['before_validation_us_quartiles'][0]:.1f} .. "
                   f"{r['before_validation_us_quartiles'][1]:.1f}); now / before "
-                  f"{r['on_over_before_validation']:.2f}; off {r['us_per_step_off']:.1f} us/step",
+                  f"{r['on_over_before_validation']:.2f}; off {r['us_per_step_off']:.1f} us/step; "
+                  f"calls per step added {r['calls_per_step_added']:.1f} now, "
+                  f"{r['before_calls_per_step_added']:.1f} before",
                   flush=True)
             continue
         r = measure(n, args.device, args.steps, args.rounds, args.prompt_len, before_cls,

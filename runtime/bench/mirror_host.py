@@ -13,11 +13,15 @@ equal to the host's: the healthy path, one extra ``[n]`` copy per step). The num
 host time of everything else, on / off / as at ``--before-rev`` (its check after the flush, as
 now: ``--before-deferred`` is implied), alternated in one run, in process CPU time (one torch
 thread): what ``python -m runtime.bench mirror --device cuda`` measures in wall time, without
-the CUDA driver calls.
+the CUDA driver calls. On a loaded machine these times move by tens of microseconds between
+rounds; the function calls each mode adds to a step (:func:`calls_per_step`, counted by
+cProfile) do not move at all.
 """
 
 from __future__ import annotations
 
+import cProfile
+import pstats
 import statistics
 
 import numpy as np
@@ -63,24 +67,36 @@ def fake_device(check, tokens) -> None:
 
 
 def host_loop(rows: int, prompt_len: int, max_model_len: int,
-              before_cls: tuple[type, type]) -> RankLoop:
-    """A CPU :class:`RankLoop` whose modes True and ``"before"`` run the CUDA check's host work
-    (:func:`fake_device`), the before revision's after the flush as now."""
+              before_cls: tuple[type, type] | None) -> RankLoop:
+    """A CPU :class:`RankLoop` whose modes True and ``"before"`` (None: no such mode) run the
+    CUDA check's host work (:func:`fake_device`), the before revision's after the flush as now."""
     loop = RankLoop(rows, torch.device("cpu"), prompt_len, max_model_len, before_cls)
     loop.check = AsyncMirrorCheck(loop.state)
-    loop.before = before_cls[0](loop.state)
-    loop.before_deferred, loop.before_rides = True, False
     fake_device(loop.check, loop.token_mirror)
-    fake_device(loop.before, loop.before_tokens)
+    if before_cls is not None:
+        loop.before = before_cls[0](loop.state)
+        loop.before_deferred, loop.before_rides = True, False
+        fake_device(loop.before, loop.before_tokens)
     return loop
+
+
+def calls_per_step(loop: RankLoop, steps: int, mode) -> float:
+    """Python and C function calls per step of ``steps`` steps of ``mode`` (cProfile's count:
+    exact and independent of the machine's load)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    loop.block(steps, mode)
+    prof.disable()
+    return pstats.Stats(prof).total_calls / steps
 
 
 def measure_host(rows: int, steps: int, rounds: int, prompt_len: int,
                  before_cls: tuple[type, type]) -> dict:
     """Off / on / before alternated ``rounds`` times (the order of on and before swapped every
     round) at ``rows`` decode rows: microseconds of process CPU per step, medians over rounds,
-    and the validation's per round (on - off, before - off) with quartiles."""
-    loop = host_loop(rows, prompt_len, prompt_len + (3 * rounds + 4) * steps + 2 * BLOCK,
+    and the validation's per round (on - off, before - off) with quartiles; the calls per step
+    each adds to off (:func:`calls_per_step`)."""
+    loop = host_loop(rows, prompt_len, prompt_len + (3 * rounds + 7) * steps + 2 * BLOCK,
                      before_cls)
     for mode in (True, "before", False):   # warm-up
         loop.block(steps, mode)
@@ -88,6 +104,7 @@ def measure_host(rows: int, steps: int, rounds: int, prompt_len: int,
     for r in range(rounds):
         for mode in ((False, True, "before") if r % 2 == 0 else (False, "before", True)):
             per[mode].append(1e6 * loop.block(steps, mode))
+    calls = {m: calls_per_step(loop, steps, m) for m in (False, True, "before")}
     med = statistics.median
     added = {m: [b - a for a, b in zip(per[False], per[m])] for m in (True, "before")}
     q = {m: [float(x) for x in np.percentile(added[m], [25, 75])] for m in added}
@@ -97,5 +114,7 @@ def measure_host(rows: int, steps: int, rounds: int, prompt_len: int,
             "before_validation_us_per_step": med(added["before"]),
             "before_validation_us_quartiles": q["before"],
             "on_over_before_validation": med(added[True]) / med(added["before"]),
+            "calls_per_step_added": calls[True] - calls[False],
+            "before_calls_per_step_added": calls["before"] - calls[False],
             "validation_us_all": added[True], "before_validation_us_all": added["before"],
             "steps_per_block": steps, "rounds": rounds}
