@@ -27,9 +27,12 @@
 # mirror-micro-{gpu,cpu}.json, pp-mirror.json, mirror-summary.json.
 # The micro bench also profiles one block per mode call by call (--profile) and times the check's
 # CUDA graph alone on the device, and the host time of one replay() of it and of one-node-kind
-# graphs. QUICK=1 skips 4 and 5; MICRO_ROUNDS, MICRO_TIMEOUT, ENGINE_ROUNDS, ENGINE_TOKENS,
-# ENGINE_TIMEOUT shorten 1 and 3 (defaults 9, 100 s, 24, 256, 300 s; the engine part runs two
-# pairs, ENGINE_OF=mirror_validation only the first).
+# graphs. QUICK=1 skips 4 and 5 (SPEC=1 keeps 5); MICRO_ROUNDS, MICRO_TIMEOUT, ENGINE_ROUNDS,
+# ENGINE_TOKENS, ENGINE_TIMEOUT, TESTS_TIMEOUT shorten 1, 2 and 3 (defaults 9, 100 s, 24, 256,
+# 300 s, 120 s; the engine part runs two pairs, ENGINE_OF=mirror_validation only the first);
+# MICRO_ROWS and ENGINE_CONC (default 128,256) pick the points; BEFORE_DEFERRED=1: the before
+# revision's check after the flush as now (--before-deferred; a BEFORE_REV from 43918f7 on);
+# NO_PROFILE=1 drops the micro bench's --profile.
 # Usage: [BEFORE_DIR=DIR] [BEFORE_REV=REV] benchmarks/device/mirror.sh [OUTDIR]
 set -u
 out=${1:-${OUT:-device-out}}
@@ -40,11 +43,15 @@ python3 -c "import torch; print('cuda', torch.cuda.is_available(), torch.cuda.de
 
 before=(--before-rev "${BEFORE_REV:-2bc6e7d}")
 [ -n "${BEFORE_DIR:-}" ] && before+=(--before-dir "$BEFORE_DIR")
-timeout ${MICRO_TIMEOUT:-100} python3 -m runtime.bench mirror --rows 128,256 --device cuda --steps 30 \
-  --rounds ${MICRO_ROUNDS:-9} --profile "${before[@]}" --json-out "$out/mirror-micro-gpu.json" >> "$log" 2>&1
+[ -n "${BEFORE_DEFERRED:-}" ] && before+=(--before-deferred)
+profile=(--profile)
+[ -n "${NO_PROFILE:-}" ] && profile=()
+timeout ${MICRO_TIMEOUT:-100} python3 -m runtime.bench mirror --rows ${MICRO_ROWS:-128,256} --device cuda \
+  --steps 30 --rounds ${MICRO_ROUNDS:-9} "${profile[@]}" "${before[@]}" \
+  --json-out "$out/mirror-micro-gpu.json" >> "$log" 2>&1
 echo "micro rc=$?" | tee -a "$log"
 
-timeout 120 python3 -m pytest -p no:cacheprovider -q -rs --durations=15 \
+timeout ${TESTS_TIMEOUT:-120} python3 -m pytest -p no:cacheprovider -q -rs --durations=15 \
   tests/gpu/test_gpu_mirror_state_faults.py tests/gpu/test_gpu_mirror_check.py \
   tests/core/test_block_digest.py tests/runtime/test_mirror_check_layout.py \
   tests/runtime/test_mirror_check_kernel.py \
@@ -56,7 +63,8 @@ folder=/tmp/smollm2-random
 [ -d $folder ] || timeout 30 python3 -m runtime.bench.model_folder --shape smollm2-135m \
   --out $folder >> "$log" 2>&1
 timeout ${ENGINE_TIMEOUT:-300} python3 -m runtime.bench pp --pp 1 --workload none --overheads \
-  --overheads-of ${ENGINE_OF:-mirror_validation,mirror_check_fused} --overheads-concurrency 128,256 \
+  --overheads-of ${ENGINE_OF:-mirror_validation,mirror_check_fused} \
+  --overheads-concurrency ${ENGINE_CONC:-128,256} \
   --repeats ${ENGINE_ROUNDS:-24} --overheads-pin \
   --overheads-warmup 2 --num-requests 128 --max-num-seqs 256 --max-tokens ${ENGINE_TOKENS:-256} \
   --max-model-len 384 --max-num-batched-tokens 8192 --max-prefill-chunk 4096 \
@@ -97,8 +105,8 @@ if f.exists():
 (out / "mirror-summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 print(json.dumps(summary, indent=1)[:3000])
 PY
-[ -n "${QUICK:-}" ] && exit 0
-timeout 90 python3 -m pytest -p no:cacheprovider -q -x tests/gpu/test_gpu_spec_decode.py \
+[ -n "${QUICK:-}" ] && [ -z "${SPEC:-}" ] && exit 0
+timeout ${SPEC_TIMEOUT:-90} python3 -m pytest -p no:cacheprovider -q -x tests/gpu/test_gpu_spec_decode.py \
   -k "2-1-False or 3-2-True or planted" >> "$out/mirror-tests.log" 2>&1
 echo "spec pytest rc=$?" | tee -a "$log"
 tail -2 "$out/mirror-tests.log"

@@ -49,6 +49,7 @@ import torch
 
 from ppstate.batch import SchedulerOutput
 from runtime.bench.git_source import SourceUnavailable, load_module
+from runtime.bench.mirror_host import measure_host
 from runtime.bench.mirror_profile import graph_gpu_us, profile_modes, replay_host_us
 from runtime.bench.rank_loop import BLOCK, RankLoop
 from runtime.bench.results import subcommand_line, write_result
@@ -99,11 +100,14 @@ def pieces(loop: RankLoop, calls: int = 300, repeats: int = 5) -> dict:
 
 
 def measure(rows: int, device: str, steps: int, rounds: int, prompt_len: int,
-            before_cls: tuple[type, type], profile: bool = False) -> dict:
+            before_cls: tuple[type, type], profile: bool = False,
+            before_deferred: bool = False) -> dict:
     """Off / on / before alternated ``rounds`` times at ``rows`` rows (module docstring;
-    ``before_cls``: :func:`before_classes`; ``profile``: also :func:`profile_modes`)."""
+    ``before_cls``: :func:`before_classes`; ``profile``: also :func:`profile_modes`;
+    ``before_deferred``: the before check's snapshot after the flush, ``RankLoop``)."""
     max_model_len = prompt_len + (4 * rounds + 3 + 8 * profile) * steps + 2 * BLOCK
-    loop = RankLoop(rows, torch.device(device), prompt_len, max_model_len, before_cls)
+    loop = RankLoop(rows, torch.device(device), prompt_len, max_model_len, before_cls,
+                    before_deferred)
     loop.block(steps, True)                     # warm-up (allocations, first kernels)
     loop.block(steps, "before")
     cuda = device == "cuda"
@@ -165,7 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m runtime.bench mirror", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="128,256", help="comma list of decode rows (live slots)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--device", default="cpu",
+                   help="cpu, cuda, or host (the CUDA check's host work on this CPU, device "
+                        "calls faked: runtime/bench/mirror_host.py)")
     p.add_argument("--steps", type=int, default=100, help="steps per timed block")
     p.add_argument("--rounds", type=int, default=5, help="off / on pairs")
     p.add_argument("--prompt-len", type=int, default=32)
@@ -174,6 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--before-dir", default=None,
                    help="folder with mirror_check.py and token_check.py of --before-rev, "
                         "extracted beforehand (a machine without the repository's .git)")
+    p.add_argument("--before-deferred", action="store_true",
+                   help="the before revision's check takes its snapshot after the flush, as now "
+                        "(a revision with StageRunner.run_deferred_check: 43918f7 on) instead of "
+                        "riding on the result copy")
     p.add_argument("--profile", action="store_true",
                    help="also profile one block per mode call by call (cProfile; runtime/bench/"
                         "mirror_profile.py): what on and before add to off, per step")
@@ -194,12 +204,26 @@ def main(argv: list[str] | None = None) -> int:
         before_cls = before_classes(args.before_rev, args.before_dir)
     except SourceUnavailable as exc:
         p.error(f"cannot load the 'before' check: {exc}")
-    if args.device == "cpu":
+    if args.device in ("cpu", "host"):
         torch.set_num_threads(1)
     results = []
     for n in rows:
+        if args.device == "host":   # the CUDA check's host work on this CPU (mirror_host.py)
+            r = measure_host(n, args.steps, args.rounds, args.prompt_len, before_cls)
+            results.append(r)
+            print(f"rows {n:4d}, the CUDA check's host work on this CPU: validation "
+                  f"{r['validation_us_per_step']:.1f} us/step (quartiles "
+                  f"{r['validation_us_quartiles'][0]:.1f} .. {r['validation_us_quartiles'][1]:.1f}),"
+                  f" before ({args.before_rev}) {r['before_validation_us_per_step']:.1f} us/step "
+                  f"(quartiles {r['before_validation_us_quartiles'][0]:.1f} .. "
+                  f"{r['before_validation_us_quartiles'][1]:.1f}); now / before "
+                  f"{r['on_over_before_validation']:.2f}; off {r['us_per_step_off']:.1f} us/step; "
+                  f"calls per step added {r['calls_per_step_added']:.1f} now, "
+                  f"{r['before_calls_per_step_added']:.1f} before",
+                  flush=True)
+            continue
         r = measure(n, args.device, args.steps, args.rounds, args.prompt_len, before_cls,
-                    args.profile)
+                    args.profile, args.before_deferred)
         results.append(r)
         before = (f", counters only {r['counters_only_us_per_step']:.1f} us"
                   if "counters_only_us_per_step" in r else "")

@@ -24,8 +24,10 @@ class RankLoop:
     """One rank's per-step state work for ``rows`` decode rows (no model)."""
 
     def __init__(self, rows: int, device: torch.device, prompt_len: int, max_model_len: int,
-                 before: tuple[type, type] | None = None) -> None:
-        """``before``: :func:`before_classes` (None: no ``"before"`` mode)."""
+                 before: tuple[type, type] | None = None, before_deferred: bool = False) -> None:
+        """``before``: :func:`before_classes` (None: no ``"before"`` mode); ``before_deferred``:
+        its check takes the snapshot after the flush, as mode True does (a revision that has
+        ``StageRunner.run_deferred_check``, from 43918f7 on), instead of riding on the copy."""
         self.n, self.device = rows, device
         self.state = DeviceState(rows, max_model_len, 1, device, rank=0, block_size=BLOCK)
         self.state.add_requests([NewRequest(f"r{s}", s, tuple(range(100, 100 + prompt_len)),
@@ -52,7 +54,9 @@ class RankLoop:
             self.before = before[0](self.state) if cuda else None
             self.before_tokens = before[1](rows, max_model_len, device)
         # the before revision's check rides on the result copy too where it can (share)
-        self.before_rides = self.before is not None and hasattr(self.before, "share")
+        self.before_deferred = before_deferred and self.before is not None
+        self.before_rides = (self.before is not None and hasattr(self.before, "share")
+                             and not self.before_deferred)
         self.token_mirror = self.state.track_tokens()   # the token-id check: "on" blocks only
         self.state.tokens = None
         self.copies = HostCopy(device)   # the last rank's result copy (every mode)
@@ -138,7 +142,7 @@ class RankLoop:
             st.validate(step)
         elif validate == "before" and self.before_rides:
             self.before.snapshot(step, later=True)
-        elif validate == "before":   # a revision from before the check rode on the copy
+        elif validate == "before" and not self.before_deferred:   # before it rode on the copy
             self.before.snapshot(step)
         copy = self.copies.start(self.sampled)
         if self._rides(validate):   # the token mirror's ids from the result copy
@@ -149,7 +153,10 @@ class RankLoop:
 
     def _now(self, validate: bool | str):
         """The current check of mode ``validate`` (True: ``graph``, ``"fused"``: the fused
-        kernel's), None for the other modes and on the CPU."""
+        kernel's, ``"before"`` with ``before_deferred``: the before revision's), None for the
+        other modes and on the CPU."""
+        if validate == "before" and self.before_deferred:
+            return self.before
         return self.check if validate is True else self.fused if validate == "fused" else None
 
     def _rides(self, validate: bool | str) -> bool:

@@ -60,6 +60,7 @@ class DeviceState:
         self.mirror = CpuMirror(max_num_reqs, rank=rank)
         self.owner: list[str | None] = [None] * max_num_reqs                    # [max_num_reqs]
         self.live_np = np.zeros(max_num_reqs, dtype=bool)                       # [max_num_reqs]
+        self.live_version = 0   # +1 at every change of live_np / owner (add_requests, free)
         self.sampling_state = SamplingState(max_num_reqs, device)  # per-slot sampling parameters
         self.tokens: TokenMirror | None = None   # host copy of all_token_ids (track_tokens)
         # the host copies above, moved into one array in the mirror check's flat layout
@@ -89,6 +90,7 @@ class DeviceState:
             self.num_computed_prefill_tokens[s] = req.num_cached_tokens
             self.owner[s] = req.req_id
             self.live_np[s] = True
+            self.live_version += 1
             self.block_table_np[s] = 0
             self.block_table[s] = 0
             self.num_blocks[s] = 0
@@ -130,6 +132,7 @@ class DeviceState:
         """Forget the slot's owner (its tensors are re-initialised on the next admission)."""
         self.owner[slot] = None
         self.live_np[slot] = False
+        self.live_version += 1
 
     def input_ids(self, token_slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Gather the step's input token ids from device state: ``[num_tokens]`` int64.
@@ -164,7 +167,9 @@ class DeviceState:
         self.mirror.apply_rejected(idx_mapping_np, num_rejected_np)
         keep = idx_mapping_np >= 0
         if self.tokens is not None:   # the ids land in the host copy once copied
-            start = self.total_len_np[np.where(keep, idx_mapping_np, 0)]
+            start = (self.total_len_np.take(idx_mapping_np)   # every row has a slot (decode)
+                     if np.count_nonzero(keep) == keep.size
+                     else self.total_len_np[np.where(keep, idx_mapping_np, 0)])
             if tokens_later:
                 self.tokens.record(sampled, idx_mapping_np, start, num_sampled_np, later=True)
             else:

@@ -63,12 +63,12 @@ def m_slots(state) -> int:
     return state.block_table_np.shape[0]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Pending:
     step: int
     buf: int                       # index of the double-buffered host / device arrays in use
     live: np.ndarray               # [num_live] slots compared
-    owners: list                   # [max_num_reqs] req ids at snapshot time
+    owners: tuple                  # [max_num_reqs] req ids at snapshot time
     event: object | None
     cols: int = 1                  # block-table columns in the flat layout
     biased: np.ndarray | None = None   # [B] biased live slots whose logit-bias rows follow
@@ -117,6 +117,22 @@ class AsyncMirrorCheck:
         self._digests: tuple | None = None   # (step, slots, block_digests) of expect_digests
         self.checked_steps = 0
         self._graphed_tokens = None   # the TokenMirror whose digests the graphs compute
+        self._graph_size = state_check.flat_size(m_slots(state), self.dev.cols)   # graph layout
+        # state.live_version -> its live slots [num_live] and owners [max_num_reqs] (read-only)
+        self._live: tuple[int, np.ndarray, tuple] = (-1, None, ())
+        self._no_bias = np.zeros(0, dtype=np.intp)   # [0] biased slots
+        self._aux_of = None                 # the CheckGraph.exp_np the records below describe
+        self._graph_expected: list = []     # per buffer: its [graph size] expected-values view
+        self._aux_live = [-1, -1]           # per buffer: the live_version of its live-mask row
+        self._aux_rows: list = [None, None]   # per buffer: (dtype, bytes) of its step-row slots
+
+    def _live_slots(self) -> tuple[np.ndarray, tuple]:
+        """``([num_live] live slots, [max_num_reqs] owners)`` now, recomputed only when the
+        state's ``live_version`` changed (admission, free): a decode step reuses them."""
+        st = self.state
+        if self._live[0] != st.live_version:
+            self._live = (st.live_version, st.live_slots(), tuple(st.owner))
+        return self._live[1], self._live[2]
 
     @property
     def use_graphs(self) -> bool:
@@ -135,15 +151,27 @@ class AsyncMirrorCheck:
         self._digests = (out.step, out.slots, out.block_digests)
 
     def _write_aux(self, k: int, step: int) -> None:
-        """Buffer ``k``'s int64 rows: the live mask and the step rows' expected digests."""
+        """Buffer ``k``'s int64 rows: the live mask and the step rows' mask and expected digests.
+        The buffer keeps what it held two steps ago, so the masks are written only when they
+        changed since then (the live mask: ``live_version``; the step rows: their slots), the
+        digests of the step's rows always (a few ``[R]`` calls on a decode step)."""
         live, rows, digests = self.dev.aux_rows[k]   # [n] int64 each (views)
-        np.copyto(live, self.state.live_np)
-        rows.fill(0)
+        st = self.state
+        if self._aux_live[k] != st.live_version:
+            np.copyto(live, st.live_np)
+            self._aux_live[k] = st.live_version
         d, self._digests = self._digests, None
         if d is not None and d[0] == step and d[2] is not None and len(d[1]):
-            slots = d[1].astype(np.intp)   # put: the cheapest scatter
-            rows.put(slots, 1)
-            digests.put(slots, d[2])
+            slots = d[1]
+            key = (slots.dtype.char, slots.tobytes())
+            if key != self._aux_rows[k]:
+                rows.fill(0)
+                rows.put(slots, 1)
+                self._aux_rows[k] = key
+            digests.put(slots, d[2])   # put: the cheapest scatter
+        elif self._aux_rows[k] != ():
+            rows.fill(0)
+            self._aux_rows[k] = ()
 
     def snapshot(self, step: int, later: bool = False) -> None:
         """Start the check of ``step`` (call after the step's post-update was issued). Finishes
@@ -161,24 +189,31 @@ class AsyncMirrorCheck:
         """
         self.poll(block=True)
         st = self.state
-        live = st.live_slots()
+        live, owners = self._live_slots()
         if live.size == 0:
             if self.sink.enabled:   # nothing to compare, recorded as the synchronous check does
                 self.sink.emit("mirror.check", step=step, rank=self.rank, slots=[],
                                num_computed_tokens=[], ok=True, message=None)
             return
         k = step % 2
-        bl = state_check.biased(st, live)
+        no_bias = st.sampling_state.logit_bias.ids is None   # no bias seen yet: no rows
+        bl = self._no_bias if no_bias else state_check.biased(st, live)
         dev = self.dev
         if st.tokens is not self._graphed_tokens:   # token check switched on / off: recapture
             dev.graphs, self._graphed_tokens = None, st.tokens
         graph = dev.graph(k) if dev.use_graphs and not bl.size else None
-        cols = dev.cols if graph is not None else state_check.used_cols(st, live)
-        size = state_check.flat_size(m_slots(st), cols, bl.size, state_check.bias_width(st))
-        dev.grow(size)
+        if graph is not None:   # every column, no logit-bias rows: the buffers hold it
+            cols, size = dev.cols, self._graph_size
+        else:
+            cols = state_check.used_cols(st, live)
+            size = state_check.flat_size(m_slots(st), cols, bl.size, state_check.bias_width(st))
+            dev.grow(size)
+        if self._aux_of is not dev.exp_np:   # new buffers (first step, grow): nothing written
+            self._aux_of, self._aux_live, self._aux_rows = dev.exp_np, [-1, -1], [None, None]
+            self._graph_expected = [dev.expected(b, self._graph_size) for b in range(2)]
         self._write_aux(k, step)
         if graph is not None:   # the host copies live in the graph's layout: one copy
-            np.copyto(dev.expected(k, size), st.host_flat)
+            np.copyto(self._graph_expected[k], st.host_flat)
             graph.replay()
         else:
             state_check.host_flat(st, cols, dev.expected(k, size), bl)
@@ -187,7 +222,7 @@ class AsyncMirrorCheck:
         if self._pin and not later:   # buffer k's previous snapshot was compared (poll above)
             event = self._events[k]
             event.record()
-        p = _Pending(step, k, live, list(st.owner), event, cols, bl, size,
+        p = _Pending(step, k, live, owners, event, cols, bl, size,
                      awaiting=self._pin and later)
         self._unshared = p if p.awaiting else None
         if st.tokens is not None:

@@ -35,6 +35,24 @@ from ppstate.errors import MirrorDivergence
 _MASK = (1 << 64) - 1
 
 
+class _Write:
+    """One recorded write, applied by :meth:`TokenMirror.drain` once its ids have landed.
+
+    ``host``: the ids ``[R, width]`` (pinned tensor, numpy array, :class:`_Rows`, or None until
+    attached); ``slots``, ``start``, ``num``: ``[R]`` int64; ``buf``: the pinned buffer to give
+    back (or None); ``rows``: the sampled block's rows that write (None: all) until attached.
+    One id per row (a decode step without drafts) keeps ``idx`` (``[R]`` flat index into
+    ``ids_np``) and ``wts`` (``[R]`` uint64 ``V_start``) instead of ``start`` / ``num``.
+    """
+
+    __slots__ = ("tag", "host", "slots", "start", "num", "buf", "rows", "idx", "wts")
+
+    def __init__(self, tag, host, slots, start=None, num=None, buf=None, rows=None, idx=None,
+                 wts=None) -> None:
+        self.tag, self.host, self.slots, self.start, self.num = tag, host, slots, start, num
+        self.buf, self.rows, self.idx, self.wts = buf, rows, idx, wts
+
+
 class _Rows:
     """Rows ``rows`` (``[R']``) of an attached host copy ``host`` ``[R, w]`` (the rows that write)."""
 
@@ -69,13 +87,15 @@ class TokenMirror:
     def __init__(self, max_num_reqs: int, max_model_len: int, device: torch.device) -> None:
         self.device, self.max_model_len = device, max_model_len
         self.ids_np = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self._flat = self.ids_np.reshape(-1)   # [max_num_reqs * max_model_len] view: take / put
+        self._ones = np.ones(max_num_reqs, dtype=np.int64).tobytes()   # num of a decode step
         self._w = position_weights(max_model_len)                    # [max_model_len] uint64
         self.weights = torch.from_numpy(self._w.view(np.int64).copy()).to(device)
         self.digest_np = np.zeros(max_num_reqs, dtype=np.uint64)       # [max_num_reqs]
-        self.pending: list[list] = []   # [tag, host ids [R, width], slots, pos, num, pinned]
+        self.pending: list[_Write] = []   # recorded, not applied yet (oldest first)
         self._free: list[torch.Tensor] = []   # pinned [max_num_reqs, cols] buffers not in use
         self.tag = 0                     # snapshots started so far (a write's tag: the next one)
-        self._unattached: list | None = None   # a record(later=True) waiting for attach
+        self._unattached: _Write | None = None   # a record(later=True) waiting for attach
 
     def resync(self, all_token_ids: torch.Tensor) -> None:
         """Start from the device's ids as they are (a device read; nothing may be pending)."""
@@ -106,34 +126,54 @@ class TokenMirror:
                 completed) with :meth:`attach` before that snapshot is compared (the last rank:
                 the step's result copy, which it makes anyway).
         """
-        if slots.size and slots.min() >= 0 and num.min() > 0:   # every row writes (decode)
-            rows = None
-        else:
-            keep = (slots >= 0) & (num > 0)
-            if not keep.any():
+        w = self._one_per_row(slots, start, num)
+        if w is None:
+            w = self._rows_that_write(slots, start, num)
+            if w is None:
                 return
-            rows = np.flatnonzero(keep)
-            slots, start, num = slots[rows], start[rows], num[rows]
         if self.device.type == "cpu":
-            self._apply(sampled.numpy() if rows is None else sampled.numpy()[rows], slots, start,
-                        num)
+            ids = sampled.numpy()
+            self._apply_write(ids if w.rows is None else ids[w.rows], w)
             return
         if later:   # ids from the caller's copy (attach); rows kept to select them then
-            self.pending.append([self.tag, None, slots.astype(np.int64), start.astype(np.int64),
-                                 num.copy(), rows])
-            self._unattached = self.pending[-1]
+            self.pending.append(w)
+            self._unattached = w
             return
         src = sampled
-        if sampled.shape[1] > 1 and num.max() == 1:   # one id per row: copy column 0 only (#33)
+        if sampled.shape[1] > 1 and w.idx is not None:   # one id per row: column 0 only (#33)
             src = sampled = sampled[:, :1]
-        if rows is not None and rows.size != sampled.shape[0]:
-            src = sampled.index_select(0, torch.from_numpy(rows).to(sampled.device,
-                                                                    non_blocking=True))
-        buf = self._pinned(src.shape[1])
-        host = buf[:src.shape[0]]
-        host.copy_(src, non_blocking=True)
-        self.pending.append([self.tag, host, slots.astype(np.int64), start.astype(np.int64),
-                             num.copy(), buf])
+        if w.rows is not None and w.rows.size != sampled.shape[0]:
+            src = sampled.index_select(0, torch.from_numpy(w.rows).to(sampled.device,
+                                                                      non_blocking=True))
+        w.buf = self._pinned(src.shape[1])
+        w.host, w.rows = w.buf[:src.shape[0]], None
+        w.host.copy_(src, non_blocking=True)
+        self.pending.append(w)
+
+    def _one_per_row(self, slots: np.ndarray, start: np.ndarray, num: np.ndarray):
+        """The :class:`_Write` of a step whose every row writes one id below ``max_model_len``
+        (decode without drafts; its flat indices and weights computed now, a few calls of
+        ``[R]`` each), or None (another step: :meth:`_rows_that_write`)."""
+        r = slots.size
+        if (not r or num.dtype != np.int64 or num.tobytes() != self._ones[:8 * r]
+                or slots.min() < 0 or start.max() >= self.max_model_len):
+            return None
+        idx = np.multiply(slots, self.max_model_len, dtype=np.int64)   # a new array
+        idx += start
+        return _Write(self.tag, None, slots.astype(np.int64), idx=idx, wts=self._w.take(start))
+
+    def _rows_that_write(self, slots: np.ndarray, start: np.ndarray, num: np.ndarray):
+        """The :class:`_Write` of any step (rows without a slot or an id dropped; None when no
+        row writes)."""
+        rows = None
+        if not (slots.size and slots.min() >= 0 and num.min() > 0):   # some row writes nothing
+            keep = (slots >= 0) & (num > 0)
+            if not keep.any():
+                return None
+            rows = np.flatnonzero(keep)
+            slots, start, num = slots[rows], start[rows], num[rows]
+        return _Write(self.tag, None, slots.astype(np.int64), start.astype(np.int64),
+                      num.astype(np.int64), rows=rows)
 
     def attach(self, host: torch.Tensor) -> None:
         """The ids of the last ``record(..., later=True)``: ``host`` ``[R, >= 1]`` int64 pinned,
@@ -143,8 +183,8 @@ class TokenMirror:
         if w is None:
             return
         self._unattached = None
-        w[1] = host if w[5] is None else _Rows(host, w[5])
-        w[5] = None
+        w.host = host if w.rows is None else _Rows(host, w.rows)
+        w.rows = None
 
     def _pinned(self, cols: int) -> torch.Tensor:
         """A pinned ``[max_num_reqs, cols]`` int64 buffer not in use: from the free list, or
@@ -158,11 +198,11 @@ class TokenMirror:
         """A write whose ids the host knows (speculative drafts, ``[k]``): ``ids[slot, start ..]``
         (below ``max_model_len``), in order after the sampled writes recorded before it."""
         ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
-        args = (np.array([slot]), np.array([start]), np.array([ids.shape[1]]))
+        w = _Write(self.tag, ids, np.array([slot]), np.array([start]), np.array([ids.shape[1]]))
         if self.device.type == "cpu":
-            self._apply(ids, *args)
+            self._apply_write(ids, w)
         else:
-            self.pending.append([self.tag, ids, *args, None])
+            self.pending.append(w)
 
     def drain(self, tag: int) -> None:
         """Apply the recorded writes of snapshots up to ``tag`` (their copies landed: each was
@@ -171,17 +211,36 @@ class TokenMirror:
         Raises:
             RuntimeError: a ``record(..., later=True)`` whose ids were never attached.
         """
-        while self.pending and self.pending[0][0] <= tag:
-            _, host, slots, start, num, buf = self.pending.pop(0)
+        while self.pending and self.pending[0].tag <= tag:
+            w = self.pending.pop(0)
+            host = w.host
             if host is None:
                 raise RuntimeError("token mirror: sampled ids recorded for later, never attached")
             if isinstance(host, _Rows):
                 ids = host.host.numpy()[host.rows]
             else:
                 ids = host.numpy() if isinstance(host, torch.Tensor) else host
-            self._apply(ids, slots, start, num)
-            if buf is not None:
-                self._free.append(buf)   # its ids are in the host copy: reusable
+            self._apply_write(ids, w)
+            if w.buf is not None:
+                self._free.append(w.buf)   # its ids are in the host copy: reusable
+
+    def _apply_write(self, ids: np.ndarray, w: _Write) -> None:
+        """Write ``w`` with its ids ``[R, width]`` int64 (a step's slots are distinct)."""
+        if w.idx is not None:   # one id per row, indices and weights known (decode)
+            self._apply_one_at(ids[:, 0], w)
+        else:
+            self._apply(ids, w.slots, w.start, w.num)
+
+    def _apply_one_at(self, new: np.ndarray, w: _Write) -> None:
+        """One id per row (``new`` ``[R]`` int64) at ``w``'s flat indices ``w.idx``, weights
+        ``w.wts`` and slots ``w.slots`` (``[R]`` each, from :meth:`_one_per_row`): eight calls
+        of ``[R]`` elements."""
+        d = (new - self._flat.take(w.idx)).view(np.uint64)
+        d *= w.wts                                                      # wraps mod 2**64
+        g = self.digest_np.take(w.slots)
+        g += d
+        self.digest_np.put(w.slots, g)
+        self._flat.put(w.idx, new)
 
     def _apply(self, ids: np.ndarray, slots: np.ndarray, start: np.ndarray,
                num: np.ndarray) -> None:

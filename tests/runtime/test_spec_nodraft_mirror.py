@@ -3,7 +3,7 @@ a spec-off step does (issue #33).
 
 Under speculation the sampled payload is ``[R, K + 1]`` wide even when no row carried drafts
 (every row samples one id, ``num == 1``). :meth:`TokenMirror.record` must then take the
-one-id-per-row path (:meth:`TokenMirror._apply_one`, O(rows)), not the general ``[R, K + 1]``
+one-id-per-row path (:meth:`TokenMirror._apply_one_at`, O(rows)), not the general ``[R, K + 1]``
 scatter, and leave exactly the state the width-1 record leaves: the ids at column 0 written, the
 padding columns ignored, the digests equal to a recomputation from the host ids.
 """
@@ -36,8 +36,8 @@ def _digest(ids_np: np.ndarray) -> np.ndarray:
 def test_one_id_per_row_takes_the_plain_path_at_any_width(k, monkeypatch):
     m = _mirror()
     calls = []
-    orig = m._apply_one
-    monkeypatch.setattr(m, "_apply_one", lambda *a: (calls.append(a[0].tolist()), orig(*a)))
+    orig = m._apply_one_at
+    monkeypatch.setattr(m, "_apply_one_at", lambda *a: (calls.append(a[0].tolist()), orig(*a)))
     sampled = np.full((3, k + 1), 7777, dtype=np.int64)   # padding columns: never written
     sampled[:, 0] = IDS
     m.record(torch.from_numpy(sampled), SLOTS, START, np.ones(3, dtype=np.int64))
@@ -60,7 +60,8 @@ def test_draft_free_step_leaves_the_state_of_a_spec_off_step(k):
 
 def test_rows_with_several_ids_still_take_the_general_path(monkeypatch):
     m = _mirror()
-    monkeypatch.setattr(m, "_apply_one", lambda *a: pytest.fail("one-id path for a 2-id row"))
+    for one in ("_apply_one", "_apply_one_at"):
+        monkeypatch.setattr(m, one, lambda *a: pytest.fail("one-id path for a 2-id row"))
     sampled = np.array([[41, 42, 0], [17, 0, 0], [99, 98, 97]], dtype=np.int64)
     m.record(torch.from_numpy(sampled), SLOTS, START, np.array([2, 1, 3], dtype=np.int64))
     assert m.ids_np[3, 7:9].tolist() == [41, 42]
