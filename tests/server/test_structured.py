@@ -125,10 +125,18 @@ def _schema_reply(client, i: int, schema: dict) -> tuple[int, str, str]:
 
 def test_generated_schemas_validate_under_pp_spec_and_preemption(servers):
     """56 generated schemas, half on each server, 16 at a time: every output parses and
-    validates; the PP=2 server preempted (its KV cache holds a fraction of the load)."""
+    validates; the PP=2 server preempted (its KV cache, 32 blocks a rank, holds a fraction of
+    the load). An unconstrained 400-token request (``ignore_eos``) runs on the PP=2 server
+    throughout, so preemption does not hang on how many constrained requests happen to overlap
+    (on a loaded machine their grammar compiles spread them out)."""
     clients = _clients(servers)
-    with ThreadPoolExecutor(32) as pool:
+    with ThreadPoolExecutor(33) as pool:
+        hog = pool.submit(lambda: clients[0].completions.create(
+            model="default", prompt="Count:", max_tokens=400, temperature=0,
+            extra_body={"ignore_eos": True}).choices[0])
         done = list(pool.map(lambda i: _schema_reply(clients[i % 2], i, SCHEMAS[i]), range(len(SCHEMAS))))
+        hog = hog.result()
+    assert hog.finish_reason == "length"
     for i, text, finish in done:
         assert finish == "stop", (i, text, SCHEMAS[i])
         jsonschema.validate(json.loads(text), SCHEMAS[i])
