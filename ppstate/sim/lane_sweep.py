@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 from ppstate.lanes import choose_lanes
 from ppstate.sim.simulator import Simulator
@@ -64,7 +65,8 @@ def point(n: int, pp: int, base: int, per_token: int, contention: float, empty: 
 
 
 def _first_out_of_range(ns: argparse.Namespace, points: list[int]) -> str | None:
-    """The message naming the first flag out of its range (NaN is out of every range), or None."""
+    """The message naming the first flag out of its range (NaN and infinity are out of every
+    range), or None."""
     policy = 1.0 if ns.policy_contention is None else ns.policy_contention
     bounds = [("--pp", ns.pp, 2), ("--points", min(points), 1), ("--base", ns.base, 0),
               ("--per-token", ns.per_token, 0), ("--empty", ns.empty, 0),
@@ -72,6 +74,8 @@ def _first_out_of_range(ns: argparse.Namespace, points: list[int]) -> str | None
     for flag, value, low in bounds:
         if not value >= low:
             return f"argument {flag}: must be >= {low}, got {value:g}"
+        if not math.isfinite(value):
+            return f"argument {flag}: must be finite, got {value:g}"
     return None
 
 

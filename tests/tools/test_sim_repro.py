@@ -126,6 +126,7 @@ def test_mutants_the_simulator_cannot_run_are_refused(argv, want, capsys):
 @pytest.mark.parametrize("argv, want", [
     (["--contention", "0.5"],
      "argument --contention: must be >= 1 (a slow-down: 1 = none), got 0.5"),
+    (["--contention", "inf"], "argument --contention: must be finite, got inf"),
     (["--spec-tokens", "99"],
      "argument --spec-tokens: must be in [0, 16] (the engine's --spec-tokens bound), got 99"),
     (["--spec-tokens", "-1"],
@@ -147,6 +148,7 @@ def test_out_of_range_flags_are_refused_naming_the_flag(argv, want, capsys):
 @pytest.mark.parametrize("argv, want", [
     (["--contention", "0.5"], "argument --contention: must be >= 1, got 0.5"),
     (["--contention", "nan"], "argument --contention: must be >= 1, got nan"),
+    (["--contention", "inf"], "argument --contention: must be finite, got inf"),
     (["--policy-contention", "0"], "argument --policy-contention: must be >= 1, got 0"),
     (["--pp", "1"], "argument --pp: must be >= 2, got 1"),
     (["--points", "4,0"], "argument --points: must be >= 1, got 0"),
