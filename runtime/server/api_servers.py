@@ -76,6 +76,27 @@ class _Signals:
         self.count += 1
 
 
+def _how(code: int | None) -> str:
+    """``"killed by SIGKILL"`` / ``"exit status 1"`` from a ``Process.exitcode``."""
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+def who_exited(core, fronts) -> str:
+    """Which of the engine core and the API servers ended, and how, e.g. ``"API server 0 (pid
+    8378) exited: killed by SIGKILL"``; the core counts while it is not alive, an API server when
+    its exit code is set and not 0 (``core`` / ``fronts``: ``multiprocessing.Process``)."""
+    gone = [(f"engine core (pid {core.pid})", core.exitcode)] if not core.is_alive() else []
+    gone += [(f"API server {k} (pid {p.pid})", p.exitcode) for k, p in enumerate(fronts)
+             if p.exitcode not in (None, 0)]
+    return "; ".join(f"{name} exited: {_how(code)}" for name, code in gone) or \
+        "the engine core or an API server exited"
+
+
 def serve_api_servers(config: EngineConfig, args: argparse.Namespace, sock: socket.socket,
                       url: str, serve) -> int:
     """Run the engine core and ``args.api_server_count`` API servers until a signal or a failure;
@@ -118,7 +139,7 @@ def serve_api_servers(config: EngineConfig, args: argparse.Namespace, sock: sock
             p.exitcode not in (None, 0) for p in fronts)
         if broken and not failed:
             failed = True
-            print("error: the engine core or an API server exited; stopping", file=sys.stderr, flush=True)
+            print(f"error: {who_exited(core, fronts)}; stopping", file=sys.stderr, flush=True)
         if (signals.count > forwarded or failed) and forwarded < 2:
             forwarded += 1
             for p in fronts:
