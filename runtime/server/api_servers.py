@@ -39,14 +39,18 @@ CORE_STOP_S = 30.0
 
 
 def frontend_main(config: EngineConfig, args: argparse.Namespace, sock: socket.socket, index: int,
-                  in_addr: str, out_addr: str, ready_q, serve) -> None:
+                  in_addr: str, out_addr: str, ready_q, serve,
+                  supervisor_pid: int | None = None) -> None:
     """Process entry point of API server ``index`` (spawn target); ``serve`` is
     :func:`runtime.serve.serve` (passed in, pickled by name, so this module does not import the
-    CLI that imports it)."""
+    CLI that imports it). It exits when process ``supervisor_pid`` ends (None: not watched)."""
     import asyncio
 
+    from runtime.engine.rank_process import watch_engine
     from runtime.server.remote_engine import RemoteEngine
     os.setpgid(0, 0)   # a Ctrl-C on the terminal reaches the main process only
+    if supervisor_pid is not None:   # own process group: a SIGKILL of the supervisor left it
+        watch_engine(supervisor_pid, who=f"API server {index}", watched="supervisor")  # serving
 
     async def start(cfg: EngineConfig) -> RemoteEngine:
         return await RemoteEngine.start(cfg, index, in_addr, out_addr)
@@ -116,11 +120,15 @@ def serve_api_servers(config: EngineConfig, args: argparse.Namespace, sock: sock
           f"engine-core process, {n} API server process(es); {url}/health answers 503 'loading' "
           "until ready ...", flush=True)
     t0 = time.perf_counter()
-    core = ctx.Process(target=core_main, args=(config, in_addr, out_addrs), name="ppstate-engine-core")
+    # the supervisor's pid, not the children's getppid(): a child still importing when the
+    # supervisor is killed would read init's pid by the time it watches
+    me = os.getpid()
+    core = ctx.Process(target=core_main, args=(config, in_addr, out_addrs, me),
+                       name="ppstate-engine-core")
     core.start()
     ready_q = ctx.Queue()
     fronts = [ctx.Process(target=frontend_main, name=f"ppstate-api-{k}",
-                          args=(config, args, sock, k, in_addr, out_addrs[k], ready_q, serve))
+                          args=(config, args, sock, k, in_addr, out_addrs[k], ready_q, serve, me))
               for k in range(n)]
     for p in fronts:
         p.start()
