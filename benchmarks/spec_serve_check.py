@@ -12,6 +12,11 @@ embedded GGUF; with ``--tokenizer word``, pass ``--word-prompts``)::
     python benchmarks/spec_serve_check.py --model FOLDER --device cuda --dtype float32 \\
         --spec-tokens 4 --out spec-serve.json
 
+On the CPU both servers serve ``--cpu-path exact`` (``--cpu-path fast`` to change it): speculation
+always serves the exact fp32 path, and a plain server would otherwise serve the quantized fast one,
+so the comparison (texts, margins, wall times) would pair two kernel paths. Each run's JSON
+records the ``CPU path:`` line its server printed (``path``; None on CUDA).
+
 Where two outputs part, the JSON names the token index and the top-1 / top-2 logprob margin each
 run saw there: random weights loop on one token until another overtakes it, and that crossing is a
 near-tie by construction, so a verify row's rounding can move it by a token. Exit status 0 when
@@ -41,11 +46,23 @@ PROMPTS = [
 ]
 
 
-def start_server(args, spec: int, port: int, log: Path) -> subprocess.Popen:
-    """Start one server; return once it prints ``ready:`` (RuntimeError if it exits or times out)."""
+def server_command(args, spec: int, port: int) -> list[str]:
+    """The ``runtime.serve`` command line of the ``--spec-tokens spec`` server.
+
+    On the CPU both servers get ``--cpu-path`` (default exact): a plain server would serve the
+    quantized fast path while speculation serves the exact fp32 path, so the pair would compare
+    two kernel paths, not speculation on vs off."""
     cmd = [sys.executable, "-m", "runtime.serve", "--model", args.model, "--device", args.device,
            "--dtype", args.dtype, "--pp", "1", "--port", str(port), "--max-model-len", "1024",
            "--spec-tokens", str(spec)]
+    if args.device == "cpu":
+        cmd += ["--cpu-path", args.cpu_path]
+    return cmd
+
+
+def start_server(args, spec: int, port: int, log: Path) -> subprocess.Popen:
+    """Start one server; return once it prints ``ready:`` (RuntimeError if it exits or times out)."""
+    cmd = server_command(args, spec, port)
     fh = open(log, "w")
     proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + args.ready_timeout
@@ -57,6 +74,12 @@ def start_server(args, spec: int, port: int, log: Path) -> subprocess.Popen:
         time.sleep(0.5)
     proc.kill()
     raise RuntimeError(f"server (--spec-tokens {spec}) not ready in {args.ready_timeout} s")
+
+
+def served_path(log: Path) -> str | None:
+    """The server's ``CPU path: ...`` startup line (without the prefix), None if it printed none."""
+    m = re.search(r"^CPU path: (.*)$", log.read_text(), re.M)
+    return m.group(1) if m else None
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -141,11 +164,15 @@ def spec_counters(port: int) -> dict[str, float]:
             re.finditer(r"^(ppstate_spec_\w+_total)(?:\{[^}]*\})? ([0-9.eE+-]+)$", body, re.M)}
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (``main``'s)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--cpu-path", default="exact", choices=["exact", "fast"],
+                    help="--device cpu: the kernel path of both servers (speculation serves the "
+                         "exact one whatever is asked, so fast pairs two kernel paths)")
     ap.add_argument("--spec-tokens", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--port", type=int, default=8231)
@@ -157,7 +184,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tie-tolerance", type=float, default=1e-3,
                     help="nats: outputs may part only where both runs' top-1 / top-2 margin is "
                          "at most this (a near-tie; rounding of a different GEMM layout)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     out_dir = Path(args.out).resolve().parent
     results = {}
     for spec in (0, args.spec_tokens):
@@ -165,7 +196,7 @@ def main(argv=None) -> int:
         proc = start_server(args, spec, args.port + spec, log)
         try:
             resp, wall = run_requests(args.port + spec, args.max_tokens, args.word_prompts)
-            results[spec] = {"responses": resp, "wall_s": wall,
+            results[spec] = {"responses": resp, "wall_s": wall, "path": served_path(log),
                              "metrics": spec_counters(args.port + spec)}
         finally:
             stop_server(proc)

@@ -174,7 +174,7 @@ def engine_config(p: argparse.ArgumentParser, args: argparse.Namespace) -> Engin
         p.error("--dp: data parallelism needs the spawn launcher; under torchrun run one server "
                 "per pipeline")
     try:
-        return EngineConfig(**nested)
+        config = EngineConfig(**nested)
     except ValidationError as exc:
         err = exc.errors()[0]
         path = ".".join(str(x) for x in err["loc"][:2])
@@ -183,6 +183,23 @@ def engine_config(p: argparse.ArgumentParser, args: argparse.Namespace) -> Engin
         flag = next((f.name for f in ENGINE_FLAGS if f.field == path), None)
         p.error(f"{flag or 'engine config'}: {err['msg']}")
         raise  # unreachable: p.error exits
+    _check_chat_template(p, config.chat_template)
+    return config
+
+
+def _check_chat_template(p: argparse.ArgumentParser, name_or_path: str | None) -> None:
+    """``--chat-template`` names a built-in or a readable Jinja file that compiles; otherwise exit
+    via ``p.error`` before any worker starts (it was a traceback from the engine's start)."""
+    if not name_or_path:
+        return
+    from runtime.model.chat import ChatTemplate
+    from runtime.model.chat_templates import resolve_chat_template
+    try:
+        ChatTemplate(resolve_chat_template(name_or_path))
+    except FileNotFoundError as exc:
+        p.error(str(exc))
+    except (OSError, ValueError) as exc:   # unreadable, not UTF-8, does not compile
+        p.error(f"--chat-template: {name_or_path}: {exc}")
 
 
 def _cell(value: Any) -> str:

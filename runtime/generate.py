@@ -78,10 +78,11 @@ def sampling_params(p: argparse.ArgumentParser, args: argparse.Namespace) -> Sam
 
 
 def tokenize_all(p: argparse.ArgumentParser, prompts: list, config, max_tokens: int) -> list:
-    """Prompt token ids, checked against ``--max-model-len`` before any worker starts."""
+    """Prompt token ids (``--chat`` prompts rendered with ``--chat-template`` when given), checked
+    against ``--max-model-len`` before any worker starts."""
     from runtime.model.registry import resolve_model_path
-    from runtime.model.tokenizer import load_tokenizer
-    tok = load_tokenizer(resolve_model_path(config.model))
+    from runtime.model.chat_templates import load_serving_tokenizer
+    tok = load_serving_tokenizer(resolve_model_path(config.model), config.chat_template)
     out = []
     for i, pr in enumerate(prompts):
         ids = tok.encode_chat(pr) if isinstance(pr, list) else tok.encode(pr)

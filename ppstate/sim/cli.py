@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import sys
 from dataclasses import asdict
@@ -47,13 +48,15 @@ def _positive(text: str) -> int:
 
 
 def _slow_down(text: str) -> float:
-    """``--contention``: a float >= 1."""
+    """``--contention``: a finite float >= 1 (infinity ended in an OverflowError traceback)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not value >= 1.0:
         raise argparse.ArgumentTypeError(f"must be >= 1 (a slow-down: 1 = none), got {value:g}")
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be finite, got {value:g}")
     return value
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 from ppstate.lanes import choose_lanes
 from ppstate.sim.simulator import Simulator
@@ -63,6 +64,21 @@ def point(n: int, pp: int, base: int, per_token: int, contention: float, empty: 
     return row
 
 
+def _first_out_of_range(ns: argparse.Namespace, points: list[int]) -> str | None:
+    """The message naming the first flag out of its range (NaN and infinity are out of every
+    range), or None."""
+    policy = 1.0 if ns.policy_contention is None else ns.policy_contention
+    bounds = [("--pp", ns.pp, 2), ("--points", min(points), 1), ("--base", ns.base, 0),
+              ("--per-token", ns.per_token, 0), ("--empty", ns.empty, 0),
+              ("--contention", ns.contention, 1), ("--policy-contention", policy, 1)]
+    for flag, value, low in bounds:
+        if not value >= low:
+            return f"argument {flag}: must be >= {low}, got {value:g}"
+        if not math.isfinite(value):
+            return f"argument {flag}: must be finite, got {value:g}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ppstate.sim.lane_sweep", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -82,10 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         p.error(f"--points must be a comma list of integers, got {ns.points!r}")
     policy = ns.policy_contention
-    if ns.pp < 2 or min(points) < 1 or ns.base < 0 or ns.per_token < 0 or ns.contention < 1 \
-            or ns.empty < 0 or (policy is not None and policy < 1):
-        p.error("--pp >= 2, --points >= 1, --base/--per-token/--empty >= 0, --contention and "
-                "--policy-contention >= 1")
+    bad = _first_out_of_range(ns, points)
+    if bad:
+        p.error(bad)
     rows = [point(n, ns.pp, ns.base, ns.per_token, ns.contention, ns.empty,
                   policy_contention=policy) for n in points]
     if ns.json:

@@ -40,8 +40,8 @@ from runtime.engine.result_delivery import ResultDelivery
 from runtime.engine.trace import scheduler_config, start_trace_run, write_trace_header
 from runtime.model.detokenizer import IncrementalDetokenizer
 from runtime.messages import ControlMsg
-from runtime.model.chat_templates import resolve_chat_template
-from runtime.model.tokenizer import Tokenizer, load_tokenizer
+from runtime.model.chat_templates import load_serving_tokenizer
+from runtime.model.tokenizer import Tokenizer
 from runtime.sampling_params import SamplingParams
 from runtime.engine.stall import StallDetector
 from runtime.worker.kv_capacity import capacity_summary
@@ -88,9 +88,8 @@ class AsyncEngine:
             config = config.model_copy(update={"trace_dir": str(start_trace_run(config))})
         plan = plan_pipeline(config)
         pool = WorkerPool(config, plan)
-        tokenizer = load_tokenizer(plan.model_path)
-        if config.chat_template:   # --chat-template FILE|hermes (docs/structured.md)
-            tokenizer.set_chat_template(resolve_chat_template(config.chat_template))
+        # --chat-template FILE|hermes (docs/structured.md)
+        tokenizer = load_serving_tokenizer(plan.model_path, config.chat_template)
         try:
             await pool.start()
         except BaseException as exc:  # cancellation too: never leave worker processes behind

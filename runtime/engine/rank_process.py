@@ -153,29 +153,34 @@ def _release_forkserver() -> None:
         os.close(fd)
 
 
-def watch_engine(pid: int, grace_s: float = ENGINE_GONE_GRACE_S) -> None:
+def watch_engine(pid: int, grace_s: float = ENGINE_GONE_GRACE_S,
+                 who: str = "rank process", watched: str = "engine process") -> None:
     """End this process (``os._exit(EXIT_ENGINE_GONE)``) ``grace_s`` seconds after process ``pid``
     ends, from a daemon thread, whatever the main thread is blocked in. Ends it at once when
     ``pid`` is already gone. Linux: a pidfd (no pid-reuse race); elsewhere ``os.kill(pid, 0)``
-    every 0.5 s (a zombie engine then counts as alive until it is reaped)."""
+    every 0.5 s (a zombie engine then counts as alive until it is reaped). ``who`` / ``watched``
+    name the two processes in the line printed on stderr (the ``--api-server-count`` engine core
+    and API servers watch their supervisor with it too)."""
+    names = (who, watched)
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
-        _engine_gone(pid)
+        _engine_gone(pid, names)
     except (AttributeError, OSError):   # no pidfd here (not Linux >= 5.3): poll the pid
         fd = None
-    threading.Thread(target=_exit_after_engine, args=(pid, fd, grace_s), daemon=True,
+    threading.Thread(target=_exit_after_engine, args=(pid, fd, grace_s, names), daemon=True,
                      name="ppstate-engine-watch").start()
 
 
-def _exit_after_engine(pid: int, fd: int | None, grace_s: float) -> None:
+def _exit_after_engine(pid: int, fd: int | None, grace_s: float,
+                       names: tuple[str, str] = ("rank process", "engine process")) -> None:
     if fd is not None:
         select.select([fd], [], [])     # readable once the process has ended
     else:
         while _exists(pid):
             time.sleep(0.5)
     time.sleep(grace_s)
-    _engine_gone(pid)
+    _engine_gone(pid, names)
 
 
 def _exists(pid: int) -> bool:
@@ -188,7 +193,7 @@ def _exists(pid: int) -> bool:
     return True
 
 
-def _engine_gone(pid: int) -> None:
-    print(f"rank process {os.getpid()}: engine process {pid} is gone; exiting", file=sys.stderr,
+def _engine_gone(pid: int, names: tuple[str, str] = ("rank process", "engine process")) -> None:
+    print(f"{names[0]} {os.getpid()}: {names[1]} {pid} is gone; exiting", file=sys.stderr,
           flush=True)
     os._exit(EXIT_ENGINE_GONE)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from runtime.model.tokenizer import Tokenizer, load_tokenizer
+
 HERMES = """{%- set sys_text = messages[0]['content'] if messages and messages[0]['role'] == 'system' else '' -%}
 {%- if tools -%}
 <|im_start|>system
@@ -68,3 +70,17 @@ def resolve_chat_template(name_or_path: str) -> str:
         raise FileNotFoundError(f"--chat-template: {name_or_path!r} is neither a built-in template "
                                 f"({', '.join(BUILTIN)}) nor a file")
     return p.read_text(encoding="utf-8")
+
+
+def load_serving_tokenizer(model_path: str | Path, chat_template: str | None) -> Tokenizer:
+    """The model's tokenizer with ``--chat-template`` (``EngineConfig.chat_template``) applied.
+
+    The engine and every API server's proxy of it (``--api-server-count``) load their tokenizer
+    here, so both render chat prompts (and read tools) with the same template.
+
+    Raises: FileNotFoundError when ``chat_template`` is neither a built-in name nor a file.
+    """
+    tokenizer = load_tokenizer(model_path)
+    if chat_template:
+        tokenizer.set_chat_template(resolve_chat_template(chat_template))
+    return tokenizer

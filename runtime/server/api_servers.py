@@ -39,14 +39,18 @@ CORE_STOP_S = 30.0
 
 
 def frontend_main(config: EngineConfig, args: argparse.Namespace, sock: socket.socket, index: int,
-                  in_addr: str, out_addr: str, ready_q, serve) -> None:
+                  in_addr: str, out_addr: str, ready_q, serve,
+                  supervisor_pid: int | None = None) -> None:
     """Process entry point of API server ``index`` (spawn target); ``serve`` is
     :func:`runtime.serve.serve` (passed in, pickled by name, so this module does not import the
-    CLI that imports it)."""
+    CLI that imports it). It exits when process ``supervisor_pid`` ends (None: not watched)."""
     import asyncio
 
+    from runtime.engine.rank_process import watch_engine
     from runtime.server.remote_engine import RemoteEngine
     os.setpgid(0, 0)   # a Ctrl-C on the terminal reaches the main process only
+    if supervisor_pid is not None:   # own process group: a SIGKILL of the supervisor left it
+        watch_engine(supervisor_pid, who=f"API server {index}", watched="supervisor")  # serving
 
     async def start(cfg: EngineConfig) -> RemoteEngine:
         return await RemoteEngine.start(cfg, index, in_addr, out_addr)
@@ -76,6 +80,27 @@ class _Signals:
         self.count += 1
 
 
+def _how(code: int | None) -> str:
+    """``"killed by SIGKILL"`` / ``"exit status 1"`` from a ``Process.exitcode``."""
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+def who_exited(core, fronts) -> str:
+    """Which of the engine core and the API servers ended, and how, e.g. ``"API server 0 (pid
+    8378) exited: killed by SIGKILL"``; the core counts while it is not alive, an API server when
+    its exit code is set and not 0 (``core`` / ``fronts``: ``multiprocessing.Process``)."""
+    gone = [(f"engine core (pid {core.pid})", core.exitcode)] if not core.is_alive() else []
+    gone += [(f"API server {k} (pid {p.pid})", p.exitcode) for k, p in enumerate(fronts)
+             if p.exitcode not in (None, 0)]
+    return "; ".join(f"{name} exited: {_how(code)}" for name, code in gone) or \
+        "the engine core or an API server exited"
+
+
 def serve_api_servers(config: EngineConfig, args: argparse.Namespace, sock: socket.socket,
                       url: str, serve) -> int:
     """Run the engine core and ``args.api_server_count`` API servers until a signal or a failure;
@@ -95,11 +120,15 @@ def serve_api_servers(config: EngineConfig, args: argparse.Namespace, sock: sock
           f"engine-core process, {n} API server process(es); {url}/health answers 503 'loading' "
           "until ready ...", flush=True)
     t0 = time.perf_counter()
-    core = ctx.Process(target=core_main, args=(config, in_addr, out_addrs), name="ppstate-engine-core")
+    # the supervisor's pid, not the children's getppid(): a child still importing when the
+    # supervisor is killed would read init's pid by the time it watches
+    me = os.getpid()
+    core = ctx.Process(target=core_main, args=(config, in_addr, out_addrs, me),
+                       name="ppstate-engine-core")
     core.start()
     ready_q = ctx.Queue()
     fronts = [ctx.Process(target=frontend_main, name=f"ppstate-api-{k}",
-                          args=(config, args, sock, k, in_addr, out_addrs[k], ready_q, serve))
+                          args=(config, args, sock, k, in_addr, out_addrs[k], ready_q, serve, me))
               for k in range(n)]
     for p in fronts:
         p.start()
@@ -118,7 +147,7 @@ def serve_api_servers(config: EngineConfig, args: argparse.Namespace, sock: sock
             p.exitcode not in (None, 0) for p in fronts)
         if broken and not failed:
             failed = True
-            print("error: the engine core or an API server exited; stopping", file=sys.stderr, flush=True)
+            print(f"error: {who_exited(core, fronts)}; stopping", file=sys.stderr, flush=True)
         if (signals.count > forwarded or failed) and forwarded < 2:
             forwarded += 1
             for p in fronts:

@@ -169,8 +169,13 @@ async def run_core(config: EngineConfig, in_addr: str, out_addrs: list[str]) -> 
     return 0
 
 
-def core_main(config: EngineConfig, in_addr: str, out_addrs: list[str]) -> None:
-    """Process entry point (``multiprocessing`` spawn target)."""
+def core_main(config: EngineConfig, in_addr: str, out_addrs: list[str],
+              supervisor_pid: int | None = None) -> None:
+    """Process entry point (``multiprocessing`` spawn target); exits (and its ranks with it) when
+    process ``supervisor_pid`` ends (None: not watched)."""
+    from runtime.engine.rank_process import watch_engine
     os.setpgid(0, 0)   # a Ctrl-C on the terminal reaches the main process only
+    if supervisor_pid is not None:   # own process group: a SIGKILL of the supervisor left it
+        watch_engine(supervisor_pid, who="engine core", watched="supervisor")  # and its ranks
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.exit(asyncio.run(run_core(config, in_addr, out_addrs)))

@@ -72,11 +72,13 @@ class RemoteEngine:
                  push: zmq.asyncio.Socket, pull: zmq.asyncio.Socket, info: dict) -> None:
         from runtime.engine.plan import plan_pipeline
         from runtime.engine.trace import scheduler_config
-        from runtime.model.tokenizer import load_tokenizer
+        from runtime.model.chat_templates import load_serving_tokenizer
         self.config, self.index = config, index
         self._ctx, self._push, self._pull = ctx, push, pull
         self.model_name: str = info["model_name"]
-        self.tokenizer = load_tokenizer(plan_pipeline(config).model_path)
+        # the engine core's template (--chat-template): the API servers render the chat prompts
+        self.tokenizer = load_serving_tokenizer(plan_pipeline(config).model_path,
+                                                config.chat_template)
         self.core_pid: int = info["pid"]
         self._sched = scheduler_config(config, info["num_kv_blocks"])   # the core's, for check_kv_fit
         self._streams: dict[str, RemoteStream] = {}

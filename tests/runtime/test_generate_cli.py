@@ -54,6 +54,9 @@ def generate(capsys, caplog):
      "intermediate size 1536 split too: 1, 3)\n"),
     (["--max-model-len", "999999"], 1,
      "error: --max-model-len: 999999 exceeds the model's context length 8192"),
+    (["--chat-template", "/nonexistent.jinja"], 2,   # was a FileNotFoundError traceback
+     "error: --chat-template: '/nonexistent.jinja' is neither a built-in template (hermes) nor "
+     "a file\n"),
 ])
 def test_user_errors_are_one_line_naming_the_flag(generate, args, rc, expected):
     res = generate(*args)
@@ -87,3 +90,30 @@ def test_kv_cache_larger_than_memory_is_refused():
                                          r"8192 tokens need 1440\.0 GiB"):
         check_resources(EngineConfig(max_num_seqs=4096, max_model_len=8192, device="cpu"), cfg)
     check_resources(EngineConfig(max_num_seqs=32, max_model_len=2048, device="cpu"), cfg)
+
+
+def test_a_chat_template_that_does_not_compile_is_refused(generate, tmp_path):
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}")
+    res = generate("--chat-template", str(bad))
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.endswith(
+        f"error: --chat-template: {bad}: chat template does not compile: Unexpected end of "
+        "template. Jinja was looking for the following tags: 'endfor' or 'else'. The innermost "
+        "block that needs to be closed is 'for'. (line 1)\n")
+
+
+def test_chat_prompts_are_rendered_with_the_chat_template_flag(tmp_path):
+    """--chat --chat-template FILE: the prompt is the template's rendering ('XX hi'), not the
+    model's own template (which --chat used whatever --chat-template said)."""
+    import argparse
+    from runtime.config import EngineConfig
+    from runtime.generate import tokenize_all
+    from runtime.model.registry import default_model_path
+    from runtime.model.tokenizer import load_tokenizer
+    tpl = tmp_path / "t.jinja"
+    tpl.write_text("{% for m in messages %}XX {{ m.content }}{% endfor %}")
+    config = EngineConfig(chat_template=str(tpl))
+    ids = tokenize_all(argparse.ArgumentParser(), [[{"role": "user", "content": "hi"}]], config, 2)
+    tok = load_tokenizer(default_model_path())
+    assert ids == [tok.encode("XX hi")] == [[9832, 15876]]

@@ -126,6 +126,7 @@ def test_mutants_the_simulator_cannot_run_are_refused(argv, want, capsys):
 @pytest.mark.parametrize("argv, want", [
     (["--contention", "0.5"],
      "argument --contention: must be >= 1 (a slow-down: 1 = none), got 0.5"),
+    (["--contention", "inf"], "argument --contention: must be finite, got inf"),
     (["--spec-tokens", "99"],
      "argument --spec-tokens: must be in [0, 16] (the engine's --spec-tokens bound), got 99"),
     (["--spec-tokens", "-1"],
@@ -142,3 +143,23 @@ def test_out_of_range_flags_are_refused_naming_the_flag(argv, want, capsys):
     out = capsys.readouterr()
     assert exc.value.code == 2 and out.out == ""
     assert out.err.endswith(f"python -m ppstate.sim: error: {want}\n")
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["--contention", "0.5"], "argument --contention: must be >= 1, got 0.5"),
+    (["--contention", "nan"], "argument --contention: must be >= 1, got nan"),
+    (["--contention", "inf"], "argument --contention: must be finite, got inf"),
+    (["--policy-contention", "0"], "argument --policy-contention: must be >= 1, got 0"),
+    (["--pp", "1"], "argument --pp: must be >= 2, got 1"),
+    (["--points", "4,0"], "argument --points: must be >= 1, got 0"),
+    (["--empty", "-1"], "argument --empty: must be >= 0, got -1"),
+])
+def test_lane_sweep_names_the_flag_out_of_range(argv, want, capsys):
+    """lane_sweep listed every bound in one message whichever flag was wrong, and let
+    --contention nan through to a SchedulerError traceback: it now names the one flag (exit 2)."""
+    from ppstate.sim.lane_sweep import main
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    out = capsys.readouterr()
+    assert exc.value.code == 2 and out.out == ""
+    assert out.err.endswith(f"python -m ppstate.sim.lane_sweep: error: {want}\n")
