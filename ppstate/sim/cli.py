@@ -37,11 +37,16 @@ def _pair(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def _positive(text: str) -> int:
+def _integer(text: str) -> int:
+    """An argparse integer (ArgumentTypeError naming the text otherwise)."""
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _positive(text: str) -> int:
+    value = _integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
@@ -62,10 +67,7 @@ def _slow_down(text: str) -> float:
 
 def _spec_tokens(text: str) -> int:
     """``--spec-tokens``: an integer in [0, MAX_SPEC_TOKENS], the engine's own bound."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    value = _integer(text)
     if not 0 <= value <= MAX_SPEC_TOKENS:
         raise argparse.ArgumentTypeError(f"must be in [0, {MAX_SPEC_TOKENS}] (the engine's "
                                          f"--spec-tokens bound), got {value}")

@@ -99,6 +99,15 @@ def test_clean_sim_trace_replays_ok_and_says_what_it_checked(monkeypatch, tmp_pa
                            "recorded; the violations the simulator found are listed as recorded")
 
 
+def _assert_refused(run_cli, argv, want: str, capsys) -> None:
+    """``python -m ppstate.sim ARGV`` exits 2 before printing anything, its error ending ``want``."""
+    with pytest.raises(SystemExit) as exc:
+        run_cli(argv)
+    out = capsys.readouterr()
+    assert exc.value.code == 2 and out.out == ""
+    assert out.err.endswith(f"python -m ppstate.sim: error: {want}\n")
+
+
 @pytest.mark.parametrize("argv, want", [
     (["--mutant", "blocking_all_chunk_broadcast"],
      "argument --mutant: blocking_all_chunk_broadcast is not simulated (a rank waiting at once for "
@@ -116,11 +125,7 @@ def test_mutants_the_simulator_cannot_run_are_refused(argv, want, capsys):
     """A mutant the simulator does not model (it crashed, or ran as a silent no-op) is refused
     with exit 2 before anything runs, naming the flag and where to run it instead."""
     from ppstate.sim.cli import run_cli
-    with pytest.raises(SystemExit) as exc:
-        run_cli(argv)
-    out = capsys.readouterr()
-    assert exc.value.code == 2 and out.out == ""
-    assert out.err.endswith(f"python -m ppstate.sim: error: {want}\n")
+    _assert_refused(run_cli, argv, want, capsys)
 
 
 @pytest.mark.parametrize("argv, want", [
@@ -138,11 +143,7 @@ def test_out_of_range_flags_are_refused_naming_the_flag(argv, want, capsys):
     from ppstate.sim.cli import run_cli
     from runtime.config import SCHEDULER_BOUNDS
     assert SCHEDULER_BOUNDS["num_spec_tokens"] == (0, 16)   # the engine's bound, the same
-    with pytest.raises(SystemExit) as exc:
-        run_cli(argv)
-    out = capsys.readouterr()
-    assert exc.value.code == 2 and out.out == ""
-    assert out.err.endswith(f"python -m ppstate.sim: error: {want}\n")
+    _assert_refused(run_cli, argv, want, capsys)
 
 
 @pytest.mark.parametrize("argv, want", [
