@@ -19,14 +19,14 @@ from __future__ import annotations
 import os
 
 
-def process_cpu_s(pid: int) -> float:
+def process_cpu_s(pid: int, gone: float | None = 0.0) -> float | None:
     """User + system CPU seconds of process ``pid`` (Linux ``/proc/PID/stat``, fields 14 and 15
-    in clock ticks); 0 when it is gone or there is no ``/proc``."""
+    in clock ticks); ``gone`` when it is gone or there is no ``/proc``."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()   # after the command name
     except OSError:
-        return 0.0
+        return gone
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 

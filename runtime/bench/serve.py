@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from tqdm import tqdm
 
 from runtime.bench.datasets import BenchRequest, file_requests, random_prompts, random_requests
 from runtime.bench.metrics import summarize
+from runtime.bench.proc_cpu import process_cpu_s
 from runtime.bench.results import subcommand_line, write_result
 from runtime.bench.serve_client import ClientConfig, ClientRun, run_clients
 
@@ -97,15 +97,6 @@ def load_requests(args: argparse.Namespace) -> list[BenchRequest]:
                          args.output_len, args.max_model_len, args.seed)
 
 
-def process_cpu_s(pid: int) -> float | None:
-    """User + system CPU seconds of process ``pid`` (None when it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def client_report(runs: list[ClientRun], wall_s: float) -> dict:
     """Each client process's CPU share of one core over its run, and whether one saturated."""
     shares = [r.cpu_s / max(1e-9, r.end_s - r.start_s) for r in runs if r.records]
@@ -126,12 +117,12 @@ def run(args: argparse.Namespace) -> dict:
 
     def progress(done: int) -> None:
         bar.update(done - bar.n)
-    server0 = [process_cpu_s(p) for p in pids]
+    server0 = [process_cpu_s(p, gone=None) for p in pids]
     t0 = time.monotonic()
     runs = run_clients(cfg, reqs, args.max_concurrency or len(reqs), args.request_rate,
                        args.num_clients, progress)
     t1 = time.monotonic()
-    server1 = [process_cpu_s(p) for p in pids]
+    server1 = [process_cpu_s(p, gone=None) for p in pids]
     bar.close()
     records = [rec for r in runs for rec in r.records]
     active = [r for r in runs if r.records]

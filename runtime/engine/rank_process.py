@@ -112,6 +112,16 @@ def engine_cpus() -> set[int] | None:
     return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
 
 
+def process_state(pid: int) -> str | None:
+    """The state letter of process ``pid`` in ``/proc/PID/stat`` (``"R"``, ``"S"``, ``"Z"``
+    for a zombie, ...), or None when it has no entry (gone, or no ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]   # after the command name
+    except OSError:
+        return None
+
+
 def forkserver_gone(wait_s: float = 0.0) -> bool:
     """Whether the forkserver this process started has ended (no ``/proc`` entry, or a zombie not
     yet reaped), waiting up to ``wait_s`` seconds for it to finish ending: a killed forkserver's
@@ -123,11 +133,7 @@ def forkserver_gone(wait_s: float = 0.0) -> bool:
         return False
     deadline = time.monotonic() + wait_s
     while True:
-        try:
-            with open(f"/proc/{pid}/stat") as fh:
-                if fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-                    return True
-        except OSError:
+        if process_state(pid) in (None, "Z", "X"):
             return True
         if time.monotonic() >= deadline:
             return False

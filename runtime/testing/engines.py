@@ -8,6 +8,7 @@ from pathlib import Path
 
 from runtime.config import EngineConfig
 from runtime.engine import AsyncEngine
+from runtime.engine.rank_process import process_state
 
 
 class EngineFactory:
@@ -68,14 +69,8 @@ def alive_pids(pids: list[int]) -> list[int]:
     """Those of ``pids`` that still run (zombies count as gone)."""
     out = []
     for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
-                state = fh.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            if _exists(pid):
-                out.append(pid)
-            continue
-        if state != "Z":
+        state = process_state(pid)
+        if state is None and _exists(pid) or state not in (None, "Z"):
             out.append(pid)
     return out
 

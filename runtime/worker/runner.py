@@ -184,7 +184,7 @@ class StageRunner:
         self.state.add_requests(out.new_requests)     # also their sampling parameters
         self.state.apply_block_updates(out.block_table_slots, out.block_table_cols,
                                        out.block_table_ids)
-        if self.validate_every and out.step % self.validate_every == 0:
+        if self._validating(out.step):
             if self.mirror_check is not None:   # checked on the device with the step's snapshot
                 self.mirror_check.expect_digests(out)
             else:   # the ids the forward reads against the scheduler's, before it
