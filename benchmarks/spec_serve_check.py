@@ -53,7 +53,8 @@ def server_command(args, spec: int, port: int) -> list[str]:
     quantized fast path while speculation serves the exact fp32 path, so the pair would compare
     two kernel paths, not speculation on vs off."""
     cmd = [sys.executable, "-m", "runtime.serve", "--model", args.model, "--device", args.device,
-           "--dtype", args.dtype, "--pp", "1", "--port", str(port), "--max-model-len", "1024",
+           "--dtype", args.dtype, "--pp", str(args.pp), "--port", str(port),
+           "--max-model-len", "1024",
            "--spec-tokens", str(spec)]
     if args.device == "cpu":
         cmd += ["--cpu-path", args.cpu_path]
@@ -173,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cpu-path", default="exact", choices=["exact", "fast"],
                     help="--device cpu: the kernel path of both servers (speculation serves the "
                          "exact one whatever is asked, so fast pairs two kernel paths)")
+    ap.add_argument("--pp", type=int, default=1,
+                    help="pipeline stages of both servers (2 on one GPU stages through gloo)")
     ap.add_argument("--spec-tokens", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--port", type=int, default=8231)

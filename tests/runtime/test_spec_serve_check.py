@@ -34,3 +34,11 @@ def test_served_path_reads_the_startup_line(tmp_path):
     assert ssc.served_path(log) == "exact (fp32 torch reference; reason: --spec-tokens 4)"
     log.write_text("ready: http://127.0.0.1:1\n")
     assert ssc.served_path(log) is None
+
+
+def test_both_servers_get_the_same_stage_count():
+    args = _args("--device", "cuda", "--pp", "2")
+    off, on = ssc.server_command(args, 0, 9000), ssc.server_command(args, 4, 9004)
+    assert off[off.index("--pp") + 1] == on[on.index("--pp") + 1] == "2"
+    one = ssc.server_command(_args("--device", "cuda"), 4, 9004)
+    assert one[one.index("--pp") + 1] == "1"
