@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     runner, cfg, nb = build_runner(args.shape, args.rows, max_len, 1, dev)
     run(runner, cfg.vocab_size, nb, args.rows, args.prompt_len, 8, max_len)   # warm-up
     for v in (int(x) for x in args.validate_every.split(",")):
-        runner.validate_every = v
+        runner.mirrors.every = v
         runs = [run(runner, cfg.vocab_size, nb, args.rows, args.prompt_len, args.new_tokens, max_len)
                 for _ in range(args.repeat)]
         best = max(runs, key=lambda r: r["tokens_per_s"])

@@ -35,7 +35,7 @@ from runtime.worker.cuda_graphs import DecodeGraphs
 from runtime.worker.device_state import DeviceState
 from runtime.worker.grammar_hooks import GrammarHooks
 from runtime.worker.groups import PPGroups
-from runtime.worker.mirror_check import AsyncMirrorCheck
+from runtime.worker.mirror_schedule import MirrorSchedule
 from runtime.worker.pending_result import LogprobRows, PendingResult, sampled_fields
 from runtime.worker.progress import Progress
 from runtime.worker.step_forward import ForwardPath, StepInputs
@@ -77,7 +77,8 @@ class StageRunner:
         state: slot-indexed device state + mirrors.
         overlapped: bubble-free mode (PPHandler depth ``pp_size``) or sync mode (depth 1).
         validate_every: validate mirrors every N steps (0 = never); on CUDA asynchronously
-            (:class:`~runtime.worker.mirror_check.AsyncMirrorCheck`, at most one step late).
+            (:class:`~runtime.worker.mirror_check.AsyncMirrorCheck`, at most one step late),
+            scheduled by :attr:`mirrors` (:class:`~runtime.worker.mirror_schedule.MirrorSchedule`).
         sink: event sink (``rank.step``, PPHandler enqueue/consume/free, broadcast
             posted/skipped, sampled ids, mirror checks, phase timings; docs/trace_format.md).
         fast: GPU fast path over the same cache (Triton kernels), or None (the reference
@@ -101,11 +102,9 @@ class StageRunner:
         self.g, self.stage, self.state = groups, stage, state
         self.progress = progress if progress is not None else Progress(groups.rank, hook=None)
         self.fast, self.graphs = fast, graphs
-        self.mirror_check = (AsyncMirrorCheck(state, sink, groups.rank, check_kernel)
-                             if state.device.type == "cuda" else None)
-        if validate_every:   # the token ids a step reads, against an exact host copy
-            state.track_tokens()
-        self.overlapped, self.validate_every, self.sink = overlapped, validate_every, sink
+        self.mirrors = MirrorSchedule(state, validate_every, sink, groups.rank, check_kernel,
+                                      grammar)
+        self.overlapped, self.sink = overlapped, sink
         self.device = state.device
         self.width = state.width
         self.hidden_size = stage.cfg.hidden_size
@@ -119,9 +118,6 @@ class StageRunner:
         self._sampled: SampledPayload | None = None  # the payload this rank just sampled
         self.timing = StepTiming()
         self.running_step = -1   # the step being run (its consumes may be of skipped numbers)
-        self._snapped = -1       # the last step whose mirror snapshot result() took (last rank)
-        self._deferred = -1      # a step whose CUDA mirror snapshot waits for run_deferred_check
-        self._tokens_later = False   # apply_sampled left the token mirror's ids to result()
         self.spec = spec
         self.grammar = grammar
         self.verify_graphs = verify_graphs
@@ -158,24 +154,8 @@ class StageRunner:
         self.timing = StepTiming()
         self.running_step = out.step
 
-    def _validating(self, step: int) -> bool:
-        """Whether step ``step`` validates the mirrors (``validate_every``)."""
-        return bool(self.validate_every) and step % self.validate_every == 0
-
     def end_step(self, out: SchedulerOutput) -> None:
-        if self._validating(out.step):
-            if self.grammar is not None:
-                self.grammar.validate(self.state, out.step, self.g.rank)
-            if self._snapped == out.step:
-                pass   # the last rank's snapshot went with its result copy (result)
-            elif self.mirror_check is not None and not self.sink.enabled:
-                self._deferred = out.step   # after the step's result has left
-            elif self.mirror_check is not None:
-                self.mirror_check.snapshot(out.step)   # compared when its copy lands
-            else:
-                self._validate(out.step)
-        elif self.mirror_check is not None:
-            self.mirror_check.poll()
+        self.mirrors.end_step(out.step)
 
     # ---- RankBackend: slot bookkeeping -------------------------------------------------------
     def free_and_admit(self, out: SchedulerOutput) -> None:
@@ -184,11 +164,7 @@ class StageRunner:
         self.state.add_requests(out.new_requests)     # also their sampling parameters
         self.state.apply_block_updates(out.block_table_slots, out.block_table_cols,
                                        out.block_table_ids)
-        if self._validating(out.step):
-            if self.mirror_check is not None:   # checked on the device with the step's snapshot
-                self.mirror_check.expect_digests(out)
-            else:   # the ids the forward reads against the scheduler's, before it
-                self.state.check_block_digests(out)
+        self.mirrors.check_digests(out)
         if self.grammar is not None:
             self.grammar.admit(out)
 
@@ -259,9 +235,7 @@ class StageRunner:
             sampled_np, rejected_np = counts[:, 0].copy(), counts[:, 1].copy()
         # the last rank's own ids reach the host anyway (its result copy): the token mirror
         # takes them from there (result) instead of copying them itself
-        later = (payload is self._sampled and self.mirror_check is not None
-                 and self.state.tokens is not None)
-        self._tokens_later = later
+        later = self.mirrors.defer_tokens(payload is self._sampled)
         self.state.apply_sampled(idx, p.token_ids, p.num_sampled, p.num_rejected,
                                  idx_mapping.astype(np.int64), rejected_np, sampled_np,
                                  tokens_later=later)
@@ -294,20 +268,11 @@ class StageRunner:
             z = np.zeros(0, dtype=np.int32)
             return PendingResult.completed(
                 StepResult(out.step, np.zeros((0, w), dtype=np.int64), z, z.copy()))
-        # tracing: the snapshot keeps its place in the trace, enqueued before the result copy,
-        # whose event then covers it (no own event); else it runs after the result has left
-        # (run_deferred_check)
-        snap = (self.mirror_check is not None and self.sink.enabled
-                and self._validating(out.step))
-        if snap:
-            self.mirror_check.snapshot(out.step, later=True)
-            self._snapped = out.step
+        # tracing: the mirror snapshot keeps its place in the trace, enqueued before the result
+        # copy, whose event then covers it; else it runs after the result has left
+        snap = self.mirrors.before_result(out.step)
         copy = self.host_copy.start(payload.buf)    # non_blocking into pinned memory + an event
-        if self._tokens_later:   # the ids the token mirror recorded in apply_sampled
-            self.state.tokens.attach(copy.host[:, :w])
-            self._tokens_later = False
-        if snap:
-            self.mirror_check.share(copy)
+        self.mirrors.after_result(copy, snap, w)
         return PendingResult(out.step, w, copy, self._logprobs, self.timing.busy_s,
                              self._prompt_lps)
 
@@ -318,37 +283,15 @@ class StageRunner:
 
     # ---- mirrors and trace -------------------------------------------------------------------
     def run_deferred_check(self) -> None:
-        """Start the CUDA mirror check of the step just run (its snapshot: the device work
-        enqueued after the step's kernels and result copy, with its own event), if one waits.
-        The worker calls it once the step's result has been sent (or held back behind the next
-        launch), so the check's host work is not between a step's launch and its result;
-        :meth:`step` calls it after the result, and :meth:`begin_step` runs a forgotten one
-        before the next step changes any state. Nothing waits without CUDA, with tracing (the
-        snapshot then runs where the trace records it), or on a step that does not validate.
+        """Start the CUDA mirror check of the step just run, if one waits
+        (:meth:`MirrorSchedule.run_deferred_check`). The worker calls it once the step's result
+        has been sent (or held back behind the next launch); :meth:`step` calls it after the
+        result, and :meth:`begin_step` runs a forgotten one before the next step changes state.
 
         Raises:
-            MirrorDivergence: from the comparison of an earlier snapshot (as
-                :meth:`AsyncMirrorCheck.snapshot`).
+            MirrorDivergence: from the comparison of an earlier snapshot.
         """
-        step, self._deferred = self._deferred, -1
-        if step >= 0:
-            self.mirror_check.snapshot(step)   # compared when its copy lands
-
-    def _validate(self, step: int) -> None:
-        """Mirror validation (invariant 4), recorded as ``mirror.check`` when tracing."""
-        if not self.sink.enabled:
-            self.state.validate(step)
-            return
-        live = self.state.live_slots()
-        values = self.state.mirror.num_computed_tokens_np[live].tolist()
-        try:
-            self.state.validate(step)
-        except Exception as exc:
-            self.sink.emit("mirror.check", step=step, rank=self.g.rank, slots=live.tolist(),
-                           num_computed_tokens=values, ok=False, message=str(exc))
-            raise
-        self.sink.emit("mirror.check", step=step, rank=self.g.rank, slots=live.tolist(),
-                       num_computed_tokens=values, ok=True, message=None)
+        self.mirrors.run_deferred_check()
 
     def _emit_timing(self, phase: str, step: int, ns0: int, ns1: int | None = None) -> None:
         self.sink.emit("timing", step=step, rank=self.g.rank, phase=phase, t0_ns=ns0,

@@ -67,7 +67,7 @@ def test_fault_on_the_last_rank_on_cuda(cut, field, delta, named, kernel, traced
         from ppstate.events import JsonlSink
         last = pipe.runners[1]
         sink = JsonlSink(tmp_path / "rank1.jsonl")
-        last.sink = last.step_order.sink = last.mirror_check.sink = sink
+        last.sink = last.step_order.sink = last.mirrors.sink = last.mirrors.check.sink = sink
     err = plant_and_catch(pipe, 1, (field, delta))
     assert err.field.startswith(named) and err.cpu != err.device and err.rank == 1, str(err)
 
