@@ -156,7 +156,7 @@ async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.soc
     from runtime.dp.replicas import start_engine as start_dp_or_one
     from runtime.server import create_app
     from runtime.server.drain import DrainState
-    from runtime.server.startup import StartupApp
+    from runtime.server.startup import StartupApp, ready_line
 
     t0 = time.perf_counter()
     dp = f" x {config.dp_size} data-parallel replicas" if config.dp_size > 1 else ""
@@ -234,9 +234,8 @@ async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.soc
             while not server.started and not server.should_exit:
                 await asyncio.sleep(0.05)
             if server.started:
-                say("ready", f"ready: {url_of(sock, args.host)}  (model '{engine.model_name}', "
-                    f"pp={config.scheduler.pp_size}, tp={config.tp_size}, dp={config.dp_size}, up in "
-                    f"{time.perf_counter() - t0:.1f} s)")
+                say("ready", ready_line(url_of(sock, args.host), engine.model_name, config,
+                                        time.perf_counter() - t0))
             while not server.should_exit:
                 if not engine.is_alive and not getattr(engine, "restarting", False):
                     print(f"error: the engine died: {getattr(engine, 'error', None)}", file=sys.stderr,
