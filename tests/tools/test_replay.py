@@ -87,6 +87,20 @@ def test_replay_of_real_run_is_ok(recorded):
     assert not list(run.path.parent.glob("*.jsonl"))  # everything inside the run directory
 
 
+def test_a_finished_run_ends_with_nothing_in_flight(recorded):
+    """The engine's last step only delivers freed slots; the engine shut down without reading
+    its result, so a finished run's trace ended with that step in flight (``--until 999``:
+    ``"in_flight": 1``) although its ranks had recorded running it. A shutdown with no live
+    request now waits for the steps in flight: every issued step has its result."""
+    run_dir, _ = recorded
+    run = load_run(run_dir)
+    issued = [e["step"] for e in run.engine if e["kind"] == "schedule"]
+    answered = [e["of_step"] for e in run.engine if e["kind"] == "result"]
+    assert sorted(answered) == issued
+    state = replay(run_dir, until=issued[-1] + 1).state
+    assert (state["last_step"], state["in_flight"], state["running"]) == (issued[-1], 0, {})
+
+
 def _first(events, pred):
     return next(i for i, e in enumerate(events) if pred(e))
 
