@@ -14,6 +14,12 @@ finish for up to S seconds while new ones get 503: a graceful drain). If the eng
 
 from __future__ import annotations
 
+# first, before the imports below (seconds: torch, FastAPI): a Ctrl-C meanwhile prints
+# "interrupted" and exits 130, not a traceback (runtime/interrupt.py); main() restores Ctrl-C
+if __name__ == "__main__":
+    from runtime.interrupt import quiet_start
+    quiet_start()
+
 import argparse
 import asyncio
 import contextlib
@@ -31,6 +37,7 @@ from runtime.cli_common import add_engine_flags, engine_config
 from runtime.config import EngineConfig
 from runtime.server.middleware import DEFAULT_MAX_BODY_BYTES
 from runtime.engine.torchrun import run_remote_rank
+from runtime.interrupt import started
 
 ENGINE_WATCH_INTERVAL_S = 1.0
 #: uvicorn closes idle keep-alive connections after 5 s by default, the same 5 s after which httpx
@@ -289,6 +296,7 @@ def parse_cli(argv: list[str] | None = None) -> tuple[argparse.Namespace, Engine
 
 def main(argv: list[str] | None = None) -> int:
     args, config = parse_cli(argv)
+    started()   # Ctrl-C raises KeyboardInterrupt again: asyncio.run / the supervisor handle it
     if (status := run_remote_rank(config)) is not None:  # torchrun RANK > 0: a worker, no server
         return status
     try:
@@ -311,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C while the model was loading
+        print("interrupted", file=sys.stderr)
         return 130
     finally:
         sock.close()
