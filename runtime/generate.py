@@ -7,6 +7,12 @@ uses (``--pp N`` worker processes). With ``--json`` each prompt prints one JSON 
 
 from __future__ import annotations
 
+# first, before the imports below (seconds: torch, FastAPI): a Ctrl-C meanwhile prints
+# "interrupted" and exits 130, not a traceback (runtime/interrupt.py); main() restores Ctrl-C
+if __name__ == "__main__":
+    from runtime.interrupt import quiet_start
+    quiet_start()
+
 import argparse
 import asyncio
 import json
@@ -19,6 +25,7 @@ from runtime.cli_common import add_engine_flags, engine_config
 from runtime.engine import AsyncEngine, EngineDeadError, RequestRejected
 from runtime.sampling_params import SamplingParams
 from runtime.engine.torchrun import run_remote_rank
+from runtime.interrupt import started
 from runtime.model.errors import ModelError
 
 
@@ -122,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = load_prompts(p, args)
     params = sampling_params(p, args)
     config = engine_config(p, args)
+    started()   # Ctrl-C raises KeyboardInterrupt again: asyncio.run and the except below
     if (status := run_remote_rank(config)) is not None:  # torchrun RANK > 0: a worker, no engine
         return status
     try:

@@ -14,6 +14,12 @@ finish for up to S seconds while new ones get 503: a graceful drain). If the eng
 
 from __future__ import annotations
 
+# first, before the imports below (seconds: torch, FastAPI): a Ctrl-C meanwhile prints
+# "interrupted" and exits 130, not a traceback (runtime/interrupt.py); main() restores Ctrl-C
+if __name__ == "__main__":
+    from runtime.interrupt import quiet_start
+    quiet_start()
+
 import argparse
 import asyncio
 import contextlib
@@ -31,6 +37,7 @@ from runtime.cli_common import add_engine_flags, engine_config
 from runtime.config import EngineConfig
 from runtime.server.middleware import DEFAULT_MAX_BODY_BYTES
 from runtime.engine.torchrun import run_remote_rank
+from runtime.interrupt import started
 
 ENGINE_WATCH_INTERVAL_S = 1.0
 #: uvicorn closes idle keep-alive connections after 5 s by default, the same 5 s after which httpx
@@ -156,7 +163,7 @@ async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.soc
     from runtime.dp.replicas import start_engine as start_dp_or_one
     from runtime.server import create_app
     from runtime.server.drain import DrainState
-    from runtime.server.startup import StartupApp
+    from runtime.server.startup import StartupApp, ready_line
 
     t0 = time.perf_counter()
     dp = f" x {config.dp_size} data-parallel replicas" if config.dp_size > 1 else ""
@@ -234,9 +241,8 @@ async def serve(config: EngineConfig, args: argparse.Namespace, sock: socket.soc
             while not server.started and not server.should_exit:
                 await asyncio.sleep(0.05)
             if server.started:
-                say("ready", f"ready: {url_of(sock, args.host)}  (model '{engine.model_name}', "
-                    f"pp={config.scheduler.pp_size}, tp={config.tp_size}, dp={config.dp_size}, up in "
-                    f"{time.perf_counter() - t0:.1f} s)")
+                say("ready", ready_line(url_of(sock, args.host), engine.model_name, config,
+                                        time.perf_counter() - t0))
             while not server.should_exit:
                 if not engine.is_alive and not getattr(engine, "restarting", False):
                     print(f"error: the engine died: {getattr(engine, 'error', None)}", file=sys.stderr,
@@ -290,6 +296,7 @@ def parse_cli(argv: list[str] | None = None) -> tuple[argparse.Namespace, Engine
 
 def main(argv: list[str] | None = None) -> int:
     args, config = parse_cli(argv)
+    started()   # Ctrl-C raises KeyboardInterrupt again: asyncio.run / the supervisor handle it
     if (status := run_remote_rank(config)) is not None:  # torchrun RANK > 0: a worker, no server
         return status
     try:
@@ -312,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C while the model was loading
+        print("interrupted", file=sys.stderr)
         return 130
     finally:
         sock.close()

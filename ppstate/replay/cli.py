@@ -43,7 +43,31 @@ def _dumps(obj) -> str:
     return json.dumps(obj, default=str)
 
 
-def _summary(res: ReplayResult) -> str:
+def state_heading(until: int, last_step: int | None, recorded_steps: list[int]) -> str:
+    """The words in front of the state printed by ``--until``.
+
+    ``until`` replays the events stamped with steps ``<= until`` (an input carries the number of
+    the step the scheduler issues next), so the state shown is the one at ``until`` even when
+    that number was not issued (a skipped number changes nothing); the heading says which:
+    ``last_step`` is the last step replay re-derived up to there (None: none),
+    ``recorded_steps`` the run's recorded step numbers in order.
+    """
+    upto = [s for s in recorded_steps if s <= until]
+    if upto and upto[-1] != last_step:
+        return (f"state where replay stopped at a divergence, after step {last_step} (the run "
+                f"recorded steps up to {upto[-1]} by --until {until})")
+    if last_step == until:
+        return f"state after step {until}"
+    if last_step is None:
+        return f"state before any step: none was issued up to step {until}"
+    if until > recorded_steps[-1]:
+        return f"state at the end of the run: --until {until} is past its last step, {last_step}"
+    return (f"state at step {until}, a skipped number (no step {until} was issued: it would have "
+            f"carried no row); the last step issued before it: {last_step}")
+
+
+def _summary(res: ReplayResult, until: int | None = None,
+             recorded_steps: list[int] | None = None) -> str:
     lines = [f"run {res.run_id} ({res.source}) at {res.run_dir}",
              f"ok={res.ok} steps={res.steps} events={res.events} rank_steps={res.rank_steps}",
              f"checked: {res.checked}"]
@@ -55,8 +79,9 @@ def _summary(res: ReplayResult) -> str:
         lines += [f"  before:   {_dumps(c)}" for c in d["context"]]
     lines += [describe(v) for v in res.invariant_violations]   # found by replay itself
     lines += _recorded(res)
-    if res.state is not None:
-        lines.append(f"state after step {res.state['next_step'] - 1}: {json.dumps(res.state)}")
+    if res.state is not None and until is not None:
+        heading = state_heading(until, res.state["last_step"], recorded_steps or [])
+        lines.append(f"{heading}: {json.dumps(res.state)}")
     return "\n".join(lines)
 
 
@@ -133,5 +158,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --plot: {exc}", file=sys.stderr)
             return 2
         out["plot"] = ns.plot
-    print(_dumps(out) if ns.json else _summary(res))
+    steps = [e["step"] for e in run.engine if e.get("kind") == "schedule"]
+    print(_dumps(out) if ns.json else _summary(res, ns.until, steps))
     return 0 if res.ok else 1

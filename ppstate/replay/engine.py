@@ -81,6 +81,7 @@ class EngineReplay:
         self.recorded = [e for e in run.engine if e.get("kind") in SCHEDULER_KINDS]
         self.divergence: Divergence | None = None
         self.steps = 0
+        self.last_step: int | None = None   # the number of the last step re-derived
         self._j = 0
 
     def replay(self) -> Divergence | None:
@@ -102,6 +103,7 @@ class EngineReplay:
                 return self._diverge(i, ev, got)
             if ev["kind"] == "schedule":
                 self.steps += 1
+                self.last_step = ev["step"]
             if self.on_event is not None:
                 self.on_event(ev, self.sched)
         return None

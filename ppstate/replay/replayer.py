@@ -67,7 +67,9 @@ class ReplayResult:
             ``slot`` / ``req_id`` where the check knows them).
         run_dir: the run directory replayed; run_id, source: from its header.
         rank_steps: steps compared per rank file present.
-        state: with ``until``: scheduler and PPHandler state after that step.
+        state: with ``until``: scheduler and PPHandler state after the events of steps
+            ``<= until``; ``last_step`` is the last step issued up to there (None: none), less
+            than ``until`` when that number was skipped or is past the run's end.
         checked: what replay re-derived and compared, in words (the scheduler; each rank file
             present, or why there is none).
         recorded_violations: the violations the run's writer found itself (the simulator,
@@ -231,7 +233,7 @@ def _state(engine: EngineReplay, handlers: dict) -> dict[str, Any]:
                           "num_computed_tokens": int(s.arrays.num_computed_tokens[r.slot]),
                           "num_output_tokens": int(s.arrays.num_output_tokens[r.slot])}
                for r in s.running_requests()}
-    return {"next_step": s.next_step, "in_flight": s.in_flight, "num_waiting": s.num_waiting,
+    return {"last_step": engine.last_step, "next_step": s.next_step, "in_flight": s.in_flight, "num_waiting": s.num_waiting,
             "running": running, "slot_generation": s.slots.generation.tolist(),
             "pp_pending_steps": {str(r): h.pending_steps() for r, h in handlers.items()
                                  if h is not None}}

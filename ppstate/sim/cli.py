@@ -15,106 +15,63 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shlex
 import sys
 from dataclasses import asdict
 
 from ppstate import mutants
+from ppstate.sim import cli_args as arg
 from ppstate.errors import PPStateError
 from ppstate.oracle.invariants import describe
 from ppstate.sim.simulator import run_sim
 from ppstate.sim.trace import DEFAULT_SIM_TRACE_DIR, record_sim
 from ppstate.sim.workload import SimConfig
-from ppstate.speculative import MAX_SPEC_TOKENS
-
-
-def _pair(text: str) -> tuple[int, int]:
-    try:
-        lo, hi = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected A:B with integers, got {text!r}") from None
-    return lo, hi
-
-
-def _integer(text: str) -> int:
-    """An argparse integer (ArgumentTypeError naming the text otherwise)."""
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-
-
-def _positive(text: str) -> int:
-    value = _integer(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _slow_down(text: str) -> float:
-    """``--contention``: a finite float >= 1 (infinity ended in an OverflowError traceback)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 1.0:
-        raise argparse.ArgumentTypeError(f"must be >= 1 (a slow-down: 1 = none), got {value:g}")
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be finite, got {value:g}")
-    return value
-
-
-def _spec_tokens(text: str) -> int:
-    """``--spec-tokens``: an integer in [0, MAX_SPEC_TOKENS], the engine's own bound."""
-    value = _integer(text)
-    if not 0 <= value <= MAX_SPEC_TOKENS:
-        raise argparse.ArgumentTypeError(f"must be in [0, {MAX_SPEC_TOKENS}] (the engine's "
-                                         f"--spec-tokens bound), got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ppstate.sim",
                                 description="Deterministic pipeline-parallel scheduling simulator")
-    p.add_argument("--pp", type=_positive, default=2, help="pipeline stages")
-    p.add_argument("--requests", type=_positive, default=16, help="number of requests")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pp", type=arg.positive, default=2, help="pipeline stages")
+    p.add_argument("--requests", type=arg.positive, default=16, help="number of requests")
+    p.add_argument("--seed", type=arg.non_negative, default=0)
     p.add_argument("--mode", choices=("overlapped", "sync"), default="overlapped")
-    p.add_argument("--prompt-len", type=_pair, default=(8, 32), metavar="A:B")
-    p.add_argument("--output-len", type=_pair, default=(8, 32), metavar="A:B")
-    p.add_argument("--max-prefill-chunk", "--chunk", dest="chunk", type=_positive, default=32,
+    p.add_argument("--prompt-len", type=arg.length_range, default=(8, 32), metavar="A:B")
+    p.add_argument("--output-len", type=arg.length_range, default=(8, 32), metavar="A:B")
+    p.add_argument("--max-prefill-chunk", "--chunk", dest="chunk", type=arg.positive, default=32,
                    help="max prefill chunk (tokens); --chunk is an alias")
-    p.add_argument("--abort-rate", type=float, default=0.0)
+    p.add_argument("--abort-rate", type=arg.probability, default=0.0)
     p.add_argument("--arrival", choices=("burst", "poisson"), default="burst")
-    p.add_argument("--max-num-seqs", type=_positive, default=64)
-    p.add_argument("--max-num-batched-tokens", type=_positive, default=256)
-    p.add_argument("--max-model-len", type=_positive, default=2048)
-    p.add_argument("--eos-prob", type=float, default=0.3)
-    p.add_argument("--stage-cost", type=_pair, default=(1, 2), metavar="BASE:PER_TOKEN",
+    p.add_argument("--max-num-seqs", type=arg.positive, default=64)
+    p.add_argument("--max-num-batched-tokens", type=arg.positive, default=256)
+    p.add_argument("--max-model-len", type=arg.positive, default=2048)
+    p.add_argument("--eos-prob", type=arg.probability, default=0.3)
+    p.add_argument("--stage-cost", type=arg.stage_cost, default=(1, 2), metavar="BASE:PER_TOKEN",
                    help="stage time of a batch = BASE + PER_TOKEN * tokens (ticks)")
-    p.add_argument("--p2p-ticks", type=int, default=0, help="rank-to-rank hand-off latency")
-    p.add_argument("--contention", type=_slow_down, default=1.0,
+    p.add_argument("--p2p-ticks", type=arg.non_negative, default=0,
+                   help="rank-to-rank hand-off latency")
+    p.add_argument("--contention", type=arg.slow_down, default=1.0,
                    help="slow-down of a stage while all stages compute at once (>= 1)")
-    p.add_argument("--empty-step-ticks", type=int, default=-1,
+    p.add_argument("--empty-step-ticks",
+                   type=arg.at_least(-1, " (-1: the stage's base cost)"), default=-1,
                    help="ticks of a step without rows (-1: the stage's base cost)")
     p.add_argument("--adaptive-lanes", action="store_true",
                    help="overlapped: fill only the lanes the step-cost model says are faster")
-    p.add_argument("--broadcast-ticks", type=int, default=0, help="sampled-id broadcast latency")
+    p.add_argument("--broadcast-ticks", type=arg.non_negative, default=0,
+                   help="sampled-id broadcast latency")
     p.add_argument("--trace-dir", default=None, help="record the run as a replayable trace in a "
                    "new run-* directory here (a run with violations is always recorded, by "
                    "default under sim-traces/)")
-    p.add_argument("--block-size", type=_positive, default=16, help="KV block size (tokens)")
-    p.add_argument("--kv-blocks", type=_positive, default=None,
+    p.add_argument("--block-size", type=arg.positive, default=16, help="KV block size (tokens)")
+    p.add_argument("--kv-blocks", type=arg.positive, default=None,
                    help="KV blocks (default: max_model_len per slot); few force preemptions")
-    p.add_argument("--shared-prefix", type=int, default=0,
+    p.add_argument("--shared-prefix", type=arg.non_negative, default=0,
                    help="tokens of a common prefix in front of every prompt")
-    p.add_argument("--fork-rate", type=float, default=0.0,
+    p.add_argument("--fork-rate", type=arg.probability, default=0.0,
                    help="probability a request is a fork of the previous one (n > 1 samples)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    p.add_argument("--spec-tokens", type=_spec_tokens, default=0, metavar="K",
+    p.add_argument("--spec-tokens", type=arg.spec_tokens, default=0, metavar="K",
                    help="speculative decoding: up to K drafts per decode row (default 0: off)")
-    p.add_argument("--spec-acceptance", type=float, default=0.7,
+    p.add_argument("--spec-acceptance", type=arg.probability, default=0.7,
                    help="probability that a draft is the model's token (with --spec-tokens)")
     p.add_argument("--mutant", choices=sorted(mutants.MUTANTS), default=None, metavar="NAME",
                    help="switch one known-bad variant on (python -m ppstate.check "
@@ -138,7 +95,7 @@ def config_from_args(ns: argparse.Namespace) -> SimConfig:
                      cost_base_s=float(ns.stage_cost[0]), cost_per_row_s=0.0,
                      cost_per_token_s=float(ns.stage_cost[1]), cost_per_prefix_token_s=0.0,
                      cost_concurrency=ns.contention,
-                     num_kv_blocks=ns.kv_blocks, shared_prefix=max(0, ns.shared_prefix),
+                     num_kv_blocks=ns.kv_blocks, shared_prefix=ns.shared_prefix,
                      fork_rate=ns.fork_rate, num_spec_tokens=ns.spec_tokens,
                      spec_acceptance=ns.spec_acceptance,
                      enable_prefix_caching=not ns.no_prefix_caching)
@@ -152,6 +109,16 @@ CHECKER_ONLY_MUTANTS = {
 }
 #: mutants that break speculative decoding only: without --spec-tokens they change nothing
 SPEC_MUTANTS = ("keep_rejected_draft", "no_rejected_correction")
+
+
+def shared_prefix_error(ns: argparse.Namespace) -> str | None:
+    """Why ``--shared-prefix`` cannot fit ``--max-model-len`` (None when it can): every prompt
+    is the prefix and at least one token more (a huge prefix was drawn before any request was
+    refused: a MemoryError traceback)."""
+    if ns.shared_prefix < ns.max_model_len:
+        return None
+    return (f"argument --shared-prefix: must be < --max-model-len ({ns.max_model_len}): a prompt "
+            f"is the prefix and at least 1 token more, got {ns.shared_prefix}")
 
 
 def mutant_error(ns: argparse.Namespace) -> str | None:
@@ -172,7 +139,7 @@ def run_cli(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     ns = parser.parse_args(argv)
-    if (why := mutant_error(ns)) is not None:
+    if (why := shared_prefix_error(ns) or mutant_error(ns)) is not None:
         parser.error(why)
     with mutants.enabled(*([ns.mutant] if ns.mutant else [])):
         return _run(ns, "python -m ppstate.sim" + (" " + shlex.join(argv) if argv else ""))

@@ -24,6 +24,7 @@ import multiprocessing as mp
 import sys
 from collections.abc import Iterable, Iterator
 
+from ppstate.sim import cli_args as arg
 from ppstate.sim.simulator import run_sim
 from ppstate.sim.workload import SimConfig
 
@@ -109,14 +110,11 @@ def soak(seeds: Iterable[int], jobs: int = 1) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ppstate.sim.soak", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seeds", type=int, default=10_000, help="number of seeds")
-    p.add_argument("--start", type=int, default=0, help="first seed")
-    p.add_argument("--jobs", type=int, default=1, help="worker processes (same report as 1)")
+    p.add_argument("--seeds", type=arg.positive, default=10_000, help="number of seeds")
+    p.add_argument("--start", type=arg.non_negative, default=0, help="first seed")
+    p.add_argument("--jobs", type=arg.positive, default=1,
+                   help="worker processes (same report as 1)")
     args = p.parse_args(argv)
-    if args.seeds < 1 or args.start < 0:
-        p.error("--seeds must be >= 1 and --start >= 0")
-    if args.jobs < 1:
-        p.error(f"--jobs: must be >= 1, got {args.jobs}")
     report = soak(range(args.start, args.start + args.seeds), jobs=args.jobs)
     print(json.dumps(report), flush=True)
     return 1 if report["runs_with_violations"] else 0

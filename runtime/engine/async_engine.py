@@ -50,6 +50,8 @@ from runtime.worker.kv_capacity import capacity_summary
 HEALTH_CHECK_S = 1.0  # seconds between two checks of the ranks' liveness and progress
 DRAIN_MAX = 4096      # messages handled at most by one _drain before the health check runs
 DEATH_GRACE_S = 1.0   # seconds the ranks get to exit by themselves after an engine failure
+FINISH_S = 2.0        # seconds a shutdown with no live request waits for the steps in flight
+FINISH_POLL_S = 0.002
 
 
 class AsyncEngine:
@@ -109,8 +111,11 @@ class AsyncEngine:
         return engine
 
     async def shutdown(self) -> None:
-        """Abort every live request, stop the loops and the worker processes."""
+        """Abort every live request, stop the loops and the worker processes. With no live
+        request (the work is done) the steps in flight are finished first
+        (:meth:`_finish_in_flight`)."""
         if not self._closed:
+            await self._finish_in_flight()
             self._closed = True
             self._fail_all(error=None)
         for t in self._tasks:
@@ -118,6 +123,20 @@ class AsyncEngine:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.pool.shutdown()
         self.sink.close()
+
+    async def _finish_in_flight(self, timeout_s: float = FINISH_S) -> None:
+        """Wait, at most ``timeout_s``, until no step is in flight, while the engine lives and
+        no request is live. The last step of a finished run often only delivers freed slots to
+        the ranks, which run it; without this its result was never read and a finished run's
+        trace ended with that step in flight. A shutdown while requests are live stops at once
+        (they end with ``abort``); a pipeline that does not answer within ``timeout_s`` too."""
+        deadline = time.monotonic() + timeout_s
+        while (self.is_alive and not self._streams and not self.sched.num_running
+               and not self.sched.num_waiting and time.monotonic() < deadline):
+            self._issue_steps()   # slots freed by an abort the step loop has not delivered yet
+            if not self.sched.in_flight:
+                return
+            await asyncio.sleep(FINISH_POLL_S)   # the result loop reads the results meanwhile
 
     @property
     def is_alive(self) -> bool:

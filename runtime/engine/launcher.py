@@ -23,6 +23,8 @@ import signal
 import socket
 import threading
 import time
+from multiprocessing import forkserver
+from multiprocessing.context import BaseContext
 
 import zmq
 import zmq.asyncio
@@ -96,7 +98,7 @@ class WorkerPool:
                               result_addr.replace("*", "127.0.0.1"))
             proc = ctx.Process(target=rank_entry, name=f"ppstate-rank{rank}", daemon=True,
                                args=(_worker_entry, args, dict(os.environ), engine_cpus(), os.getpid()))
-            _start_ignoring_sigint(proc)
+            _start_ignoring_sigint(proc, ctx)
             self.procs.append(proc)
         await self._wait_ready(ready_timeout_s)
 
@@ -237,19 +239,28 @@ def describe_exit(code: int | None) -> str:
     return f"exit status {code}"
 
 
-def _start_ignoring_sigint(proc: mp.Process) -> None:
-    """Start ``proc`` with SIGINT ignored in this process meanwhile, so that the forkserver (or
-    a spawned interpreter) started for it inherits SIG_IGN; the rank itself ignores SIGINT too
+def _start_ignoring_sigint(proc: mp.Process, ctx: BaseContext) -> None:
+    """Start ``proc`` (of context ``ctx``) so that the process started for it inherits SIGINT
+    ignored: the forkserver, or a spawned interpreter. The rank itself ignores SIGINT too
     (:func:`~runtime.engine.rank_process.rank_entry`): Ctrl-C reaches the engine, which shuts
-    the workers down in order, instead of every worker raising KeyboardInterrupt."""
+    the workers down in order, instead of every worker raising KeyboardInterrupt.
+
+    Only the spawning happens with SIGINT ignored here: the first rank forked from a fresh
+    forkserver waits for its preload (torch: seconds), and a Ctrl-C ignored all that time was
+    lost (the server went on to serve); :func:`multiprocessing.forkserver.ensure_running` spawns
+    the forkserver without waiting for it."""
     if threading.current_thread() is not threading.main_thread():
         proc.start()
         return
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        proc.start()
+        if ctx.get_start_method() != "forkserver":
+            proc.start()
+            return
+        forkserver.ensure_running()
     finally:
         signal.signal(signal.SIGINT, previous)
+    proc.start()   # forked by the forkserver, which ignores SIGINT: Ctrl-C stays handled here
 
 
 def _worker_entry(args: WorkerArgs) -> None:

@@ -52,12 +52,15 @@ def frontend_main(config: EngineConfig, args: argparse.Namespace, sock: socket.s
     if supervisor_pid is not None:   # own process group: a SIGKILL of the supervisor left it
         watch_engine(supervisor_pid, who=f"API server {index}", watched="supervisor")  # serving
 
+    engines: list[RemoteEngine] = []
+
     async def start(cfg: EngineConfig) -> RemoteEngine:
-        return await RemoteEngine.start(cfg, index, in_addr, out_addr)
+        engines.append(await RemoteEngine.start(cfg, index, in_addr, out_addr))
+        return engines[-1]
 
     def announce(kind: str, line: str) -> None:
-        if kind == "ready":
-            ready_q.put(index)
+        if kind == "ready":   # the supervisor prints one ready line for all API servers
+            ready_q.put((index, engines[-1].model_name))
         elif kind != "loading":
             print(line, flush=True)
     try:
@@ -110,6 +113,7 @@ def serve_api_servers(config: EngineConfig, args: argparse.Namespace, sock: sock
         The exit status: 0 after a signal, 1 when the engine or an API server failed.
     """
     from runtime.server.engine_core import core_main
+    from runtime.server.startup import ready_line
     from runtime.transport import ipc_address
     n = args.api_server_count
     ctx = mp.get_context("spawn")
@@ -133,14 +137,16 @@ def serve_api_servers(config: EngineConfig, args: argparse.Namespace, sock: sock
     for p in fronts:
         p.start()
     sock.close()   # each API server holds its own copy of the listening socket
-    ready, forwarded, failed = set(), 0, False
+    ready: dict[int, str] = {}   # API server -> the model name it serves
+    forwarded, failed = 0, False
     while any(p.is_alive() for p in fronts):
         try:
-            ready.add(ready_q.get(timeout=POLL_S))
+            index, model_name = ready_q.get(timeout=POLL_S)
+            ready[index] = model_name
             if len(ready) == n:
-                print(f"ready: {url}  (pp={config.scheduler.pp_size}, {n} API server processes "
-                      f"{[p.pid for p in fronts]}, engine core {core.pid}, up in "
-                      f"{time.perf_counter() - t0:.1f} s)", flush=True)
+                print(ready_line(url, model_name, config, time.perf_counter() - t0,
+                                 f"{n} API server processes {[p.pid for p in fronts]}, "
+                                 f"engine core {core.pid}, "), flush=True)
         except queue.Empty:
             pass
         broken = (not core.is_alive() and not forwarded) or any(

@@ -18,9 +18,20 @@ from __future__ import annotations
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from runtime.config import EngineConfig
 from runtime.server.errors import APIError
 
 LOADING_MESSAGE = "The model is loading; the server accepts requests once it is ready."
+
+
+def ready_line(url: str, model_name: str, config: EngineConfig, up_s: float,
+               processes: str = "") -> str:
+    """The ``ready:`` line ``python -m runtime.serve`` prints once requests are served: the URL,
+    the served model name, pp / tp / dp, then ``processes`` (``--api-server-count``: which
+    processes serve, ending ``", "``) and the seconds since start. One function, so that the
+    single-process server and the API servers' supervisor say the same things."""
+    return (f"ready: {url}  (model '{model_name}', pp={config.scheduler.pp_size}, "
+            f"tp={config.tp_size}, dp={config.dp_size}, {processes}up in {up_s:.1f} s)")
 
 
 class StartupApp:

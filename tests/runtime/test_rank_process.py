@@ -245,3 +245,33 @@ def test_a_killed_forkserver_is_named_as_why_the_exit_status_is_unknown(tmp_path
                           str(Path(__file__).parent)], capture_output=True, text=True, timeout=120)
     assert res.stdout == ("255|exit status 255|exit status unknown: the ranks' forkserver, which "
                           "reports it, is gone\n"), res.stderr
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_only_the_spawning_of_a_process_ignores_sigint(method, monkeypatch):
+    """The first rank forked from a fresh forkserver waits for its preload (torch: seconds): the
+    engine started it with SIGINT ignored all that time, so a Ctrl-C then was lost and the
+    server went on to serve. Now only the forkserver's spawn (or a spawned rank's, which does
+    not wait) ignores SIGINT; the rank's start from the forkserver keeps the engine's handler."""
+    from multiprocessing import forkserver
+
+    from runtime.engine.launcher import _start_ignoring_sigint
+    seen = []
+    monkeypatch.setattr(forkserver, "ensure_running",
+                        lambda: seen.append(("forkserver", signal.getsignal(signal.SIGINT))))
+
+    class Rank:
+        def start(self) -> None:
+            seen.append(("rank", signal.getsignal(signal.SIGINT)))
+
+    def engine_handler(signum, frame) -> None:
+        pass
+    previous = signal.signal(signal.SIGINT, engine_handler)
+    try:
+        _start_ignoring_sigint(Rank(), mp.get_context(method))
+        assert signal.getsignal(signal.SIGINT) is engine_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    want = {"forkserver": [("forkserver", signal.SIG_IGN), ("rank", engine_handler)],
+            "spawn": [("rank", signal.SIG_IGN)]}
+    assert seen == want[method]

@@ -243,12 +243,21 @@ def test_probes_while_serving(server):
     assert httpx.get(f"{server}/health/ready").json() == {"status": "ready"}
 
 
-def test_api_servers_match_the_single_process_server(server, split):
+def ready_head(lines: list[str]) -> str:
+    """What a server's ``ready:`` line says before its processes and start-up time."""
+    line = next(x for x in lines if x.startswith("ready: "))
+    return re.match(r"ready: \S+  \((model '[^']+', pp=\d+, tp=\d+, dp=\d+), ", line)[1]
+
+
+def test_api_servers_match_the_single_process_server(model, proc, server, split):
     """``--api-server-count 2`` (issue #30, item 3): one engine-core process, two API servers on
     one port; 64 requests at once all complete, and greedy token ids equal the single-process
-    server's for the same prompts."""
+    server's for the same prompts. Its ready line names the model, pp, tp and dp as the
+    single-process server's does (it had only pp), then its processes."""
     pids = re.search(r"API server processes \[(\d+), (\d+)\], engine core (\d+)", "".join(split.lines))
     assert pids and all(os.path.exists(f"/proc/{p}") for p in pids.groups()), split.lines
+    want = f"model '{model.name}', pp=1, tp=1, dp=1"
+    assert ready_head(split.lines) == ready_head(proc.lines) == want
 
     async def ids(url: str, n: int) -> list:
         async with httpx.AsyncClient(base_url=url, timeout=120,

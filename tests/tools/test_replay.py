@@ -87,6 +87,20 @@ def test_replay_of_real_run_is_ok(recorded):
     assert not list(run.path.parent.glob("*.jsonl"))  # everything inside the run directory
 
 
+def test_a_finished_run_ends_with_nothing_in_flight(recorded):
+    """The engine's last step only delivers freed slots; the engine shut down without reading
+    its result, so a finished run's trace ended with that step in flight (``--until 999``:
+    ``"in_flight": 1``) although its ranks had recorded running it. A shutdown with no live
+    request now waits for the steps in flight: every issued step has its result."""
+    run_dir, _ = recorded
+    run = load_run(run_dir)
+    issued = [e["step"] for e in run.engine if e["kind"] == "schedule"]
+    answered = [e["of_step"] for e in run.engine if e["kind"] == "result"]
+    assert sorted(answered) == issued
+    state = replay(run_dir, until=issued[-1] + 1).state
+    assert (state["last_step"], state["in_flight"], state["running"]) == (issued[-1], 0, {})
+
+
 def _first(events, pred):
     return next(i for i, e in enumerate(events) if pred(e))
 
@@ -317,3 +331,41 @@ def test_engine_warns_when_its_spec_trace_will_not_replay(tmp_path, capsys):
                   EngineConfig(pp_size=2, trace_dir=str(tmp_path))):
         start_trace_run(quiet)
         assert capsys.readouterr().err == ""
+
+
+def test_until_a_skipped_step_or_past_the_end_says_so(tmp_path, capsys):
+    """``--until 1`` where step 1 was skipped (one request at pp 2: a decode row is eligible
+    every 2 numbers) printed "state after step 0", and ``--until 999`` "state after step 3",
+    as if the flag had been ignored. The state is the one at the asked step (the events stamped
+    up to it; a skipped number changes nothing), so it is kept and the heading says what the
+    number was; ``state["last_step"]`` is the last step issued up to it."""
+    from ppstate.sim.trace import record_sim
+    from ppstate.sim.workload import SimConfig
+    cfg = SimConfig(pp_size=2, num_requests=1, prompt_len=(4, 4), output_len=(4, 4), seed=0)
+    _, run_dir = record_sim(cfg, tmp_path)
+    assert [e["step"] for e in load_run(run_dir).engine if e["kind"] == "schedule"] == [0, 2, 3]
+
+    def heading(until: int) -> tuple[str, dict]:
+        assert replay_main([str(run_dir), "--until", str(until)]) == 0
+        head, _, state = capsys.readouterr().out.splitlines()[-1].partition(": {")
+        return head, json.loads("{" + state)
+
+    head, state = heading(1)
+    assert head == ("state at step 1, a skipped number (no step 1 was issued: it would have "
+                    "carried no row); the last step issued before it: 0")
+    assert (state["last_step"], state["next_step"], state["in_flight"]) == (0, 1, 1)
+    head, state = heading(2)
+    assert head == "state after step 2" and (state["last_step"], state["in_flight"]) == (2, 2)
+    head, state = heading(999)
+    assert head == "state at the end of the run: --until 999 is past its last step, 3"
+    assert (state["last_step"], state["next_step"], state["in_flight"]) == (3, 4, 0)
+    assert replay_main([str(run_dir), "--until", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["state"]["last_step"] == 0
+    # a scheduler divergence at step 2 stops the replay there: not a skipped number
+    _rewrite(run_dir / "engine.jsonl", lambda evs: [
+        {**e, "output": {**e["output"], "num_scheduled_tokens": [2]}}
+        if e["kind"] == "schedule" and e["step"] == 2 else e for e in evs])
+    assert replay_main([str(run_dir), "--until", "999"]) == 1
+    assert capsys.readouterr().out.splitlines()[-1].startswith(
+        "state where replay stopped at a divergence, after step 0 (the run recorded steps up to 3 "
+        "by --until 999): {")

@@ -164,3 +164,50 @@ def test_lane_sweep_names_the_flag_out_of_range(argv, want, capsys):
     out = capsys.readouterr()
     assert exc.value.code == 2 and out.out == ""
     assert out.err.endswith(f"python -m ppstate.sim.lane_sweep: error: {want}\n")
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["--abort-rate", "2"], "argument --abort-rate: must be in [0, 1], got 2"),
+    (["--abort-rate", "inf"], "argument --abort-rate: must be in [0, 1], got inf"),
+    (["--eos-prob", "nan"], "argument --eos-prob: must be in [0, 1], got nan"),
+    (["--fork-rate", "5"], "argument --fork-rate: must be in [0, 1], got 5"),
+    (["--spec-acceptance", "1.5"], "argument --spec-acceptance: must be in [0, 1], got 1.5"),
+    (["--eos-prob", "x"], "argument --eos-prob: expected a number, got 'x'"),
+    (["--prompt-len", "5:1"], "argument --prompt-len: must be A:B with 1 <= A <= B, got 5:1"),
+    (["--output-len", "0:3"], "argument --output-len: must be A:B with 1 <= A <= B, got 0:3"),
+    (["--stage-cost=-1:0"],
+     "argument --stage-cost: must be BASE:PER_TOKEN with both >= 0, not both 0, got -1:0"),
+    (["--stage-cost", "0:0"],
+     "argument --stage-cost: must be BASE:PER_TOKEN with both >= 0, not both 0, got 0:0"),
+    (["--shared-prefix", "-3"], "argument --shared-prefix: must be >= 0, got -3"),
+    (["--shared-prefix", "2048"],
+     "argument --shared-prefix: must be < --max-model-len (2048): a prompt is the prefix and "
+     "at least 1 token more, got 2048"),
+    (["--p2p-ticks", "-1"], "argument --p2p-ticks: must be >= 0, got -1"),
+    (["--broadcast-ticks", "-2"], "argument --broadcast-ticks: must be >= 0, got -2"),
+    (["--empty-step-ticks", "-5"],
+     "argument --empty-step-ticks: must be >= -1 (-1: the stage's base cost), got -5"),
+    (["--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+])
+def test_sim_config_ranges_are_refused_naming_the_flag(argv, want, capsys):
+    """These flags were refused naming the SimConfig (or SchedulerConfig) field instead of the
+    flag, --shared-prefix -3 ran as 0, --seed -1 ended in numpy's ValueError traceback and a
+    --shared-prefix beyond the model length tried to allocate the prefix (MemoryError): each now
+    exits 2 before running, naming the flag and its range."""
+    from ppstate.sim.cli import run_cli
+    _assert_refused(run_cli, argv, want, capsys)
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["--seeds", "0"], "argument --seeds: must be >= 1, got 0"),
+    (["--start", "-1"], "argument --start: must be >= 0, got -1"),
+    (["--jobs", "0"], "argument --jobs: must be >= 1, got 0"),
+])
+def test_soak_names_the_one_flag_out_of_range(argv, want, capsys):
+    """--seeds 0 and --start -1 both got one message naming both flags: each names its own."""
+    from ppstate.sim.soak import main
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    out = capsys.readouterr()
+    assert exc.value.code == 2 and out.out == ""
+    assert out.err.endswith(f"python -m ppstate.sim.soak: error: {want}\n")
