@@ -72,7 +72,7 @@ def test_stop_string_inside_an_accepted_run_ends_tokens_and_usage_there(spec_eng
     ref = list(greedy_reference(tuple(REPETITIVE), NEW))
     cut = next(i for i in range(1, NEW + 1) if "4," in tok.decode(ref[:i]))
     assert cut < NEW - 2
-    before = spec_engine.engine.stats()["spec_accepted_tokens"]
+    s0 = spec_engine.engine.stats()
     body = {"model": "default", "prompt": REPETITIVE, "max_tokens": NEW, "temperature": 0,
             "stop": ["4,"], "logprobs": 0, "return_tokens_as_token_ids": True}
     r = spec_engine.post(COMP, body)
@@ -81,4 +81,6 @@ def test_stop_string_inside_an_accepted_run_ends_tokens_and_usage_there(spec_eng
     ids = [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
     assert (ids, usage["completion_tokens"], choice["finish_reason"]) == (ref[:cut], cut, "stop")
     assert choice["text"] == tok.decode(ref[:cut]).split("4,")[0]
-    assert spec_engine.engine.stats()["spec_accepted_tokens"] > before
+    s1 = spec_engine.engine.stats()
+    assert s1["spec_accepted_tokens"] > s0["spec_accepted_tokens"]
+    assert s1["generated_tokens_total"] - s0["generated_tokens_total"] == cut   # delivered only
