@@ -65,18 +65,6 @@ def _slow_down(text: str) -> float:
     return value
 
 
-def _probability(text: str) -> float:
-    """A probability in [0, 1] (``--spec-acceptance``, ``--abort-rate``, ``--eos-prob``,
-    ``--fork-rate``; refused by SimConfig before, naming its field instead of the flag)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
-    return value
-
-
 def _spec_tokens(text: str) -> int:
     """``--spec-tokens``: an integer in [0, MAX_SPEC_TOKENS], the engine's own bound."""
     value = _integer(text)
@@ -97,12 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=_pair, default=(8, 32), metavar="A:B")
     p.add_argument("--max-prefill-chunk", "--chunk", dest="chunk", type=_positive, default=32,
                    help="max prefill chunk (tokens); --chunk is an alias")
-    p.add_argument("--abort-rate", type=_probability, default=0.0)
+    p.add_argument("--abort-rate", type=float, default=0.0)
     p.add_argument("--arrival", choices=("burst", "poisson"), default="burst")
     p.add_argument("--max-num-seqs", type=_positive, default=64)
     p.add_argument("--max-num-batched-tokens", type=_positive, default=256)
     p.add_argument("--max-model-len", type=_positive, default=2048)
-    p.add_argument("--eos-prob", type=_probability, default=0.3)
+    p.add_argument("--eos-prob", type=float, default=0.3)
     p.add_argument("--stage-cost", type=_pair, default=(1, 2), metavar="BASE:PER_TOKEN",
                    help="stage time of a batch = BASE + PER_TOKEN * tokens (ticks)")
     p.add_argument("--p2p-ticks", type=int, default=0, help="rank-to-rank hand-off latency")
@@ -121,12 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV blocks (default: max_model_len per slot); few force preemptions")
     p.add_argument("--shared-prefix", type=int, default=0,
                    help="tokens of a common prefix in front of every prompt")
-    p.add_argument("--fork-rate", type=_probability, default=0.0,
+    p.add_argument("--fork-rate", type=float, default=0.0,
                    help="probability a request is a fork of the previous one (n > 1 samples)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     p.add_argument("--spec-tokens", type=_spec_tokens, default=0, metavar="K",
                    help="speculative decoding: up to K drafts per decode row (default 0: off)")
-    p.add_argument("--spec-acceptance", type=_probability, default=0.7,
+    p.add_argument("--spec-acceptance", type=float, default=0.7,
                    help="probability that a draft is the model's token (with --spec-tokens)")
     p.add_argument("--mutant", choices=sorted(mutants.MUTANTS), default=None, metavar="NAME",
                    help="switch one known-bad variant on (python -m ppstate.check "
