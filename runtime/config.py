@@ -23,7 +23,8 @@ ENGINE_SCHEDULER_DEFAULTS = {"max_num_seqs": 32, "max_num_batched_tokens": 512,
 #: only needs them >= 1, the engine caps what one machine can hold
 SCHEDULER_BOUNDS = {"pp_size": (1, 64), "max_num_seqs": (1, 4096), "max_model_len": (16, None),
                     "max_num_batched_tokens": (1, None), "max_prefill_chunk": (1, None),
-                    "block_size": (1, 1024), "num_spec_tokens": (0, MAX_SPEC_TOKENS)}
+                    "block_size": (1, 1024), "num_spec_tokens": (0, MAX_SPEC_TOKENS),
+                    "spec_probe_ngram": (0, None)}
 
 
 def default_scheduler() -> SchedulerConfig:

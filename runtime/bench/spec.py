@@ -32,6 +32,7 @@ import statistics
 import time
 from pathlib import Path
 
+from runtime.bench.spec_args import positive_int, spec_list, temperature, workloads
 from runtime.cli_common import add_engine_flags, engine_config
 from runtime.engine import AsyncEngine
 from runtime.sampling_params import SamplingParams
@@ -209,17 +210,17 @@ def adjusted_speedups(runs: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m runtime.bench.spec", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--num-requests", type=int, default=8, help="requests per workload")
-    p.add_argument("--concurrency", type=int, default=None,
+    p.add_argument("--num-requests", type=positive_int, default=8, help="requests per workload")
+    p.add_argument("--concurrency", type=positive_int, default=None,
                    help="requests in flight at once (default: all; 1: batch 1, one after another)")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=positive_int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workloads", default="mixed",
+    p.add_argument("--workloads", type=workloads, default=["mixed"],
                    help="comma-separated: friendly, unfriendly, mixed (default: mixed)")
-    p.add_argument("--spec-list", default=None,
+    p.add_argument("--spec-list", type=spec_list, default=None,
                    help="comma-separated K values to compare with off (default: --spec-tokens or 4)")
-    p.add_argument("--repeats", type=int, default=1, help="runs per workload (best kept)")
-    p.add_argument("--temperature", type=float, default=0.0,
+    p.add_argument("--repeats", type=positive_int, default=1, help="runs per workload (best kept)")
+    p.add_argument("--temperature", type=temperature, default=0.0,
                    help="0: greedy (default); > 0: seeded sampling (request i seed i). On random "
                         "weights, 1.0 draws near-uniform tokens: a workload with no proposals")
     p.add_argument("--alternate", action="store_true",
@@ -233,8 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_flags(p)
     args = p.parse_args(argv)
     config = engine_config(p, args)
-    ks = ([int(k) for k in args.spec_list.split(",")] if args.spec_list
-          else [config.scheduler.num_spec_tokens or 4])
+    ks = args.spec_list or [config.scheduler.num_spec_tokens or 4]
     tokenizer = None
     try:
         from runtime.model.registry import resolve_model_path
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no tokenizer ({exc}); token-id prompts")
     vocab = tokenizer.vocab_size if tokenizer is not None else 40000
     batches = {w: prompts(w, args.num_requests, args.seed, tokenizer, min(vocab, 40000))
-               for w in args.workloads.split(",")}
+               for w in args.workloads}
     configs = {k: config.model_copy(update={"scheduler": dataclasses.replace(
         config.scheduler, num_spec_tokens=k)}) for k in [0] + ks}
     if args.alternate:

@@ -73,8 +73,7 @@ class ResultDelivery:
             stream = streams.get(req_id)
             if stream is None:
                 continue
-            tokens += len(token_ids)
-            stage = "logprobs"
+            stage, before = "logprobs", stream.num_output_tokens
             try:
                 lps = None if row_of is None else logprobs_for(result, row_of, req_id, token_ids)
                 stage = "detokenize"
@@ -82,6 +81,8 @@ class ResultDelivery:
             except Exception as exc:  # noqa: BLE001 - this request's own data only
                 self.fail_request(RequestFailure(req_id, stage, exc))
                 continue
+            # delivered tokens: a stop string inside an accepted draft run drops the rest
+            tokens += stream.num_output_tokens - before
             if reason is not None:
                 if finish_reason is None:  # stop string found by the detokenizer
                     self.sched.stop(req_id)

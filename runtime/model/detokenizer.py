@@ -85,6 +85,11 @@ class IncrementalDetokenizer:
                 return self._release(text, final=False)
         return self._push_decoding(token_ids)
 
+    @property
+    def has_stops(self) -> bool:
+        """True when the request has stop strings (a push may then end it early)."""
+        return bool(self._stops)
+
     def _push_decoding(self, token_ids: Iterable[int]) -> str:
         """:meth:`push` by decoding the two windows (see the module docstring)."""
         self._ids.extend(map(int, token_ids))

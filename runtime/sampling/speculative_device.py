@@ -12,7 +12,7 @@ drafts has no Python loop over its rows and no host synchronisation (CUDA or CPU
 
 Cost: the proposal compares every ``n``-token window of each row's history with its tail,
 ``R x L x n`` element compares (``L`` the longest history of the step), a few kernels whatever
-``R``; ``python -m runtime.bench.spec --proposer-micro`` measures it per step.
+``R``; ``python -m runtime.bench.spec_cost`` measures it per step (``proposer_ms``).
 """
 
 from __future__ import annotations

@@ -60,11 +60,16 @@ def test_flags_set_their_fields():
     (["--block-size", "0"], "--block-size"),
     (["--torch-threads", "0"], "--torch-threads"),   # an engine field
     (["--validate-mirrors", "sometimes"], "--validate-mirrors"),
+    (["--spec-tokens", "-1"], "--spec-tokens"),
+    (["--spec-tokens", "17"], "--spec-tokens"),
+    (["--spec-ngram", "0"], "--spec-ngram"),
+    (["--spec-probe-ngram", "-1"], "--spec-probe-ngram"),   # was a SchedulerError traceback, exit 1
 ])
 def test_bad_value_names_the_flag(argv, flag, capsys):
     p = parser()
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exc:
         engine_config(p, p.parse_args(argv))
+    assert exc.value.code == 2
     assert f"error: {flag}: " in capsys.readouterr().err
 
 

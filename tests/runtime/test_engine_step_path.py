@@ -123,3 +123,41 @@ def test_engine_host_bench_delivers_every_token_over_both_transports(transport):
     # slot-freeing steps (no rows: after the warm-up, after the last tokens) are counted when
     # their answers arrive inside the timed part (over sockets that depends on the io thread)
     assert (r["output_tokens"], r["transport"]) == (24, transport) and 6 <= r["steps"] <= 8
+
+
+def test_stop_string_inside_an_accepted_draft_run_ends_the_ids_logprobs_and_count_there():
+    """Speculative decoding delivers several tokens of a request in one step; a stop string that
+    ends on the 8th of 10 must end the output there, as the spec-off engine (one token per step)
+    does: the two tokens after it were in the increment's ids, logprobs and completion_tokens."""
+    from runtime.model.detokenizer import IncrementalDetokenizer
+    tok = load_tokenizer(resolve_model_path("default"))
+    ids = tok.encode("The quick brown fox jumps over the lazy dog.")
+    assert len(ids) == 10 and tok.decode(ids[7:8]) == " lazy"
+    lps = [TokenLogprob(t, -0.5) for t in ids]
+
+    def stream():
+        return RequestStream("r", SamplingParams(max_tokens=32, stop=["lazy"]), 3,
+                             detok=IncrementalDetokenizer(tok, [1, 2, 3], stop=["lazy"]))
+    off = stream()                                            # one token per step
+    reasons = [off.push_tokens([t], None, [lp]) for t, lp in zip(ids[:8], lps[:8])]
+    on = stream()                                             # the whole run in one step
+    assert on.push_tokens(list(ids), None, list(lps)) == "stop" == reasons[-1]
+    a, b = on._pending, off._pending
+    assert (a.new_text, a.new_token_ids, a.num_output_tokens, a.finish_reason) == \
+        ("The quick brown fox jumps over the ", ids[:8], 8, "stop")
+    assert [e.token_id for e in a.logprobs] == ids[:8]
+    assert (a.new_text, a.new_token_ids, a.num_output_tokens) == \
+        (b.new_text, b.new_token_ids, b.num_output_tokens)
+    assert on.finished and on.num_output_tokens == 8
+
+
+def test_accepted_run_without_a_stop_hit_is_pushed_whole():
+    from runtime.model.detokenizer import IncrementalDetokenizer
+    tok = load_tokenizer(resolve_model_path("default"))
+    ids = tok.encode("The quick brown fox jumps")
+    s = RequestStream("r", SamplingParams(max_tokens=32, stop=["zebra"]), 3,
+                      detok=IncrementalDetokenizer(tok, [1, 2, 3], stop=["zebra"]))
+    assert s.push_tokens(list(ids), None) is None
+    out = s._pending
+    assert (out.new_text, out.new_token_ids, out.num_output_tokens) == \
+        ("The quick brown fox jumps", ids, len(ids))

@@ -3,6 +3,8 @@ per round, best run kept, every run and the median reported (#33)."""
 
 import asyncio
 
+import pytest
+
 from runtime.bench import spec
 
 
@@ -79,3 +81,35 @@ def test_adjusted_speedups_factor_out_round_and_place():
     adj = spec.adjusted_speedups(runs)
     assert sorted(adj) == [2, 4]
     assert math.isclose(adj[2], 0.9, rel_tol=1e-9) and math.isclose(adj[4], 1.1, rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--spec-list", "2,abc"], "--spec-list"),    # was a ValueError traceback
+    (["--spec-list", "-1"], "--spec-list"),       # was a SchedulerError traceback
+    (["--spec-list", "99"], "--spec-list"),       # was workers dying while loading
+    (["--spec-list", "0"], "--spec-list"),        # ran off against off
+    (["--spec-list", "2,2"], "--spec-list"),
+    (["--workloads", "bogus"], "--workloads"),    # ran the friendly workload under that name
+    (["--repeats", "0"], "--repeats"),            # max() of no runs, after the engines started
+    (["--num-requests", "0"], "--num-requests"),
+    (["--concurrency", "0"], "--concurrency"),
+    (["--max-tokens", "0"], "--max-tokens"),
+    (["--temperature", "-1"], "--temperature"),   # was a pydantic traceback from the first run
+    (["--temperature", "nan"], "--temperature"),
+])
+def test_bad_bench_flags_exit_2_naming_the_flag_before_any_engine(argv, flag, monkeypatch, capsys):
+    def ran(*a, **k):
+        raise AssertionError("an engine was started")
+    monkeypatch.setattr(spec, "run_one", ran)
+    monkeypatch.setattr(spec, "run_alternated", ran)
+    with pytest.raises(SystemExit) as exc:
+        spec.main(argv + ["--out", "/dev/null"])
+    assert exc.value.code == 2
+    assert f"error: argument {flag}: " in capsys.readouterr().err
+
+
+def test_good_bench_flags_parse_to_lists():
+    from runtime.bench import spec_args
+    assert spec_args.spec_list("2,4") == [2, 4]
+    assert spec_args.workloads("friendly,unfriendly") == ["friendly", "unfriendly"]
+    assert (spec_args.positive_int("3"), spec_args.temperature("0")) == (3, 0.0)

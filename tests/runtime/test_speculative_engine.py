@@ -60,3 +60,27 @@ def test_logprobs_per_emitted_token_and_spec_metrics(spec_engine):
     rate = fams["ppstate_spec_acceptance_rate"].samples[0].value
     per_row = fams["ppstate_spec_tokens_per_row"].samples[0].value
     assert 0 < rate <= 1 and per_row > 1
+
+
+def test_stop_string_inside_an_accepted_run_ends_tokens_and_usage_there(spec_engine):
+    """The cycle's drafts are accepted several at a time; a stop string completed by a token in
+    the middle of such a run ends the request at that token (ids, logprobs, completion_tokens),
+    as without speculation, not at the end of the run."""
+    from runtime.model.registry import resolve_model_path
+    from runtime.model.tokenizer import load_tokenizer
+    tok = load_tokenizer(resolve_model_path("default"))
+    ref = list(greedy_reference(tuple(REPETITIVE), NEW))
+    cut = next(i for i in range(1, NEW + 1) if "4," in tok.decode(ref[:i]))
+    assert cut < NEW - 2
+    s0 = spec_engine.engine.stats()
+    body = {"model": "default", "prompt": REPETITIVE, "max_tokens": NEW, "temperature": 0,
+            "stop": ["4,"], "logprobs": 0, "return_tokens_as_token_ids": True}
+    r = spec_engine.post(COMP, body)
+    assert r.status_code == 200, r.text
+    choice, usage = r.json()["choices"][0], r.json()["usage"]
+    ids = [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
+    assert (ids, usage["completion_tokens"], choice["finish_reason"]) == (ref[:cut], cut, "stop")
+    assert choice["text"] == tok.decode(ref[:cut]).split("4,")[0]
+    s1 = spec_engine.engine.stats()
+    assert s1["spec_accepted_tokens"] > s0["spec_accepted_tokens"]
+    assert s1["generated_tokens_total"] - s0["generated_tokens_total"] == cut   # delivered only
