@@ -27,6 +27,9 @@ from ppstate.sim.simulator import run_sim
 from ppstate.sim.trace import DEFAULT_SIM_TRACE_DIR, record_sim
 from ppstate.sim.workload import SimConfig
 
+#: ``--spec-acceptance`` when not given (SimConfig's own default)
+DEFAULT_SPEC_ACCEPTANCE = SimConfig.spec_acceptance
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ppstate.sim",
@@ -71,8 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     p.add_argument("--spec-tokens", type=arg.spec_tokens, default=0, metavar="K",
                    help="speculative decoding: up to K drafts per decode row (default 0: off)")
-    p.add_argument("--spec-acceptance", type=arg.probability, default=0.7,
-                   help="probability that a draft is the model's token (with --spec-tokens)")
+    p.add_argument("--spec-acceptance", type=arg.probability, default=None,
+                   help="probability that a draft is the model's token (with --spec-tokens; "
+                        "default 0.7)")
     p.add_argument("--mutant", choices=sorted(mutants.MUTANTS), default=None, metavar="NAME",
                    help="switch one known-bad variant on (python -m ppstate.check "
                         "--list-mutants), e.g. keep_rejected_draft with --spec-tokens")
@@ -97,7 +101,8 @@ def config_from_args(ns: argparse.Namespace) -> SimConfig:
                      cost_concurrency=ns.contention,
                      num_kv_blocks=ns.kv_blocks, shared_prefix=ns.shared_prefix,
                      fork_rate=ns.fork_rate, num_spec_tokens=ns.spec_tokens,
-                     spec_acceptance=ns.spec_acceptance,
+                     spec_acceptance=(DEFAULT_SPEC_ACCEPTANCE if ns.spec_acceptance is None
+                                      else ns.spec_acceptance),
                      enable_prefix_caching=not ns.no_prefix_caching)
 
 
@@ -121,6 +126,16 @@ def shared_prefix_error(ns: argparse.Namespace) -> str | None:
             f"is the prefix and at least 1 token more, got {ns.shared_prefix}")
 
 
+def spec_acceptance_error(ns: argparse.Namespace) -> str | None:
+    """Why ``--spec-acceptance`` is refused (None when it is not): without ``--spec-tokens K``
+    no draft is proposed, so the flag would change nothing and the run would not be the one
+    asked for."""
+    if ns.spec_acceptance is None or ns.spec_tokens > 0:
+        return None
+    return ("argument --spec-acceptance: has no effect without speculative decoding; add "
+            "--spec-tokens K (K >= 1)")
+
+
 def mutant_error(ns: argparse.Namespace) -> str | None:
     """Why ``--mutant`` cannot be simulated as given (None when it can)."""
     m = ns.mutant
@@ -139,7 +154,8 @@ def run_cli(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     ns = parser.parse_args(argv)
-    if (why := shared_prefix_error(ns) or mutant_error(ns)) is not None:
+    if (why := shared_prefix_error(ns) or spec_acceptance_error(ns) or mutant_error(ns)) \
+            is not None:
         parser.error(why)
     with mutants.enabled(*([ns.mutant] if ns.mutant else [])):
         return _run(ns, "python -m ppstate.sim" + (" " + shlex.join(argv) if argv else ""))

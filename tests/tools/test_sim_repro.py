@@ -188,6 +188,8 @@ def test_lane_sweep_names_the_flag_out_of_range(argv, want, capsys):
     (["--empty-step-ticks", "-5"],
      "argument --empty-step-ticks: must be >= -1 (-1: the stage's base cost), got -5"),
     (["--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+    (["--spec-acceptance", "0.5"], "argument --spec-acceptance: has no effect without "
+     "speculative decoding; add --spec-tokens K (K >= 1)"),
 ])
 def test_sim_config_ranges_are_refused_naming_the_flag(argv, want, capsys):
     """These flags were refused naming the SimConfig (or SchedulerConfig) field instead of the

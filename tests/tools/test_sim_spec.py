@@ -104,6 +104,7 @@ def test_cli_without_speculation_prints_no_spec_key(capsys):
     assert main(["--pp", "2", "--requests", "3", "--spec-tokens", "2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["spec"]["spec_decode_rows"] > 0 and "--spec-tokens 2" in out["repro"]
+    assert "--spec-acceptance 0.7" in out["repro"]        # SimConfig's default when not given
 
 
 def test_soak_speculates_on_every_third_seed():
