@@ -35,8 +35,11 @@ serve: $(STAMP)
 	$(BIN)/python -m runtime.serve $(ARGS)
 
 # pytest exits 5 when it collected no test: that is a failure here, like any other non-zero code.
+# TEST_JOBS pytest-xdist workers, each taking one test file at a time (module fixtures stay one per
+# file); 2 fills the second core of CI's 2-core machine while a file runs on one; 0 runs in-process.
+TEST_JOBS ?= 2
 test: $(STAMP)
-	@$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
+	@$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 # Mutation testing of the scheduling core and the worker wiring (docs/testing.md); not run by CI.

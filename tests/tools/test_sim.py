@@ -15,27 +15,11 @@ from ppstate.pp_handler import PPHandler
 from ppstate.sim import Simulator, main, run_sim
 from ppstate.oracle.model import SimRequest
 from ppstate.sim.workload import SimConfig
+from sim_sweep import sweep_config, sweep_violations
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = {"steps", "ticks", "completed", "aborted", "output_tokens", "throughput_tokens_per_tick",
         "bubble_fraction", "invariant_violations"}
-
-
-def sweep_config(seed):
-    """Small, adversarial runs: few slots (fast reuse), tiny chunks, aborts, both modes; a shared
-    prompt prefix and a KV cache from "just one request fits" to roomy (preemptions, prefix hits,
-    LRU eviction), prefix caching off on every fifth seed."""
-    shared, bs = (0, 12, 21)[seed % 3], (1, 4, 8)[(seed // 5) % 3]
-    blocks = -(-(shared + 40 + 24) // bs) + (0, 40, 400)[(seed // 2) % 3]
-    return SimConfig(pp_size=2 + seed % 3, num_requests=10, seed=seed,
-                     shared_prefix=shared, block_size=bs, num_kv_blocks=blocks,
-                     enable_prefix_caching=seed % 5 != 4,
-                     mode="sync" if seed % 7 == 3 else "overlapped",
-                     prompt_len=(1, 40), output_len=(1, 24), max_prefill_chunk=(8, 16, 5)[seed % 3],
-                     max_num_seqs=(3, 4, 8)[(seed // 3) % 3],
-                     max_num_batched_tokens=(16, 24, 64)[(seed // 9) % 3],
-                     abort_rate=0.25, arrival="poisson" if seed % 2 else "burst",
-                     p2p_ticks=seed % 2, broadcast_ticks=(seed // 2) % 3)
 
 
 def abort_reuse_config():
@@ -207,13 +191,12 @@ def test_burst_of_64_fills_all_4_in_flight_batches():
 
 
 def test_liveness_150_seeds():
-    """Every admitted request finishes, no invariant breaks (CI's slice, ~13 s on 2 cores; the
-    10,000-seed soak runs outside CI: docs/reliability.md)."""
-    bad = {}
-    for seed in range(150):
-        res = run_sim(sweep_config(seed))
-        if res.invariant_violations:
-            bad[seed] = res.invariant_violations[:2]
+    """Every admitted request finishes, no invariant breaks (CI's slice: seeds 0-149, run in two
+    processes (tests/helpers/sim_sweep.py); the 10,000-seed soak runs outside CI:
+    docs/reliability.md)."""
+    runs = sweep_violations(range(150))
+    assert sorted(runs) == list(range(150))
+    bad = {seed: first for seed, (_, first) in runs.items() if first}
     assert bad == {}
 
 
@@ -221,7 +204,9 @@ def test_liveness_150_seeds():
 def test_sweep_60_more_seeds_with_aborts():
     """60 seeds past the liveness sweep's (CI's slice; the 10,000-seed soak,
     ``python -m ppstate.sim.soak --seeds 10000 --jobs N``, runs outside CI)."""
-    bad = [s for s in range(150, 210) if run_sim(sweep_config(s)).num_violations]
+    runs = sweep_violations(range(150, 210))
+    assert sorted(runs) == list(range(150, 210))
+    bad = [s for s, (n, _) in runs.items() if n]
     assert bad == []
 
 
@@ -272,9 +257,10 @@ def test_kv_preemption_and_prefix_sharing_sweep_and_block_mutant(monkeypatch):
 
 def test_soak_slice_of_the_10000_seed_run():
     """A slice of ``python -m ppstate.sim.soak`` (the README reports the 10,000-seed figure):
-    per-seed configurations with aborts, slot reuse, chunked prefill, bursts, preemption."""
+    per-seed configurations with aborts, slot reuse, chunked prefill, bursts, preemption; in two
+    processes (the next test shows ``jobs=2`` reports what the sequential run does)."""
     from ppstate.sim.soak import soak
-    r = soak(range(40))
+    r = soak(range(40), jobs=2)
     assert (r["seeds"], r["runs_with_violations"], r["violation_seeds"]) == (40, 0, [])
     assert r["aborted"] > 0 and r["completed"] > 0 and r["requests"] == r["aborted"] + r["completed"]
 
