@@ -47,6 +47,13 @@ def test_an_ignored_or_own_sigint_handler_is_left_alone(sigint_restored):
     assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
 
 
+def _sigint_default() -> None:
+    """In the child before exec: SIGINT at its default, as under a terminal. A test run started
+    as a background job of a non-interactive shell (``cmd &``: CI scripts, nohup) inherits
+    SIGINT ignored, which the command rightly leaves alone (test above)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _loaded(pid: int, library: str) -> bool:
     try:
         return library in Path(f"/proc/{pid}/maps").read_text()
@@ -71,7 +78,8 @@ def test_ctrl_c_during_the_start_up_imports(module, flags):
     other imports, so the signal lands in them however loaded the machine is."""
     proc = subprocess.Popen([sys.executable, "-m", module, *flags], cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            preexec_fn=_sigint_default)
     try:
         deadline = time.monotonic() + 60
         while not _loaded(proc.pid, "_asyncio") and time.monotonic() < deadline:
