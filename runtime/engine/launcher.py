@@ -180,6 +180,12 @@ class WorkerPool:
         """Ranks whose local process exited (torchrun ranks > 0 report errors themselves)."""
         return [r for r, p in zip(self.local_ranks, self.procs) if not p.is_alive()]
 
+    def exited_by_itself(self, ranks: list[int]) -> bool:
+        """Whether every one of ``ranks`` (from :meth:`dead_ranks`) ended with an exit status,
+        not a signal: such a rank may have sent its error report just before it exited."""
+        procs = dict(zip(self.local_ranks, self.procs))
+        return all((procs[r].exitcode or 0) >= 0 for r in ranks)
+
     def describe_dead(self, ranks: list[int]) -> str:
         """``"worker process of rank(s) [1] died (rank 1: killed by SIGKILL)"``: how each of
         ``ranks`` (local ranks, from :meth:`dead_ranks`) ended, from its exit code."""

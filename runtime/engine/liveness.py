@@ -42,6 +42,7 @@ class Liveness:
         self.config, self.pool, self.stalls, self.sched, self.die = config, pool, stalls, sched, die
         self.last_progress = time.monotonic()
         self._rank_error: asyncio.Task | None = None   # die_naming_dead after a rank's error
+        self._dead_wait: asyncio.Task | None = None    # die_unless_reported after an exit
 
     def progressed(self) -> None:
         """A step finished now."""
@@ -59,14 +60,31 @@ class Liveness:
             await asyncio.sleep(0.02)
         self.die(f"{self.pool.describe_dead(dead)}; then {error}" if dead else error)
 
+    async def die_unless_reported(self, dead: list[int]) -> None:
+        """``dead`` ranks exited with a status (no signal): a rank that fails a step reports the
+        error, then exits, and its report can reach the engine after its exit is seen. Wait up
+        to :data:`DEAD_PEER_WAIT_S` for a rank's error (which then dies naming both); die naming
+        the exit alone if none comes."""
+        deadline = time.monotonic() + DEAD_PEER_WAIT_S
+        while self._rank_error is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self._rank_error is None:
+            self.die(self.pool.describe_dead(self.pool.dead_ranks() or dead))
+
     def check(self) -> None:
-        """Fail the engine when a rank process exited, a rank was silent (no heartbeat) for
-        ``heartbeat_timeout_s``, a rank stalled inside a step or every rank waited on
-        communication for ``stall_timeout_s`` (:mod:`runtime.engine.stall`), or no step finished
-        within ``step_timeout_s``. Call only while the engine is alive."""
+        """Fail the engine when a rank process exited (at once when killed by a signal; within
+        :data:`DEAD_PEER_WAIT_S`, naming its error report if one comes, when it exited with a
+        status), a rank was silent (no heartbeat) for ``heartbeat_timeout_s``, a rank stalled
+        inside a step or every rank waited on communication for ``stall_timeout_s``
+        (:mod:`runtime.engine.stall`), or no step finished within ``step_timeout_s``. Call only
+        while the engine is alive (from its event loop)."""
+        if self._rank_error is not None or self._dead_wait is not None:
+            return                                   # a verdict is on its way
         dead = self.pool.dead_ranks()
         silent = self.pool.silent_ranks(self.config.heartbeat_timeout_s)
-        if dead:
+        if dead and self.pool.exited_by_itself(dead):
+            self._dead_wait = asyncio.get_running_loop().create_task(self.die_unless_reported(dead))
+        elif dead:
             self.die(self.pool.describe_dead(dead))
         elif silent:
             self.die(f"rank(s) {silent} sent no heartbeat for heartbeat_timeout_s="
