@@ -85,13 +85,10 @@ class RequestStream:
         if first:
             self.first_token_s = time.monotonic()
         detok = self.detok
-        if len(token_ids) > 1 and detok.has_stops:
-            text, kept = self._push_until_stop(token_ids)
-            if kept < len(token_ids):  # a stop string ended inside a run of accepted drafts
-                token_ids = token_ids[:kept]
-                logprobs = None if logprobs is None else logprobs[:kept]
-        else:
-            text = detok.push(token_ids)
+        text, kept = detok.push_counted(token_ids)
+        if kept < len(token_ids):  # a stop string ended inside a run of accepted drafts
+            token_ids = token_ids[:kept]
+            logprobs = None if logprobs is None else logprobs[:kept]
         if detok.stopped:
             finish_reason = "stop"
         elif finish_reason is not None:
@@ -119,23 +116,6 @@ class RequestStream:
         if w is not None and not w.done():
             w.set_result(None)
         return finish_reason
-
-    def _push_until_stop(self, token_ids: list[int]) -> tuple[str, int]:
-        """Detokenize several tokens of one step (speculative decoding: an accepted draft run)
-        one at a time, as the steps of a spec-off engine would, stopping after the token that
-        completes a stop string.
-
-        Returns:
-            (text, kept): the text that became final and how many of ``token_ids`` were taken,
-            so the tokens after the stop string reach neither the output ids, the logprobs nor
-            ``completion_tokens``.
-        """
-        detok, parts = self.detok, []
-        for i, tid in enumerate(token_ids):
-            parts.append(detok.push([tid]))
-            if detok.stopped:
-                return "".join(parts), i + 1
-        return "".join(parts), len(token_ids)
 
     def finish(self, reason: str, error: str | None = None, error_kind: str | None = None) -> None:
         """Queue the final (token-less) increment: abort, request failure or engine failure

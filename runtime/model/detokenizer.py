@@ -85,10 +85,24 @@ class IncrementalDetokenizer:
                 return self._release(text, final=False)
         return self._push_decoding(token_ids)
 
-    @property
-    def has_stops(self) -> bool:
-        """True when the request has stop strings (a push may then end it early)."""
-        return bool(self._stops)
+    def push_counted(self, token_ids: list[int]) -> tuple[str, int]:
+        """:meth:`push` for the tokens of one step, saying how many were taken: with stop
+        strings, several tokens (speculative decoding: an accepted draft run) are pushed one at
+        a time, as a spec-off engine's steps would, and the push ends after the token that
+        completes a stop string.
+
+        Returns:
+            (text, kept): the text that became final and how many of ``token_ids`` it used
+            (``len(token_ids)`` unless a stop string ended inside them).
+        """
+        if len(token_ids) < 2 or not self._stops:
+            return self.push(token_ids), len(token_ids)
+        parts = []
+        for i, tid in enumerate(token_ids):
+            parts.append(self.push([tid]))
+            if self.stopped:
+                return "".join(parts), i + 1
+        return "".join(parts), len(token_ids)
 
     def _push_decoding(self, token_ids: Iterable[int]) -> str:
         """:meth:`push` by decoding the two windows (see the module docstring)."""

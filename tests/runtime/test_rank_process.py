@@ -265,7 +265,7 @@ def test_only_the_spawning_of_a_process_ignores_sigint(method, monkeypatch):
             seen.append(("rank", signal.getsignal(signal.SIGINT)))
 
     def engine_handler(signum, frame) -> None:
-        pass
+        """The engine's own SIGINT handler (identity checked only; never called)."""
     previous = signal.signal(signal.SIGINT, engine_handler)
     try:
         _start_ignoring_sigint(Rank(), mp.get_context(method))
