@@ -8,29 +8,20 @@ from __future__ import annotations
 import argparse
 import math
 
+from ppstate.sim.cli_args import number, positive
 from ppstate.speculative import MAX_SPEC_TOKENS
 
 #: the workloads of :func:`runtime.bench.spec.prompts`
 WORKLOADS = ("friendly", "unfriendly", "mixed")
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1 (``--num-requests``, ``--concurrency``, ``--max-tokens``, ``--repeats``)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+#: an integer >= 1 (``--num-requests``, ``--concurrency``, ``--max-tokens``, ``--repeats``)
+positive_int = positive
 
 
 def temperature(text: str) -> float:
     """A finite float >= 0 (``--temperature``; 0: greedy)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    value = number(text)
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
     return value
